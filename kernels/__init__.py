@@ -1,0 +1,15 @@
+"""Opaque decode kernels for DeepSeek-V4-class models, registered as torch.library custom ops.
+
+Each op has a plain-torch reference (the CPU path) beside its fast path."""
+from kernels.indexer import indexer_topk, indexer_topk_reference
+from kernels.moe import moe_experts, moe_experts_reference
+from kernels.sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
+
+__all__ = [
+    "indexer_topk",
+    "indexer_topk_reference",
+    "moe_experts",
+    "moe_experts_reference",
+    "sparse_mla_decode",
+    "sparse_mla_decode_reference",
+]

@@ -1,0 +1,47 @@
+"""GPU benchmark of the decode kernels: checks each variant against its reference, then times it.
+
+    python -m kernels.bench [--only sparse_mla,indexer,moe] [--out docs/kernels.md]
+
+Each section is a module `kernels.bench_<name>` with `run(copy_gbs) -> str` returning markdown."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import sys
+
+import torch
+
+from kernels.benchutil import copy_bandwidth_gbs
+
+SECTIONS = ("sparse_mla", "indexer", "moe")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
+    parser.add_argument("--out", default=None, help="also write the markdown results here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("kernels.bench needs a CUDA device")
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    copy_gbs = copy_bandwidth_gbs()
+    head = (
+        f"# Decode kernel benchmark\n\n`python -m kernels.bench {' '.join(argv or sys.argv[1:])}` on "
+        f"{props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}, "
+        f"{datetime.date.today()}. Measured copy bandwidth (read + write): {copy_gbs:.0f} GB/s.\n"
+    )
+    parts = [head]
+    for name in args.only.split(","):
+        section = importlib.import_module(f"kernels.bench_{name}")
+        parts.append(section.run(copy_gbs))
+        print(parts[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n\n".join(parts) + "\n")
+
+
+if __name__ == "__main__":
+    main()

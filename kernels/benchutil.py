@@ -1,0 +1,45 @@
+"""Timing helpers shared by the GPU kernel benchmarks (CUDA events, medians, rotating inputs)."""
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Sequence
+
+import torch
+
+
+def median_time_us(fn: Callable[..., object], input_sets: Sequence[tuple], warmup: int = 10, reps: int = 100) -> float:
+    """Median device time of fn(*inputs) in microseconds, cycling through input_sets so that
+    repeated calls do not hit a warm L2 (give enough sets to exceed its size)."""
+    for i in range(warmup):
+        fn(*input_sets[i % len(input_sets)])
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        args = input_sets[i % len(input_sets)]
+        starts[i].record()
+        fn(*args)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    us = median_time_us(lambda: dst.copy_(src), [()], warmup=3, reps=reps)
+    return 2 * src.numel() * src.element_size() / (us * 1e-6) / 1e9
+
+
+def rotation_count(bytes_per_set: int, l2_bytes: int | None = None) -> int:
+    """How many input sets to rotate through so that their total is at least 4x the L2."""
+    if l2_bytes is None:
+        l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    return max(2, min(64, -(-4 * l2_bytes // max(1, bytes_per_set))))
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""Routed experts: the weighted sum of each token's top-k clamped-SwiGLU experts.
+
+For each token b and pick j with expert e = ids[b, j] and routing weight w = weights[b, j]
+(as the official code: matrix products in the activation dtype, the SwiGLU in fp32, the
+routing weight applied before w2, each expert's output rounded to the activation dtype and
+summed in fp32):
+    g = clamp(x w1[e]^T, max=limit), u = clamp(x w3[e]^T, -limit, limit)
+    out[b] += (w * silu(g) * u) w2[e]^T
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return F.silu(gate) * up
+
+
+def moe_experts_reference(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """Plain-torch reference without host syncs. x [B,D]; expert_ids [B,k]; expert_weights
+    [B,k] fp32; w1, w3 [E,I,D]; w2 [E,D,I]. Returns [B,D] fp32.
+
+    Few pairs: gather the picked experts' weights (reads only those). Many pairs: run every
+    expert densely with a zero routing weight for the tokens that did not pick it; a zero
+    weight zeroes the intermediate, so the sum is unchanged."""
+    batch, picks = expert_ids.shape
+    num_experts = w1.shape[0]
+    if batch * picks <= num_experts:
+        ids = expert_ids.reshape(-1).long()
+        xs = x.repeat_interleave(picks, 0)[:, None, :]  # [P,1,D]
+        h = swiglu(xs @ w1[ids].transpose(1, 2), xs @ w3[ids].transpose(1, 2), swiglu_limit)
+        h = (h * expert_weights.reshape(-1, 1, 1).float()).to(x.dtype)
+        y = (h @ w2[ids].transpose(1, 2)).float()  # [P,1,D]
+        return y.view(batch, picks, -1).sum(1)
+    out = x.new_zeros(x.shape, dtype=torch.float32)
+    for e in range(num_experts):
+        weight = (expert_weights.float() * (expert_ids == e)).sum(1, keepdim=True)  # [B,1]
+        h = (swiglu(x @ w1[e].t(), x @ w3[e].t(), swiglu_limit) * weight).to(x.dtype)
+        out += (h @ w2[e].t()).float()
+    return out
+
+
+@torch.library.custom_op("v4::moe_experts", mutates_args=())
+def moe_experts_op(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    return moe_experts_reference(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit)
+
+
+@moe_experts_op.register_fake
+def _(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+def moe_experts(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit: float) -> torch.Tensor:
+    if x.dim() != 2 or expert_ids.shape != expert_weights.shape or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            "moe_experts expects x [B,D], expert_ids and expert_weights [B,k]; got "
+            f"{tuple(x.shape)}, {tuple(expert_ids.shape)}, {tuple(expert_weights.shape)}"
+        )
+    if w1.shape != w3.shape or w1.shape[2] != x.shape[1] or w2.shape != (w1.shape[0], w1.shape[2], w1.shape[1]):
+        raise ValueError(
+            f"moe_experts: expert weights disagree: w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}, w3 {tuple(w3.shape)}"
+        )
+    return moe_experts_op(x, expert_ids, expert_weights, w1, w2, w3, float(swiglu_limit))
