@@ -1,0 +1,189 @@
+"""V4 attention for one decode token per sequence: one shared 512-wide KV head (MQA), a sliding
+window ring, a KV compressor (ratio 4 with an indexer picking the top entries, or ratio 128
+attending to all), sparse attention with per-head sinks, and a grouped low-rank output.
+
+Caches hold one row set per cache slot: `kv_cache[slot]` is the window ring (rows
+[0, window)) followed by the compressed entries. Everything is written with static shapes:
+an entry is (re)written every step and becomes visible only once complete."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from model.config import ModelConfig
+from model.layers import DecodeStep, Linear, RMSNorm, fp32_param
+from model.quant import fp4_qdq, fp8_qdq, hadamard_rotate
+from model.rope import apply_rope
+
+
+def compressed_capacity(max_seq_len: int, ratio: int) -> int:
+    # Rounded up: the entry of an incomplete last window is written (never read) every step.
+    return -(-max_seq_len // ratio)
+
+
+def kv_fp8_qdq(kv: torch.Tensor, rope_dim: int, pow2_scale: bool) -> torch.Tensor:
+    """The KV cache stores the non-rope channels as fp8 (blocks of 64); rope channels stay exact."""
+    return torch.cat([fp8_qdq(kv[..., :-rope_dim], 64, pow2_scale), kv[..., -rope_dim:]], dim=-1)
+
+
+class Compressor(nn.Module):
+    """Gated pooling of `ratio` consecutive tokens into one cache entry. Ratio 4 pools
+    overlapping windows: the entry mixes the previous window (first half of the channels) and
+    the current one (second half), so its state keeps two windows."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, rotate: bool, num_slots: int, device=None):
+        super().__init__()
+        self.ratio = ratio
+        self.head_dim = head_dim
+        self.rope_dim = cfg.rope_head_dim
+        self.overlap = ratio == 4
+        self.rotate = rotate  # indexer entries: Hadamard rotation + fp4; attention entries: fp8
+        self.qat = cfg.qat
+        self.pow2_scale = cfg.scale_fmt == "ue8m0"
+        width = (2 if self.overlap else 1) * head_dim
+        rows = (2 if self.overlap else 1) * ratio
+        self.ape = fp32_param(ratio, width, device=device)
+        self.wkv = Linear(cfg.dim, width, torch.float32, device)
+        self.wgate = Linear(cfg.dim, width, torch.float32, device)
+        self.norm = RMSNorm(head_dim, cfg.norm_eps, device)
+        self.register_buffer("kv_state", torch.zeros(num_slots, rows, width, device=device), persistent=False)
+        self.register_buffer("score_state", torch.zeros(num_slots, rows, width, device=device), persistent=False)
+
+    def forward(self, x: torch.Tensor, step: DecodeStep, cache: torch.Tensor, first_row: int, hadamard: torch.Tensor):
+        """Record this token and write the sequence's current entry to cache[slot, first_row + pos // ratio]."""
+        r, d = self.ratio, self.head_dim
+        pos, slots = step.positions, step.slots
+        x32 = x.float()
+        kv = self.wkv(x32)
+        score = self.wgate(x32) + self.ape[pos % r]
+        row = pos % r + (r if self.overlap else 0)
+        self.kv_state[slots, row] = kv
+        self.score_state[slots, row] = score
+        kv_state, score_state = self.kv_state[slots], self.score_state[slots]
+        if self.overlap:
+            # A sequence's first window has no previous window: mask it (its rows are stale).
+            no_previous = (pos < r)[:, None, None]
+            window_kv = torch.cat([kv_state[:, :r, :d], kv_state[:, r:, d:]], dim=1)
+            window_score = torch.cat(
+                [score_state[:, :r, :d].masked_fill(no_previous, float("-inf")), score_state[:, r:, d:]], dim=1
+            )
+            # Once the window is complete it becomes the previous window of the next entry.
+            complete = ((pos + 1) % r == 0)[:, None, None]
+            self.kv_state[slots, :r] = torch.where(complete, kv_state[:, r:], kv_state[:, :r])
+            self.score_state[slots, :r] = torch.where(complete, score_state[:, r:], score_state[:, :r])
+        else:
+            window_kv, window_score = kv_state, score_state
+        pooled = (window_kv * window_score.softmax(dim=1)).sum(dim=1)
+        entry = self.norm(pooled.to(cache.dtype))
+        entry = apply_rope(entry, step.rope_compress_table[(pos // r) * r])
+        if self.rotate:
+            entry = hadamard_rotate(entry, hadamard)
+            if self.qat:
+                entry = fp4_qdq(entry, 32)
+        elif self.qat:
+            entry = kv_fp8_qdq(entry, self.rope_dim, self.pow2_scale)
+        cache[slots, first_row + pos // r] = entry
+
+
+class Indexer(nn.Module):
+    """Scores every visible compressed entry against 64 small query heads and keeps the top-k."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_seq_len: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.n_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.topk = cfg.index_topk
+        self.qat = cfg.qat
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, device)
+        self.weights_proj = Linear(cfg.dim, self.n_heads, dtype, device)
+        self.compressor = Compressor(cfg, 4, self.head_dim, True, num_slots, device)
+        capacity = compressed_capacity(max_seq_len, 4)
+        self.register_buffer(
+            "kv_cache", torch.zeros(num_slots, capacity, self.head_dim, dtype=dtype, device=device), persistent=False
+        )
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, step: DecodeStep, hadamard: torch.Tensor) -> torch.Tensor:
+        """Entry numbers [B, topk] int32 of the selected compressed entries, -1 where fewer are visible."""
+        self.compressor(x, step, self.kv_cache, 0, hadamard)
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = hadamard_rotate(apply_rope(q, step.rope_compress), hadamard)
+        if self.qat:
+            q = fp4_qdq(q, 32)
+        weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        visible = (step.positions + 1) // 4
+        return kernels.indexer_topk(q, weights, self.kv_cache, step.slots, visible, self.topk)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ratio: int, num_slots: int, max_seq_len: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.ratio = ratio
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.head_dim
+        self.rope_dim = cfg.rope_head_dim
+        self.window = cfg.window_size
+        self.n_groups = cfg.o_groups
+        self.o_lora_rank = cfg.o_lora_rank
+        self.eps = cfg.norm_eps
+        self.qat = cfg.qat
+        self.pow2_scale = cfg.scale_fmt == "ue8m0"
+        self.softmax_scale = self.head_dim**-0.5
+        self.attn_sink = fp32_param(self.n_heads, device=device)
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, dtype, device)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, device)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, device)
+        self.wkv = Linear(cfg.dim, self.head_dim, dtype, device)
+        self.kv_norm = RMSNorm(self.head_dim, cfg.norm_eps, device)
+        self.wo_a = Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank, dtype, device)
+        self.wo_b = Linear(self.n_groups * self.o_lora_rank, cfg.dim, dtype, device)
+        self.n_compressed = compressed_capacity(max_seq_len, ratio) if ratio else 0
+        if ratio:
+            self.compressor = Compressor(cfg, ratio, self.head_dim, False, num_slots, device)
+        if ratio == 4:
+            self.indexer = Indexer(cfg, num_slots, max_seq_len, dtype, device)
+        rows = self.window + self.n_compressed
+        self.register_buffer(
+            "kv_cache", torch.zeros(num_slots, rows, self.head_dim, dtype=dtype, device=device), persistent=False
+        )
+
+    def attended_rows(self, step: DecodeStep, compressed_entries: torch.Tensor | None) -> torch.Tensor:
+        """Global row numbers [B, K] into kv_cache viewed as [slots * rows, head_dim]; -1 = masked."""
+        pos, rows_per_slot = step.positions, self.kv_cache.shape[1]
+        base = (step.slots * rows_per_slot)[:, None]
+        ring = torch.arange(self.window, device=pos.device)
+        # Ring slot j holds position j + k*window; it is this sequence's once the sequence reached it.
+        parts = [torch.where(ring[None, :] <= pos[:, None], base + ring, -1)]
+        if self.ratio == 128:
+            entry = torch.arange(self.n_compressed, device=pos.device)
+            visible = (pos + 1) // self.ratio
+            parts.append(torch.where(entry[None, :] < visible[:, None], base + self.window + entry, -1))
+        elif self.ratio == 4:
+            parts.append(torch.where(compressed_entries >= 0, base + self.window + compressed_entries, -1))
+        return torch.cat(parts, dim=1).to(torch.int32)
+
+    def forward(self, x: torch.Tensor, step: DecodeStep, hadamard: torch.Tensor) -> torch.Tensor:
+        batch = x.shape[0]
+        rope = step.rope_compress if self.ratio else step.rope_window
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)
+        q = apply_rope(q, rope)
+
+        kv = apply_rope(self.kv_norm(self.wkv(x)), rope)
+        if self.qat:
+            kv = kv_fp8_qdq(kv, self.rope_dim, self.pow2_scale)
+        entries = self.indexer(x, qr, step, hadamard) if self.ratio == 4 else None
+        self.kv_cache[step.slots, step.positions % self.window] = kv
+        if self.ratio:
+            self.compressor(x, step, self.kv_cache, self.window, hadamard)
+
+        rows = self.attended_rows(step, entries)
+        o = kernels.sparse_mla_decode(q, self.kv_cache, rows, self.attn_sink, self.softmax_scale)
+        o = apply_rope(o, rope, inverse=True)
+        # Grouped low-rank output: each group of heads has its own [o_lora_rank, heads*head_dim/groups] map.
+        o = o.reshape(batch, self.n_groups, -1)
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        o = torch.einsum("bgd,grd->bgr", o, wo_a)
+        return self.wo_b(o.flatten(1))
+

@@ -1,0 +1,140 @@
+"""Model configuration: one dataclass, with presets and a reader for the official config.json."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyperparameters of a DeepSeek-V4-class decoder. Field names follow the official ModelArgs."""
+
+    vocab_size: int = 129280
+    dim: int = 4096
+    moe_inter_dim: int = 2048
+    n_layers: int = 43
+    n_hash_layers: int = 3
+    n_heads: int = 64
+    # mixture of experts
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    n_activated_experts: int = 6
+    score_func: str = "sqrtsoftplus"
+    route_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    # attention (one shared KV head, low-rank q, grouped low-rank output)
+    q_lora_rank: int = 1024
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    norm_eps: float = 1e-6
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    window_size: int = 128
+    # one ratio per layer: 0 = sliding window only, 4 = overlapping compressor + indexer, 128 = plain compressor
+    compress_ratios: tuple[int, ...] = field(default_factory=lambda: (0, 0) + (4, 128) * 20 + (4,))
+    # rotary embeddings (YaRN on compressed layers)
+    compress_rope_theta: float = 160000.0
+    original_seq_len: int = 65536
+    rope_theta: float = 10000.0
+    rope_factor: float = 16.0
+    beta_fast: int = 32
+    beta_slow: int = 1
+    # indexer
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    # hyper-connections
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    # quantise-dequantise simulation of the FP8 KV cache and FP4 indexer (on in the official inference)
+    qat: bool = True
+    # ue8m0 = power-of-two block scales, as the official fp8 checkpoints use
+    scale_fmt: str | None = "ue8m0"
+
+    def __post_init__(self) -> None:
+        ratios = tuple(int(r) for r in self.compress_ratios)
+        object.__setattr__(self, "compress_ratios", ratios)
+        problems = []
+        if len(ratios) < self.n_layers:
+            problems.append(f"compress_ratios has {len(ratios)} entries for {self.n_layers} layers")
+        if any(r not in (0, 4, 128) for r in ratios[: self.n_layers]):
+            problems.append(f"compress ratios must be 0, 4 or 128, got {sorted(set(ratios))}")
+        if self.score_func != "sqrtsoftplus":
+            problems.append(f"score_func {self.score_func!r} is not supported (V4 uses 'sqrtsoftplus')")
+        if self.n_shared_experts != 1:
+            problems.append("exactly one shared expert is supported")
+        if self.n_heads % self.o_groups:
+            problems.append("n_heads must be a multiple of o_groups")
+        if self.rope_head_dim % 2 or self.rope_head_dim > min(self.head_dim, self.index_head_dim):
+            problems.append("rope_head_dim must be even and no wider than head_dim and index_head_dim")
+        if self.qat:
+            if (self.head_dim - self.rope_head_dim) % 64:
+                problems.append("qat needs head_dim - rope_head_dim to be a multiple of 64 (fp8 blocks)")
+            if self.index_head_dim % 32:
+                problems.append("qat needs index_head_dim to be a multiple of 32 (fp4 blocks)")
+        if self.index_head_dim & (self.index_head_dim - 1):
+            problems.append("index_head_dim must be a power of two (Hadamard rotation)")
+        if problems:
+            raise ValueError("invalid ModelConfig: " + "; ".join(problems))
+
+    @property
+    def layer_ratios(self) -> tuple[int, ...]:
+        return self.compress_ratios[: self.n_layers]
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelConfig":
+        """`tiny` (CPU tests), `flash` (exactly V4-Flash), `bench` (V4-Flash widths, 16 experts)."""
+        if name == "flash":
+            return cls()
+        if name == "bench":
+            return cls(n_routed_experts=16)
+        if name == "tiny":
+            return cls(
+                vocab_size=512,
+                dim=128,
+                moe_inter_dim=64,
+                n_layers=6,
+                n_heads=8,
+                n_routed_experts=8,
+                n_activated_experts=3,
+                q_lora_rank=64,
+                head_dim=96,
+                rope_head_dim=32,
+                o_groups=2,
+                o_lora_rank=32,
+                window_size=16,
+                compress_ratios=(0, 0, 4, 128, 4, 128),
+                original_seq_len=64,
+                index_n_heads=8,
+                index_head_dim=64,
+                index_topk=8,
+            )
+        raise ValueError(f"unknown preset {name!r}; choose one of 'tiny', 'flash', 'bench'")
+
+    @classmethod
+    def from_official(cls, source: str | os.PathLike | Mapping[str, Any]) -> "ModelConfig":
+        """Read the official inference config.json (its ModelArgs field names). Keys that only
+        concern checkpoint storage or parallelism are ignored; unknown keys are an error."""
+        if isinstance(source, Mapping):
+            raw = dict(source)
+        else:
+            with open(source) as f:
+                raw = json.load(f)
+        storage_only = {
+            "max_batch_size", "max_seq_len", "dtype", "expert_dtype", "scale_dtype", "n_mtp_layers",
+        }
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known - storage_only)
+        if unknown:
+            raise ValueError(f"unknown keys in official config: {unknown}")
+        values = {k: v for k, v in raw.items() if k in known}
+        if "compress_ratios" in values:
+            values["compress_ratios"] = tuple(values["compress_ratios"])
+        return cls(**values)

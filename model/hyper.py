@@ -1,0 +1,51 @@
+"""Manifold-constrained hyper-connections (mHC): the residual stream is kept as hc_mult copies;
+each sublayer reads a weighted sum of them and writes back through a doubly-stochastic mix.
+The parameters live on the owning module under their official names; these are the functions."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def normalized_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """streams [B, hc, D] -> (streams as fp32 [B, hc*D], mixes [B, rows of fn]): an fp32 GEMV
+    scaled by the inverse RMS of the flattened streams."""
+    flat = streams.flatten(1).float()
+    inv_rms = torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+    return flat, F.linear(flat, fn) * inv_rms
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Row softmax (+eps), column normalisation, then iters - 1 more rounds of row and column
+    normalisation, each denominator + eps."""
+    comb = torch.softmax(logits, dim=-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return comb
+
+
+def hc_pre(streams, fn, scale, base, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    """streams [B, hc, D] -> (sublayer input [B, D] in the stream dtype, post [B, hc], comb [B, hc, hc])."""
+    hc = streams.shape[1]
+    flat, mixes = normalized_mixes(streams, fn, norm_eps)
+    pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb_logits = (mixes[:, 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
+    comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps)
+    x = (pre.unsqueeze(-1) * flat.view(streams.shape)).sum(1)
+    return x.to(streams.dtype), post, comb
+
+
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New copy j = post_j * out + sum_i comb[i, j] * copy_i (fp32 math, stream dtype result)."""
+    mixed = torch.einsum("bij,bid->bjd", comb, streams.float())
+    return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(streams.dtype)
+
+
+def hc_head(streams, fn, scale, base, hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """Collapse the copies into one stream [B, D] before the final norm."""
+    flat, mixes = normalized_mixes(streams, fn, norm_eps)
+    pre = torch.sigmoid(mixes * scale + base) + hc_eps
+    return (pre.unsqueeze(-1) * flat.view(streams.shape)).sum(1).to(streams.dtype)

@@ -1,0 +1,179 @@
+"""Weights for a Decoder: the official checkpoint layout (bf16/fp32, fp8 e4m3 with 128x128 block
+scales, fp4 e2m1 experts with 1x32 block scales, dequantised on load) and reproducible random init."""
+from __future__ import annotations
+
+import glob
+import os
+from typing import Callable, Mapping, NamedTuple
+
+import torch
+from torch import nn
+
+FP8_BLOCK = 128
+FP4_BLOCK = 32
+# e2m1 magnitudes by 3-bit code (exponent 2 bits, mantissa 1 bit); bit 3 is the sign.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+class _Entry(NamedTuple):
+    meta: torch.Tensor  # shape and dtype only
+    load: Callable[[], torch.Tensor]
+
+
+def _open_source(source) -> dict[str, _Entry]:
+    """Every key with its shape and dtype and a loader, reading no tensor data yet (a full
+    checkpoint is far larger than host memory)."""
+    if isinstance(source, Mapping):
+        return {k: _Entry(v, lambda v=v: v) for k, v in source.items()}
+    from safetensors import safe_open
+
+    path = os.fspath(source)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
+    if not files or not all(os.path.isfile(f) for f in files):
+        raise ValueError(f"no safetensors checkpoint at {path}")
+    entries: dict[str, _Entry] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                if key in entries:
+                    raise ValueError(f"key {key} appears in more than one shard (second: {file})")
+                sl = f.get_slice(key)
+                meta = torch.empty(sl.get_shape(), dtype=_safetensors_dtype(sl.get_dtype()), device="meta")
+                entries[key] = _Entry(meta, lambda file=file, key=key: _read_one(file, key))
+    return entries
+
+
+def _read_one(file: str, key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
+    if scale.dtype == torch.float8_e8m0fnu:
+        return torch.exp2(scale.view(torch.uint8).float() - 127)
+    return scale.float()
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    out, inp = weight.shape
+    s = _scale_to_float(scale).repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(FP8_BLOCK, 1)[:, :inp]
+    return weight.float() * s
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[out, in/2] bytes holding two e2m1 codes each (low nibble first) -> [out, in] fp32."""
+    codes = packed.view(torch.uint8)
+    codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2).long()
+    magnitude = torch.tensor(E2M1_VALUES, device=packed.device)[codes & 0x7]
+    return torch.where(codes >= 8, -magnitude, magnitude)
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return unpack_fp4(packed) * _scale_to_float(scale).repeat_interleave(FP4_BLOCK, 1)
+
+
+def _is_fp4(t: torch.Tensor) -> bool:
+    return t.dtype == getattr(torch, "float4_e2m1fn_x2", None)
+
+
+def _logical_shape(key: str, peek: torch.Tensor, scales: Mapping[str, _Entry]) -> tuple[int, ...]:
+    shape = tuple(peek.shape)
+    if key[: -len("weight")] + "scale" in scales and (_is_fp4(peek) or peek.dtype in (torch.uint8, torch.int8)):
+        return shape[:-1] + (shape[-1] * 2,)
+    return shape
+
+
+def load_official_weights(decoder: nn.Module, source) -> None:
+    """Load `source` (a safetensors file, a directory of shards, or a dict) into `decoder`.
+    `mtp.*` keys (the multi-token-prediction layer) are skipped. Unknown, missing or misshapen
+    keys raise ValueError naming them, before any weight is changed."""
+    entries = {k: v for k, v in _open_source(source).items() if not k.startswith("mtp.")}
+    scales = {k: v for k, v in entries.items() if k.endswith(".scale") and k[: -len("scale")] + "weight" in entries}
+    weights = {k: v for k, v in entries.items() if k not in scales}
+    targets = decoder.state_dict()
+
+    unknown = sorted(set(weights) - set(targets))
+    missing = sorted(set(targets) - set(weights))
+    problems = []
+    if unknown:
+        problems.append(f"unknown keys ({len(unknown)}): {unknown[:10]}")
+    if missing:
+        problems.append(f"missing keys ({len(missing)}): {missing[:10]}")
+    misshapen = []
+    for key in sorted(set(weights) & set(targets)):
+        shape = _logical_shape(key, weights[key].meta, scales)
+        if shape != tuple(targets[key].shape):
+            misshapen.append(f"{key}: checkpoint {list(shape)}, model {list(targets[key].shape)}")
+    if misshapen:
+        problems.append(f"misshapen keys ({len(misshapen)}): {misshapen[:10]}")
+    if problems:
+        raise ValueError("cannot load official weights: " + "; ".join(problems))
+
+    with torch.no_grad():
+        for key, entry in weights.items():
+            value = entry.load()
+            scale_key = key[: -len("weight")] + "scale"
+            if scale_key in scales:
+                scale = scales[scale_key].load()
+                if value.dtype == torch.float8_e4m3fn:
+                    value = dequantize_fp8(value, scale)
+                else:
+                    value = dequantize_fp4(value, scale)
+            target = targets[key]
+            target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+
+def _safetensors_dtype(name: str) -> torch.dtype:
+    table = {
+        "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+        "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+        "F8_E8M0": torch.float8_e8m0fnu,
+    }
+    if name in table:
+        return table[name]
+    if name.startswith("F4"):
+        return torch.float4_e2m1fn_x2
+    raise ValueError(f"unsupported safetensors dtype {name}")
+
+
+@torch.no_grad()
+def init_random_weights(decoder: nn.Module, seed: int) -> None:
+    """Random weights that keep activations O(1): linear maps N(0, 1/fan_in), norms around 1,
+    hyper-connection maps giving unit-variance mixes, distinct hash experts per token."""
+    generator = None
+    for name, param in decoder.named_parameters():
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        leaf = name.rsplit(".", 1)[-1]
+
+        def normal(std: float, mean: float = 0.0) -> torch.Tensor:
+            t = torch.randn(param.shape, generator=generator, device=param.device, dtype=torch.float32)
+            return t * std + mean
+
+        if leaf == "tid2eid":
+            vocab, picks = param.shape
+            n_experts = decoder.config.n_routed_experts
+            noise = torch.rand(vocab, n_experts, generator=generator, device=param.device)
+            value = noise.argsort(dim=-1)[:, :picks]
+        elif leaf == "attn_sink":
+            value = normal(0.5)
+        elif leaf == "ape":
+            value = normal(0.1)
+        elif name.endswith("gate.bias"):
+            value = normal(0.1)
+        elif leaf.startswith("hc_") and leaf.endswith("_fn"):
+            value = normal(param.shape[-1] ** -0.5)
+        elif leaf.startswith("hc_") and leaf.endswith("_base"):
+            value = normal(0.3)
+        elif leaf.startswith("hc_") and leaf.endswith("_scale"):
+            value = torch.rand(param.shape, generator=generator, device=param.device) + 0.5
+        elif name.endswith("norm.weight"):
+            value = normal(0.1, 1.0)
+        elif name == "embed.weight":
+            value = normal(1.0)
+        else:
+            value = normal(param.shape[-1] ** -0.5)
+        param.copy_(value.to(param.dtype))
