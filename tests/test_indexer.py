@@ -1,0 +1,253 @@
+"""indexer_topk: the Triton path against the plain-torch reference on fresh random inputs.
+
+CPU tests run the Triton kernels in the interpreter (TRITON_INTERPRET=1, fp32/fp16, small
+shapes). GPU tests run them compiled at V4 shapes in bf16, replayed in a CUDA graph, and
+through opcheck. Picks are compared as sets (the CUDA kernel returns them in entry order)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+# The interpreter is picked when triton decorates the kernels, so set it before they are
+# imported. With CUDA the kernels run compiled and the interpreter tests are skipped (run them
+# there with TRITON_INTERPRET=1 in the environment).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+import pytest  # noqa: E402
+
+from kernels import indexer_triton  # noqa: E402
+from kernels.indexer import indexer_topk, indexer_topk_reference  # noqa: E402
+
+interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (without the interpreter)")
+
+
+def fp64_scores(q, weights, cache, slots, visible):
+    """score[b, t] in fp64 for every row of the slot (independent of both implementations)."""
+    keys = cache[slots.long()].double()
+    dots = torch.einsum("bhd,btd->bht", q.double(), keys).relu()
+    return (dots * weights.double()[..., None]).sum(1)
+
+
+def assert_same_picks(picks, expected, scores, visible, topk, tol=0.0):
+    """picks and expected ([B, topk], any order) hold the same entries and -1 padding. With
+    tol > 0, entries whose score is within tol of the topk-th visible score may differ (a swap
+    across a near-tie); every pick must still score at least that threshold - tol."""
+    assert picks.dtype == torch.int32 and picks.shape == expected.shape == (scores.shape[0], topk)
+    rows = scores.shape[1]
+    for b in range(scores.shape[0]):
+        vis = min(max(int(visible[b]), 0), rows)
+        count = min(vis, topk)
+        row = picks[b].tolist()
+        got = row[:count]
+        assert row[count:] == [-1] * (topk - count), f"row {b}: -1 padding wrong: {row}"
+        assert len(set(got)) == count and all(0 <= e < vis for e in got), f"row {b}: bad picks {sorted(got)}"
+        want = {e for e in expected[b].tolist() if e >= 0}
+        differ = set(got) ^ want
+        if vis <= topk or tol == 0:
+            assert not differ, f"row {b} (visible {vis}): entries {sorted(differ)} differ"
+            continue
+        kth = scores[b, :vis].topk(topk).values[-1]
+        near = (scores[b, sorted(differ)] - kth).abs() <= tol if differ else torch.ones(0, dtype=torch.bool)
+        assert bool(near.all()), f"row {b}: entries {sorted(differ)} differ away from the threshold"
+        assert bool((scores[b, got] >= kth - tol).all()), f"row {b}: a pick scores below the threshold"
+
+
+def random_inputs(batch, heads, dim, num_slots, rows, dtype, device, seed, weight_scale=1.0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, heads, dim, generator=g, device=device).to(dtype)
+    weights = (torch.randn(batch, heads, generator=g, device=device) * weight_scale).to(dtype)
+    cache = torch.randn(num_slots, rows, dim, generator=g, device=device).to(dtype)
+    slots = torch.randint(0, num_slots, (batch,), generator=g, device=device)
+    return q, weights, cache, slots
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: interpreter
+# ---------------------------------------------------------------------------------------------
+
+
+@interpreter
+def test_interpreter_active():
+    """The CPU tests below only mean something if the kernels really run in the interpreter."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(indexer_triton._indexer_score_kernel, InterpretedFunction), (
+        "kernels.indexer_triton was imported before TRITON_INTERPRET=1 was set; run this file on its own"
+    )
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matches_reference_ragged(dtype):
+    """Ragged visible counts (none, negative, fewer than topk, exactly topk, many more, past the
+    capacity) over several slots, two sequences sharing one."""
+    rows, topk = 600, 48
+    visible = torch.tensor([0, -2, 1, 47, 48, 49, 257, 600, 10**6])
+    q, weights, cache, slots = random_inputs(len(visible), 16, 32, 4, rows, dtype, "cpu", seed=1)
+    slots[3] = slots[6]
+    picks = indexer_topk(q, weights, cache, slots, visible, topk, impl="triton")
+    expected = indexer_topk_reference(q, weights, cache, slots, visible, topk)
+    assert_same_picks(picks, expected, fp64_scores(q, weights, cache, slots, visible), visible, topk)
+
+
+@interpreter
+def test_odd_head_sizes_and_topk_past_capacity():
+    """Head count and width that are not powers of two (masked lanes), int32 slots/visible,
+    and topk larger than the capacity (the reference pads with -1)."""
+    rows, topk = 40, 64
+    visible = torch.tensor([40, 13, 0], dtype=torch.int32)
+    q, weights, cache, slots = random_inputs(3, 12, 20, 2, rows, torch.float32, "cpu", seed=2)
+    slots = slots.to(torch.int32)
+    picks = indexer_topk(q, weights, cache, slots, visible, topk, impl="triton")
+    expected = indexer_topk_reference(q, weights, cache, slots, visible, topk)
+    assert_same_picks(picks, expected, fp64_scores(q, weights, cache, slots, visible), visible, topk)
+
+
+@interpreter
+def test_entries_past_visible_are_never_used():
+    """NaN in every row at or past visible[b] changes nothing: those rows are neither scored nor
+    selected, and the capacity does not matter."""
+    rows, topk = 500, 32
+    visible = torch.tensor([300, 77, 12])
+    q, weights, cache, slots = random_inputs(3, 16, 32, 3, rows, torch.float32, "cpu", seed=3)
+    slots = torch.tensor([2, 0, 1])
+    clean = indexer_topk(q, weights, cache, slots, visible, topk, impl="triton")
+    poisoned = cache.clone()
+    for b in range(3):
+        poisoned[slots[b], visible[b]:] = float("nan")
+    bigger = torch.cat([poisoned, torch.full_like(poisoned, float("nan"))], dim=1)
+    for variant in (poisoned, bigger):
+        picks = indexer_topk(q, weights, variant, slots, visible, topk, impl="triton")
+        assert torch.equal(picks.sort(1).values, clean.sort(1).values)
+    expected = indexer_topk_reference(q, weights, cache, slots, visible, topk)
+    assert_same_picks(clean, expected, fp64_scores(q, weights, cache, slots, visible), visible, topk)
+
+
+def topk_of_keys(keys, visible, topk):
+    """Plain-torch top-k of int32 keys over keys[b, :visible[b]] (as sets, -1 padded)."""
+    scores = keys.long().masked_fill(torch.arange(keys.shape[1])[None, :] >= visible[:, None], -(2**40))
+    picked = scores.topk(topk, dim=1).indices
+    return torch.where(torch.arange(topk)[None, :] < visible[:, None].clamp(max=topk), picked, -1).to(torch.int32)
+
+
+@interpreter
+def test_select_stage_every_digit_pass():
+    """The radix select alone on crafted keys: full 32-bit range with negatives, keys that agree
+    on the top 24 bits (all four digit passes run), and a visible count above one select block."""
+    g = torch.Generator().manual_seed(4)
+    rows, topk = 2600, 100
+    spread = (torch.randperm(rows, generator=g) - rows // 2) * 1_600_000  # distinct, +-2e9
+    wide = spread + torch.randint(0, 1_600_000, (rows,), generator=g)
+    narrow = 0x12345600 + torch.randperm(rows, generator=g)  # distinct below bit 12 only
+    negative_narrow = -0x7654300 - torch.randperm(rows, generator=g)
+    keys = torch.stack([wide, narrow, negative_narrow]).to(torch.int32)
+    visible = torch.tensor([rows, 250, 2100])
+    picks = indexer_triton.select_topk_keys(keys, visible, topk)
+    expected = topk_of_keys(keys, visible, topk)
+    for b in range(3):
+        assert sorted(picks[b].tolist()) == sorted(expected[b].tolist()), f"row {b}"
+        assert picks[b].tolist() == sorted(picks[b].tolist()), "picks come in entry order"
+
+
+@interpreter
+def test_select_stage_ties_take_lowest_entries():
+    """Ties at the threshold: every key above it is picked, then the lowest-numbered ties."""
+    keys = torch.tensor([[5, 9, 7, 7, 1, 7, 9, 7, 0, 7]], dtype=torch.int32)
+    picks = indexer_triton.select_topk_keys(keys, torch.tensor([10]), 4)
+    assert picks.tolist() == [[1, 2, 3, 6]]
+
+
+@interpreter
+def test_opcheck_cpu():
+    q, weights, cache, slots = random_inputs(3, 16, 32, 2, 64, torch.float32, "cpu", seed=5)
+    visible = torch.tensor([64, 5, 30])
+    torch.library.opcheck(torch.ops.v4.indexer_topk.default, (q, weights, cache, slots, visible, 16))
+
+
+def test_bad_input_raises():
+    q, weights, cache, slots = random_inputs(2, 4, 8, 2, 16, torch.float32, "cpu", seed=6)
+    visible = torch.tensor([3, 4])
+    with pytest.raises(ValueError, match="impl"):
+        indexer_topk(q, weights, cache, slots, visible, 4, impl="fast")
+    with pytest.raises(ValueError, match="topk"):
+        indexer_topk(q, weights, cache, slots, visible, 0)
+    with pytest.raises(ValueError, match="index_cache"):
+        indexer_topk(q, weights, cache[..., :4], slots, visible, 4)
+    with pytest.raises(ValueError, match="dtype|float16"):
+        indexer_triton.indexer_topk_triton(q, weights, cache.half(), slots, visible, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: compiled, V4 shapes, bf16
+# ---------------------------------------------------------------------------------------------
+
+V4 = dict(heads=64, dim=128, topk=512)
+
+
+def v4_inputs(batch, rows, seed, num_slots=None):
+    num_slots = num_slots or batch + 5
+    # weights_proj output times 128^-0.5 * 64^-0.5, as in the model
+    return random_inputs(batch, V4["heads"], V4["dim"], num_slots, rows, torch.bfloat16, "cuda", seed, 1 / 90.0)
+
+
+def score_tolerance(scores):
+    # fp32 sums of 128-term bf16 products in another order differ by ~1e-6 of the scale; near
+    # ties closer than this may swap.
+    return 1e-4 * float(scores.abs().max())
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("rows", [8192, 65536])
+def test_v4_shapes_bf16(rows):
+    visible = torch.tensor([0, 1, 511, 512, 513, 1000, 4096, rows - 1, rows, 10**7] + [2048] * 22, device="cuda")
+    visible[10:] = torch.randint(0, rows, (22,), device="cuda")
+    q, weights, cache, slots = v4_inputs(len(visible), rows, seed=7)
+    picks = indexer_topk(q, weights, cache, slots, visible, V4["topk"])
+    expected = indexer_topk_reference(q, weights, cache, slots, visible, V4["topk"])
+    scores = fp64_scores(q, weights, cache, slots, visible)
+    assert_same_picks(picks.cpu(), expected.cpu(), scores.cpu(), visible.cpu(), V4["topk"], score_tolerance(scores))
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_cuda_graph_replay_with_new_visible_counts():
+    batch, rows, topk = 16, 4096, V4["topk"]
+    q, weights, cache, slots = v4_inputs(batch, rows, seed=8)
+    visible = torch.randint(0, rows, (batch,), device="cuda")
+    indexer_topk(q, weights, cache, slots, visible, topk)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        picks = indexer_topk(q, weights, cache, slots, visible, topk)
+    for seed in (9, 10, 11):
+        new_q, new_w, _, new_slots = v4_inputs(batch, rows, seed=seed)
+        q.copy_(new_q)
+        weights.copy_(new_w)
+        slots.copy_(new_slots)
+        visible.copy_(torch.randint(0, rows + 1, (batch,), device="cuda"))
+        visible[0] = 0
+        visible[1] = topk - 3
+        graph.replay()
+        expected = indexer_topk_reference(q, weights, cache, slots, visible, topk)
+        scores = fp64_scores(q, weights, cache, slots, visible)
+        assert_same_picks(picks.cpu(), expected.cpu(), scores.cpu(), visible.cpu(), topk, score_tolerance(scores))
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_no_host_sync_and_opcheck_cuda():
+    q, weights, cache, slots = v4_inputs(8, 2048, seed=12)
+    visible = torch.randint(0, 2048, (8,), device="cuda")
+    indexer_topk(q, weights, cache, slots, visible, V4["topk"])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        indexer_topk(q, weights, cache, slots, visible, V4["topk"])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.library.opcheck(torch.ops.v4.indexer_topk.default, (q, weights, cache, slots, visible, V4["topk"]))

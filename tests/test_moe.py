@@ -1,0 +1,266 @@
+"""moe_experts: the Triton grouped GEMM against the plain-torch reference on fresh random inputs,
+under every expert-load pattern (random, all tokens on one expert, experts without tokens, B=1,
+more pairs per expert than a block holds).
+
+CPU tests run the Triton kernels in the interpreter (TRITON_INTERPRET=1, fp32/fp16, small
+widths). GPU tests run them compiled at V4-Flash widths in bf16, replayed in a CUDA graph with
+new routing, under the sync debug mode, and through opcheck."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+# The interpreter is picked when triton decorates the kernels, so set it before they are
+# imported. With CUDA the kernels run compiled and the interpreter tests are skipped (run them
+# there with TRITON_INTERPRET=1 in the environment).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+import pytest  # noqa: E402
+
+from kernels import moe_triton  # noqa: E402
+from kernels.moe import moe_experts, moe_experts_reference  # noqa: E402
+
+interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (without the interpreter)")
+
+LIMIT = 10.0
+
+
+def expert_weights(num_experts, dim, inter, dtype, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    w1 = torch.randn(num_experts, inter, dim, generator=g, device=device) * dim**-0.5
+    w3 = torch.randn(num_experts, inter, dim, generator=g, device=device) * dim**-0.5
+    w2 = torch.randn(num_experts, dim, inter, generator=g, device=device) * inter**-0.5
+    return w1.to(dtype), w2.to(dtype), w3.to(dtype)
+
+
+def routing(pattern, batch, picks, num_experts, device, seed):
+    """expert_ids [B, picks] (distinct per token) and fp32 routing weights for a load pattern."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    if pattern == "random":
+        ids = torch.rand(batch, num_experts, generator=g, device=device).argsort(1)[:, :picks]
+    elif pattern == "some_experts_idle":  # only the first half of the experts get tokens
+        pool = max(picks, num_experts // 2)
+        ids = torch.rand(batch, pool, generator=g, device=device).argsort(1)[:, :picks]
+    elif pattern == "one_hot_expert":  # every token picks expert E-1 (one block cannot hold them all)
+        others = torch.rand(batch, num_experts - 1, generator=g, device=device).argsort(1)[:, : picks - 1]
+        ids = torch.cat([torch.full_like(others[:, :1], num_experts - 1), others], 1)
+    else:
+        raise ValueError(pattern)
+    weights = torch.rand(batch, picks, generator=g, device=device) + 0.1
+    return ids, weights / weights.sum(1, keepdim=True) * 1.5
+
+
+def assert_close_to_reference(out, ref, rel):
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err <= rel, f"max error {err:.2e} of the output scale (limit {rel:.0e})"
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: interpreter
+# ---------------------------------------------------------------------------------------------
+
+SMALL = dict(dim=64, inter=48, num_experts=8)  # inter=48: partial N tiles and a masked K loop
+CPU_TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
+
+
+@interpreter
+def test_interpreter_active():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(moe_triton._gate_up_kernel, InterpretedFunction), (
+        "kernels.moe_triton was imported before TRITON_INTERPRET=1 was set; run this file on its own"
+    )
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "pattern,batch,dtype",
+    [
+        ("random", 5, torch.float32),
+        ("random", 1, torch.float16),
+        ("one_hot_expert", 40, torch.float32),  # 40 pairs on one expert: three 16-row blocks
+        ("some_experts_idle", 9, torch.float16),
+    ],
+)
+def test_matches_reference(pattern, batch, dtype):
+    picks = 3
+    w1, w2, w3 = expert_weights(SMALL["num_experts"], SMALL["dim"], SMALL["inter"], dtype, "cpu", seed=batch)
+    ids, weights = routing(pattern, batch, picks, SMALL["num_experts"], "cpu", seed=batch + 1)
+    if pattern == "one_hot_expert":
+        assert int((ids == SMALL["num_experts"] - 1).sum()) == batch
+    if pattern == "some_experts_idle":
+        assert int(ids.max()) < SMALL["num_experts"] // 2
+    x = torch.randn(batch, SMALL["dim"], generator=torch.Generator().manual_seed(batch + 2)).to(dtype)
+    out = moe_experts(x, ids, weights, w1, w2, w3, LIMIT, impl="triton")
+    ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT)
+    assert_close_to_reference(out, ref, CPU_TOL[dtype])
+
+
+@interpreter
+def test_clamp_and_no_clamp():
+    """A limit small enough to clamp most gate/up values, and limit 0 (no clamp)."""
+    w1, w2, w3 = expert_weights(8, 64, 48, torch.float32, "cpu", seed=20)
+    ids, weights = routing("random", 6, 2, 8, "cpu", seed=21)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(22)) * 3
+    for limit in (0.3, 0.0):
+        out = moe_experts(x, ids, weights, w1, w2, w3, limit, impl="triton")
+        ref = moe_experts_reference(x, ids, weights, w1, w2, w3, limit)
+        assert_close_to_reference(out, ref, 1e-5)
+    clamped = moe_experts(x, ids, weights, w1, w2, w3, 0.3, impl="triton")
+    assert (clamped - out).abs().max() > 0.1 * out.abs().max(), "the clamp had no effect"
+
+
+@interpreter
+def test_unselected_experts_are_never_used():
+    """NaN in every expert nobody picked leaves the output finite and unchanged."""
+    w1, w2, w3 = expert_weights(8, 64, 48, torch.float32, "cpu", seed=30)
+    ids, weights = routing("some_experts_idle", 7, 3, 8, "cpu", seed=31)
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(32))
+    ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT)
+    idle = torch.ones(8, dtype=torch.bool)
+    idle[ids.unique()] = False
+    assert idle.any()
+    for w in (w1, w2, w3):
+        w[idle] = float("nan")
+    out = moe_experts(x, ids, weights, w1, w2, w3, LIMIT, impl="triton")
+    assert_close_to_reference(out, ref, 1e-5)
+
+
+@interpreter
+def test_six_picks_sixteen_experts_and_tile_choices():
+    """The V4 routing shape (top-6 of 16) with the chosen tiles, other tiles and torch routing."""
+    dim, inter, num_experts, batch = 64, 64, 16, 12
+    w1, w2, w3 = expert_weights(num_experts, dim, inter, torch.float32, "cpu", seed=40)
+    ids, weights = routing("random", batch, 6, num_experts, "cpu", seed=41)
+    x = torch.randn(batch, dim, generator=torch.Generator().manual_seed(42))
+    ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT)
+    variants = [
+        dict(),
+        dict(routing="torch"),
+        dict(tiles=moe_triton.MoeTiles(block_m=32, up_block_n=32, up_block_k=32, down_block_n=16, down_block_k=64)),
+    ]
+    for kwargs in variants:
+        out = moe_triton.moe_experts_triton(x, ids, weights, w1, w2, w3, LIMIT, **kwargs)
+        assert_close_to_reference(out, ref, 1e-5)
+
+
+@interpreter
+@pytest.mark.parametrize("pattern,batch,block_m", [("random", 1, 16), ("one_hot_expert", 30, 16), ("some_experts_idle", 50, 32)])
+def test_routing_kernel_matches_torch_routing(pattern, batch, block_m):
+    """Both routing methods build the same blocks: each expert's pairs in token order, padded."""
+    num_experts, picks = 16, 6
+    ids, _ = routing(pattern, batch, picks, num_experts, "cpu", seed=50 + batch)
+    by_kernel = moe_triton.route_pairs(ids, num_experts, block_m, "kernel")
+    by_torch = moe_triton.route_pairs(ids, num_experts, block_m, "torch")
+    assert torch.equal(by_kernel.block_expert, by_torch.block_expert)
+    assert torch.equal(by_kernel.block_rows, by_torch.block_rows)
+    flat = ids.reshape(-1)
+    rows_seen = []
+    for block in range(by_kernel.num_blocks):
+        expert, count = int(by_kernel.block_expert[block]), int(by_kernel.block_rows[block])
+        rows = slice(block * block_m, block * block_m + count)
+        assert torch.equal(by_kernel.sorted_pair[rows], by_torch.sorted_pair[rows])
+        if expert >= 0:
+            assert (flat[by_kernel.sorted_pair[rows].long()] == expert).all()
+            rows_seen += by_kernel.sorted_pair[rows].tolist()
+        else:
+            assert count == 0
+    assert sorted(rows_seen) == list(range(flat.numel())), "every pair lands in exactly one row"
+
+
+@interpreter
+def test_opcheck_cpu():
+    w1, w2, w3 = expert_weights(4, 32, 16, torch.float32, "cpu", seed=60)
+    ids, weights = routing("random", 3, 2, 4, "cpu", seed=61)
+    x = torch.randn(3, 32)
+    torch.library.opcheck(torch.ops.v4.moe_experts.default, (x, ids, weights, w1, w2, w3, LIMIT))
+
+
+def test_bad_input_raises():
+    w1, w2, w3 = expert_weights(4, 32, 16, torch.float32, "cpu", seed=70)
+    ids, weights = routing("random", 3, 2, 4, "cpu", seed=71)
+    x = torch.randn(3, 32)
+    with pytest.raises(ValueError, match="impl"):
+        moe_experts(x, ids, weights, w1, w2, w3, LIMIT, impl="fast")
+    with pytest.raises(ValueError, match="expert weights"):
+        moe_experts(x, ids, weights, w1, w2[:, :16], w3, LIMIT)
+    with pytest.raises(ValueError, match="expert_ids"):
+        moe_experts(x, ids[:2], weights[:2], w1, w2, w3, LIMIT)
+    with pytest.raises(ValueError, match="dtype"):
+        moe_triton.moe_experts_triton(x.half(), ids, weights, w1, w2, w3, LIMIT)
+    with pytest.raises(ValueError, match="method"):
+        moe_triton.route_pairs(ids, 4, 16, "sorted")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: compiled, V4-Flash widths, bf16
+# ---------------------------------------------------------------------------------------------
+
+FLASH = dict(dim=4096, inter=2048, num_experts=16, picks=6)
+GPU_TOL = 2e-2  # bf16 rounding of gate/up, h and each expert output, summed in another order
+
+
+@pytest.fixture(scope="module")
+def flash_weights():
+    return expert_weights(FLASH["num_experts"], FLASH["dim"], FLASH["inter"], torch.bfloat16, "cuda", seed=80)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize(
+    "pattern,batch",
+    [("random", 1), ("random", 16), ("random", 64), ("one_hot_expert", 64), ("some_experts_idle", 32), ("random", 1000)],
+)
+def test_flash_widths_bf16(flash_weights, pattern, batch):
+    w1, w2, w3 = flash_weights
+    ids, weights = routing(pattern, batch, FLASH["picks"], FLASH["num_experts"], "cuda", seed=81 + batch)
+    x = torch.randn(batch, FLASH["dim"], device="cuda").to(torch.bfloat16)
+    out = moe_experts(x, ids, weights, w1, w2, w3, LIMIT)
+    ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT)
+    assert_close_to_reference(out, ref, GPU_TOL)
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_cuda_graph_replay_with_new_routing(flash_weights):
+    w1, w2, w3 = flash_weights
+    batch = 24
+    x = torch.randn(batch, FLASH["dim"], device="cuda").to(torch.bfloat16)
+    ids, weights = routing("random", batch, FLASH["picks"], FLASH["num_experts"], "cuda", seed=90)
+    moe_experts(x, ids, weights, w1, w2, w3, LIMIT)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts(x, ids, weights, w1, w2, w3, LIMIT)
+    for seed, pattern in ((91, "one_hot_expert"), (92, "some_experts_idle"), (93, "random")):
+        new_ids, new_weights = routing(pattern, batch, FLASH["picks"], FLASH["num_experts"], "cuda", seed=seed)
+        ids.copy_(new_ids)
+        weights.copy_(new_weights)
+        x.copy_(torch.randn(batch, FLASH["dim"], device="cuda"))
+        graph.replay()
+        assert_close_to_reference(out.clone(), moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT), GPU_TOL)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("batch", [1, 64])
+def test_no_host_sync_and_opcheck_cuda(flash_weights, batch):
+    """Neither the Triton path nor the plain-torch reference syncs with the host."""
+    w1, w2, w3 = flash_weights
+    ids, weights = routing("random", batch, FLASH["picks"], FLASH["num_experts"], "cuda", seed=100)
+    x = torch.randn(batch, FLASH["dim"], device="cuda").to(torch.bfloat16)
+    moe_experts(x, ids, weights, w1, w2, w3, LIMIT)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe_experts(x, ids, weights, w1, w2, w3, LIMIT)
+        moe_experts(x, ids, weights, w1, w2, w3, LIMIT, impl="reference")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.library.opcheck(torch.ops.v4.moe_experts.default, (x, ids, weights, w1, w2, w3, LIMIT))

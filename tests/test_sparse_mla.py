@@ -1,0 +1,368 @@
+"""Sparse MLA decode: the Triton kernels against the plain-torch reference.
+
+Without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set below before
+triton is imported and checked by test_interpreter_is_active) on small fp16/fp32 shapes; the
+interpreter's tl.dot is wrong for bf16, so bf16 is tested on the GPU only, at the real shapes
+(H=64, D=512, K=640/2048) and under CUDA-graph capture.
+
+Tolerances. The kernels round the probabilities to the activation dtype relative to the running
+max of the online softmax, the reference relative to the final max; both are within half an ulp of
+the exact value, so out may differ by about one ulp of its dtype plus its own rounding:
+fp32 1e-5, fp16 2e-3 (two ulps at |x| ~ 1), bf16 2e-2 elementwise and 2e-3 on the mean. The LSE
+uses fp32 scores in both (exact products of the inputs, only the summation order differs), so
+it gets 1e-4 (2e-3 on the GPU, where the tensor cores sum 512 products in their own order).
+A wrong mask, sink or split merge moves values by O(0.1) or more.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+triton = pytest.importorskip("triton")
+
+from kernels import sparse_mla_triton as smt  # noqa: E402
+from kernels.sparse_mla import (  # noqa: E402
+    sparse_mla_decode,
+    sparse_mla_decode_op,
+    sparse_mla_decode_reference,
+)
+
+interp = pytest.mark.skipif(not INTERPRET, reason="interpreter tests run where TRITON_INTERPRET=1 (set without CUDA)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (and no TRITON_INTERPRET)")
+
+OUT_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def make_indices(batch, topk, num_rows, gen, pattern="mixed"):
+    """[B, K] int32 global rows. Patterns per sequence b (cycling): 0 all masked; 1 ragged (a
+    random count of valid rows, then -1); 2+ about a quarter -1 scattered anywhere. Valid rows
+    are drawn from the whole cache, so they land in several slots."""
+    idx = torch.randint(0, num_rows, (batch, topk), generator=gen, dtype=torch.int32)
+    for b in range(batch):
+        kind = b % 3 if pattern == "mixed" else 2
+        if kind == 0:
+            idx[b] = -1
+        elif kind == 1:
+            valid = int(torch.randint(1, topk, (1,), generator=gen))
+            idx[b, valid:] = -1
+        else:
+            idx[b, torch.rand(topk, generator=gen) < 0.25] = -1
+    return idx
+
+
+def make_inputs(batch, heads, dim, topk, dtype, device="cpu", slots=3, rows=24, seed=0, pattern="mixed"):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, dim, generator=gen).to(dtype)
+    kv_cache = torch.randn(slots, rows, dim, generator=gen).to(dtype)
+    indices = make_indices(batch, topk, slots * rows, gen, pattern)
+    sink = torch.randn(heads, generator=gen)
+    scale = 1.5 * dim**-0.5  # a little sharper than 1/sqrt(D) so the softmax is not flat
+    return [t.to(device) for t in (q, kv_cache, indices, sink)] + [scale]
+
+
+def assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale):
+    ref_out, ref_lse = sparse_mla_decode_reference(q, kv_cache, indices, sink, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.dtype == torch.float32 and lse.shape == q.shape[:2]
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    tol = OUT_TOL[q.dtype]
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
+    assert (out.float() - ref_out.float()).abs().mean() < tol / 10
+    lse_tol = 1e-4 if q.device.type == "cpu" else 2e-3
+    torch.testing.assert_close(lse, ref_lse, atol=lse_tol, rtol=lse_tol)
+
+
+SMALL_TILES = smt.TileConfig(block_h=16, block_k=16, num_warps=4, num_stages=2)
+
+# (name, call) with call(q, kv_cache, indices, sink, scale) -> (out, lse)
+VARIANTS = {
+    "simt": lambda *a: smt.sparse_mla_decode_simt(*a),
+    "head_batched": lambda *a: smt.sparse_mla_decode_head_batched(*a),
+    "head_batched_k16": lambda *a: smt.sparse_mla_decode_head_batched(*a, tiles=SMALL_TILES),
+    "split_k_default": lambda *a: smt.sparse_mla_decode_split_k(*a),
+    "split_k_1": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=1, tiles=SMALL_TILES),
+    "split_k_2": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=2, tiles=SMALL_TILES),
+    "split_k_3": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=3, tiles=SMALL_TILES),
+    "split_k_7_some_empty": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=7, tiles=SMALL_TILES),
+    "default": lambda *a: smt.sparse_mla_decode_triton(*a),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: Triton interpreter
+# ---------------------------------------------------------------------------------------------
+
+
+@interp
+def test_interpreter_is_active():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for kernel in (smt._simt_kernel, smt._head_batched_kernel, smt._combine_kernel):
+        assert isinstance(kernel, InterpretedFunction)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "batch,heads,dim,topk",
+    [(3, 8, 64, 40), (2, 5, 48, 33)],  # the second: heads and dim not powers of two, K not a tile multiple
+    ids=["b3h8d64k40", "b2h5d48k33"],
+)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_matches_reference(variant, batch, heads, dim, topk, dtype):
+    inputs = make_inputs(batch, heads, dim, topk, dtype, seed=sum(map(ord, variant)) + batch)
+    out, lse = VARIANTS[variant](*inputs)
+    assert_matches_reference(out, lse, *inputs)
+
+
+@interp
+@pytest.mark.parametrize("variant", ["simt", "head_batched", "split_k_3", "split_k_7_some_empty", "default"])
+def test_all_masked_rows_give_zeros_and_the_sink_as_lse(variant):
+    q, kv_cache, indices, sink, scale = make_inputs(2, 4, 32, 40, torch.float32, seed=7)
+    indices.fill_(-1)
+    out, lse = VARIANTS[variant](q, kv_cache, indices, sink, scale)
+    assert torch.equal(out, torch.zeros_like(out))
+    torch.testing.assert_close(lse, sink.expand(2, -1), atol=1e-6, rtol=1e-6)
+
+
+@interp
+def test_masked_block_before_valid_rows():
+    """A whole masked tile first, then valid rows: the running max starts at -inf and must recover."""
+    q, kv_cache, indices, sink, scale = make_inputs(2, 4, 32, 48, torch.float32, seed=3, pattern="scattered")
+    indices[:, :16] = -1
+    for variant in ("simt", "head_batched_k16", "split_k_2"):
+        out, lse = VARIANTS[variant](q, kv_cache, indices, sink, scale)
+        assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
+
+
+@interp
+@pytest.mark.parametrize("variant", ["simt", "head_batched", "split_k_2", "default"])
+def test_probabilities_are_rounded_to_the_activation_dtype(variant):
+    """Two rows with payloads +100 and -100: the output is 100 (1 - p) / denom, so the fp16
+    rounding of p = exp(s2 - s1) (placed between two fp16 values) moves it far beyond the
+    tolerance. The max row comes first, so the kernels round at the same max as the reference."""
+    dim, heads = 16, 2
+    q = torch.zeros(1, heads, dim, dtype=torch.float16)
+    q[..., 0] = 1.0
+    p_exact = torch.tensor(1 - 1.5 * 2**-11, dtype=torch.float64)
+    kv_cache = torch.zeros(1, 2, dim, dtype=torch.float16)
+    kv_cache[0, 0, 1], kv_cache[0, 1, 1] = 100.0, -100.0
+    kv_cache[0, 1, 0] = torch.log(p_exact).to(torch.float16)
+    p = torch.exp(kv_cache[0, 1, 0].float())
+    assert abs(p.half().float() - p) > 2**-13  # at least a quarter of an fp16 step: rounding matters
+    indices = torch.tensor([[0, 1, -1, -1]], dtype=torch.int32)
+    sink = torch.full((heads,), -20.0)
+    out, lse = VARIANTS[variant](q, kv_cache, indices, sink, 1.0)
+    assert_matches_reference(out, lse, q, kv_cache, indices, sink, 1.0)
+    unrounded = 100 * (1 - p) / (1 + p)
+    assert (out[0, :, 1].float() - unrounded).abs().min() > 3 * OUT_TOL[torch.float16]
+
+
+@interp
+@pytest.mark.parametrize("variant", ["simt", "head_batched_k16", "split_k_3"])
+def test_strided_inputs_and_int64_indices(variant):
+    """q not contiguous, int64 indices, and a cache view whose slots are not evenly strided
+    (slot stride != rows x row stride), which takes the (slot, row) addressing path."""
+    q, kv_cache, indices, sink, scale = make_inputs(2, 4, 32, 40, torch.float16, seed=11)
+    q_strided = torch.randn(4, 2, 32, dtype=torch.float16).transpose(0, 1)
+    q_strided.copy_(q)
+    padded = torch.randn(3, 30, 32, dtype=torch.float16)
+    padded[:, :24] = kv_cache
+    kv_view = padded[:, :24]
+    assert not smt._flat_rows(kv_view)
+    out, lse = VARIANTS[variant](q_strided, kv_view, indices.long(), sink, scale)
+    assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
+
+
+@interp
+def test_workspace_is_used_and_checked():
+    q, kv_cache, indices, sink, scale = make_inputs(3, 8, 64, 40, torch.float32, seed=5)
+    needed = smt.workspace_numel(3, 8, 64, 3)
+    workspace = torch.full((needed + 100,), float("nan"))  # stale NaNs must never leak into the result
+    out, lse = smt.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, 3, workspace, SMALL_TILES)
+    assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
+    assert not torch.isnan(workspace[:needed]).all()  # the partials went there
+    with pytest.raises(ValueError, match="workspace holds"):
+        smt.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, 3, workspace[: needed - 1], SMALL_TILES)
+    with pytest.raises(ValueError, match="fp32"):
+        smt.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, 3, workspace.double(), SMALL_TILES)
+
+
+@interp
+def test_default_path_with_its_workspace():
+    """One sequence and a long index list: the default plan splits it (checked), using the
+    workspace sized by sparse_mla_workspace."""
+    q, kv_cache, indices, sink, scale = make_inputs(1, 8, 64, 640, torch.float16, seed=9, pattern="scattered")
+    workspace = smt.sparse_mla_workspace(1, 8, 64, 640, "cpu", torch.float16)
+    splits = smt.choose_num_splits(1, 8, 640, smt.INTERPRETER_NUM_SMS, 64, 2)
+    assert splits > 1 and workspace.numel() == smt.workspace_numel(1, 8, 64, splits)
+    out, lse = smt.sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace=workspace)
+    assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
+
+
+@interp
+@pytest.mark.parametrize("impl", ["reference", "simt", "head_batched", "split_k", "default"])
+def test_impl_selection(impl):
+    q, kv_cache, indices, sink, scale = make_inputs(2, 4, 32, 24, torch.float32, seed=13)
+    out, lse = sparse_mla_decode(q, kv_cache, indices, sink, scale, return_lse=True, impl=impl)
+    assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
+    assert torch.equal(sparse_mla_decode(q, kv_cache, indices, sink, scale, impl=impl), out)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the op, planning and input checks (no kernels run)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_opcheck():
+    q, kv_cache, indices, sink, scale = make_inputs(2, 4, 32, 16, torch.float32, seed=17)
+    torch.library.opcheck(sparse_mla_decode_op, (q, kv_cache, indices, sink, scale))
+    torch.library.opcheck(sparse_mla_decode_op, (q, kv_cache, indices, sink, scale, torch.empty(64)))
+
+
+@pytest.mark.parametrize("topk", [128, 640, 2048])
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 16, 32, 64, 128, 256])
+def test_plan_is_a_sane_pure_function(batch, topk):
+    heads, num_sms = 64, 132
+    tiles = smt.choose_tiles(batch, heads, topk, num_sms)
+    splits = smt.choose_num_splits(batch, heads, topk, num_sms)
+    assert splits == smt.choose_num_splits(batch, heads, topk, num_sms)  # no hidden state
+    n_blocks = triton.cdiv(topk, tiles.block_k)
+    assert 1 <= splits <= min(n_blocks, smt.MAX_SPLITS)
+    blocks_per_split = triton.cdiv(n_blocks, splits)
+    assert (splits - 1) * blocks_per_split < n_blocks  # the default never plans an empty split
+    programs = batch * triton.cdiv(heads, tiles.block_h)
+    if programs >= num_sms:
+        assert splits == 1  # the GPU is already full: partials would only add traffic
+    if batch == 1 and topk >= 640:
+        assert programs * splits >= 32  # one sequence is spread over many SMs
+
+
+def test_bad_input_raises_value_error():
+    q, kv_cache, indices, sink, scale = make_inputs(2, 4, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="expects q"):
+        sparse_mla_decode(q[0], kv_cache, indices, sink, scale)
+    with pytest.raises(ValueError, match="disagree"):
+        sparse_mla_decode(q, kv_cache[..., :16], indices, sink, scale)
+    with pytest.raises(ValueError, match="disagree"):
+        sparse_mla_decode(q, kv_cache, indices, sink[:3], scale)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        sparse_mla_decode(q, kv_cache, indices.float(), sink, scale)
+    with pytest.raises(ValueError, match="floating point"):
+        sparse_mla_decode(q.int(), kv_cache, indices, sink, scale)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        sparse_mla_decode(q, kv_cache, indices, sink, scale, impl="fastest")
+    with pytest.raises(ValueError, match="differs from q dtype"):
+        smt.sparse_mla_decode_head_batched(q, kv_cache.half(), indices, sink, scale)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        smt.sparse_mla_decode_simt(q.double(), kv_cache.double(), indices, sink, scale)
+    with pytest.raises(ValueError, match="num_splits"):
+        smt.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, num_splits=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: real shapes, bf16, CUDA graphs
+# ---------------------------------------------------------------------------------------------
+
+WINDOW, COMPRESSED = 128, 4096  # rows per cache slot: the window ring, then compressed entries
+
+
+def make_gpu_cache(slots, dtype=torch.bfloat16, dim=512, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(slots, WINDOW + COMPRESSED, dim, device="cuda", generator=gen).to(dtype)
+
+
+def make_gpu_query(batch, topk, dtype=torch.bfloat16, heads=64, dim=512, seed=0):
+    """q, indices, sink. Sequence b gathers from cache slot b + 1: the window part of its indices
+    names ring rows, the rest random compressed rows; about 10% are -1 anywhere, and sequence 0
+    is all masked."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = WINDOW + COMPRESSED
+    q = torch.randn(batch, heads, dim, device="cuda", generator=gen).to(dtype)
+    sink = torch.randn(heads, device="cuda", generator=gen)
+    window = torch.arange(min(WINDOW, topk), device="cuda").expand(batch, -1)
+    compressed = WINDOW + torch.randint(0, COMPRESSED, (batch, topk - window.shape[1]), device="cuda", generator=gen)
+    slot = torch.arange(batch, device="cuda")[:, None] + 1
+    indices = (slot * rows + torch.cat([window, compressed], 1)).to(torch.int32)
+    indices[torch.rand(batch, topk, device="cuda", generator=gen) < 0.1] = -1
+    indices[0] = -1
+    return q, indices, sink
+
+
+def make_gpu_inputs(batch, topk, dtype=torch.bfloat16, heads=64, dim=512, seed=0):
+    q, indices, sink = make_gpu_query(batch, topk, dtype, heads, dim, seed)
+    return q, make_gpu_cache(batch + 1, dtype, dim, seed), indices, sink, dim**-0.5
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("topk", [640, 2048])
+@pytest.mark.parametrize("batch", [1, 3, 16, 64])
+@pytest.mark.parametrize(
+    "variant", ["simt", "head_batched", "split_k_default", "split_k_2", "split_k_7_some_empty", "default"]
+)
+def test_gpu_variant_matches_reference(variant, batch, topk):
+    inputs = make_gpu_inputs(batch, topk, seed=batch * 7 + topk)
+    out, lse = VARIANTS[variant](*inputs)
+    assert_matches_reference(out, lse, *inputs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("impl", ["simt", "head_batched", "split_k", "default"])
+def test_gpu_other_dtypes(impl, dtype):
+    q, kv_cache, indices, sink, scale = make_gpu_inputs(5, 640, dtype=dtype, seed=21)
+    out, lse = sparse_mla_decode(q, kv_cache, indices, sink, scale, return_lse=True, impl=impl)
+    assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_tiny_model_shapes(dtype):
+    """The tiny config (4 heads, 32-wide rows) through the op: heads and rows far below a tile."""
+    q, kv_cache, indices, sink, scale = make_gpu_inputs(2, 24, dtype=dtype, heads=4, dim=32, seed=23)
+    out, lse = sparse_mla_decode(q, kv_cache, indices, sink, scale, return_lse=True)
+    assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("topk", [640, 2048])
+def test_gpu_cuda_graph_per_batch_bucket(topk):
+    """Preallocate each bucket's workspace, capture the op once per bucket, then replay with new
+    inputs copied into the static tensors (and a rewritten cache) and compare to the reference."""
+    heads, dim, scale = 64, 512, 512**-0.5
+    buckets = [1, 8, 128]
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = [smt.choose_num_splits(b, heads, topk, num_sms) for b in buckets]
+    assert splits[0] > 1 and splits[-1] == 1  # the graphs cover both the split-K and the single-split path
+    kv_cache = make_gpu_cache(max(buckets) + 1)
+    graphs = {}
+    for batch in buckets:
+        q, indices, sink = make_gpu_query(batch, topk, seed=batch)
+        workspace = smt.sparse_mla_workspace(batch, heads, dim, topk, "cuda", torch.bfloat16)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up compiles the kernels outside the capture
+            sparse_mla_decode(q, kv_cache, indices, sink, scale, return_lse=True, workspace=workspace)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, lse = sparse_mla_decode(q, kv_cache, indices, sink, scale, return_lse=True, workspace=workspace)
+        graphs[batch] = (graph, dict(q=q, indices=indices, sink=sink, out=out, lse=lse))
+
+    for round_ in range(3):
+        kv_cache.copy_(make_gpu_cache(max(buckets) + 1, seed=round_ + 1))
+        for batch, (graph, static) in graphs.items():
+            q, indices, sink = make_gpu_query(batch, topk, seed=1000 * (round_ + 1) + batch)
+            static["q"].copy_(q)
+            static["indices"].copy_(indices)
+            static["sink"].copy_(sink)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_matches_reference(static["out"], static["lse"], q, kv_cache, indices, sink, scale)
