@@ -6,6 +6,9 @@ routing weight applied before w2, each expert's output rounded to the activation
 summed in fp32):
     g = clamp(x w1[e]^T, max=limit), u = clamp(x w3[e]^T, -limit, limit)
     out[b] += (w * silu(g) * u) w2[e]^T
+
+`torch.ops.v4.moe_experts` runs the plain-torch reference on CPU and the Triton grouped GEMM of
+kernels/moe_triton.py on CUDA; neither syncs with the host.
 """
 from __future__ import annotations
 
@@ -71,7 +74,22 @@ def _(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit):
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
-def moe_experts(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit: float) -> torch.Tensor:
+@moe_experts_op.register_kernel("cuda")
+def _(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit):
+    from kernels.moe_triton import moe_experts_triton  # triton only where the kernel runs
+
+    return moe_experts_triton(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit)
+
+
+IMPLS = ("auto", "triton", "reference")
+
+
+def moe_experts(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit: float, impl: str = "auto") -> torch.Tensor:
+    """[B,D] fp32 (see moe_experts_reference). impl: "auto" (the custom op: Triton on CUDA,
+    reference on CPU), "triton" (the Triton path directly, e.g. on CPU under
+    TRITON_INTERPRET=1) or "reference"."""
+    if impl not in IMPLS:
+        raise ValueError(f"moe_experts: impl must be one of {IMPLS}, got {impl!r}")
     if x.dim() != 2 or expert_ids.shape != expert_weights.shape or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(
             "moe_experts expects x [B,D], expert_ids and expert_weights [B,k]; got "
@@ -81,4 +99,10 @@ def moe_experts(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit: float) 
         raise ValueError(
             f"moe_experts: expert weights disagree: w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}, w3 {tuple(w3.shape)}"
         )
+    if impl == "triton":
+        from kernels.moe_triton import moe_experts_triton
+
+        return moe_experts_triton(x, expert_ids, expert_weights, w1, w2, w3, float(swiglu_limit))
+    if impl == "reference":
+        return moe_experts_reference(x, expert_ids, expert_weights, w1, w2, w3, float(swiglu_limit))
     return moe_experts_op(x, expert_ids, expert_weights, w1, w2, w3, float(swiglu_limit))

@@ -7,6 +7,8 @@ indices are all masked returns zeros, and its LSE is the sink.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -30,16 +32,33 @@ def sparse_mla_decode_reference(
     return out.to(q.dtype), row_max + torch.log(denom)
 
 
-@torch.library.custom_op("v4::sparse_mla_decode", mutates_args=())
+@torch.library.custom_op("v4::sparse_mla_decode", mutates_args=("workspace",))
 def sparse_mla_decode_op(
-    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    workspace: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU (and any non-CUDA device): the reference. `workspace` has no default on purpose: some
+    torch versions drop a trailing argument equal to its default before the in-place bookkeeping
+    of mutated arguments runs, and then fail to find it. `workspace` is split-K scratch for the CUDA
+    kernels (see kernels.sparse_mla_triton.sparse_mla_workspace); it carries no result."""
     return sparse_mla_decode_reference(q, kv_cache, indices, sink, scale)
 
 
+@sparse_mla_decode_op.register_kernel("cuda")
+def _(q, kv_cache, indices, sink, scale, workspace):
+    from kernels.sparse_mla_triton import sparse_mla_decode_triton  # triton only where CUDA runs
+
+    return sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace=workspace)
+
+
 @sparse_mla_decode_op.register_fake
-def _(q, kv_cache, indices, sink, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+def _(q, kv_cache, indices, sink, scale, workspace):
+    # Both implementations return a contiguous out, whatever q's strides.
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 def check_sparse_mla_inputs(q, kv_cache, indices, sink) -> None:
@@ -52,10 +71,52 @@ def check_sparse_mla_inputs(q, kv_cache, indices, sink) -> None:
         raise ValueError("sparse_mla_decode: q, kv_cache, indices and sink disagree on B, H or D")
     if indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"sparse_mla_decode: indices must be int32 or int64, got {indices.dtype}")
+    if not q.is_floating_point() or not kv_cache.is_floating_point() or not sink.is_floating_point():
+        raise ValueError(
+            f"sparse_mla_decode: q, kv_cache and sink must be floating point, got {q.dtype}, {kv_cache.dtype}, {sink.dtype}"
+        )
+    if len({t.device for t in (q, kv_cache, indices, sink)}) != 1:
+        raise ValueError(
+            "sparse_mla_decode: q, kv_cache, indices and sink must be on one device, got "
+            f"{q.device}, {kv_cache.device}, {indices.device}, {sink.device}"
+        )
 
 
-def sparse_mla_decode(q, kv_cache, indices, sink, scale, return_lse: bool = False):
-    """Attention output [B,H,D] (and the fp32 LSE [B,H] when return_lse)."""
+IMPLS = ("default", "reference", "simt", "head_batched", "split_k")
+
+
+def sparse_mla_workspace(batch: int, heads: int, head_dim: int, topk: int, device, dtype=torch.bfloat16) -> torch.Tensor:
+    """Split-K scratch for the CUDA path at these shapes, to allocate per batch bucket before a
+    CUDA-graph capture and pass as `workspace` (empty when the plan needs no split)."""
+    from kernels.sparse_mla_triton import sparse_mla_workspace as triton_workspace
+
+    return triton_workspace(batch, heads, head_dim, topk, device, dtype)
+
+
+def sparse_mla_decode(
+    q, kv_cache, indices, sink, scale, return_lse: bool = False, *, impl: str = "default", workspace=None
+):
+    """Attention output [B,H,D] (and the fp32 LSE [B,H] when return_lse). Valid indices must be
+    below slots * rows of kv_cache; that is not checked (it would need a device sync).
+
+    impl="default" goes through the custom op (reference on CPU, the default Triton path on CUDA);
+    "reference", "simt", "head_batched" and "split_k" call that implementation directly (for
+    benchmarks and tests). `workspace` (from sparse_mla_workspace) lets a CUDA-graph caller
+    preallocate the split-K scratch per batch bucket; without it the scratch is allocated per call."""
     check_sparse_mla_inputs(q, kv_cache, indices, sink)
-    out, lse = sparse_mla_decode_op(q, kv_cache, indices, sink, float(scale))
+    if impl == "default":
+        out, lse = sparse_mla_decode_op(q, kv_cache, indices, sink, float(scale), workspace)
+    elif impl == "reference":
+        out, lse = sparse_mla_decode_reference(q, kv_cache, indices, sink, float(scale))
+    elif impl in ("simt", "head_batched", "split_k"):
+        from kernels import sparse_mla_triton as triton_impl
+
+        if impl == "simt":
+            out, lse = triton_impl.sparse_mla_decode_simt(q, kv_cache, indices, sink, scale)
+        elif impl == "head_batched":
+            out, lse = triton_impl.sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale)
+        else:
+            out, lse = triton_impl.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, workspace=workspace)
+    else:
+        raise ValueError(f"sparse_mla_decode: impl must be one of {IMPLS}, got {impl!r}")
     return (out, lse) if return_lse else out

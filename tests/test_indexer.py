@@ -25,6 +25,15 @@ interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (without the interpreter)")
 
 
+@pytest.fixture(autouse=True)
+def fp32_matmul_without_tf32():
+    """The reference's fp32 einsum must not run in TF32 (other code may have enabled it)."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def fp64_scores(q, weights, cache, slots, visible):
     """score[b, t] in fp64 for every row of the slot (independent of both implementations)."""
     keys = cache[slots.long()].double()
@@ -200,6 +209,19 @@ def score_tolerance(scores):
     return 1e-4 * float(scores.abs().max())
 
 
+def capture(fn):
+    """Warm fn up on a side stream (as torch recommends), then capture one call: (graph, output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("rows", [8192, 65536])
@@ -219,11 +241,7 @@ def test_cuda_graph_replay_with_new_visible_counts():
     batch, rows, topk = 16, 4096, V4["topk"]
     q, weights, cache, slots = v4_inputs(batch, rows, seed=8)
     visible = torch.randint(0, rows, (batch,), device="cuda")
-    indexer_topk(q, weights, cache, slots, visible, topk)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        picks = indexer_topk(q, weights, cache, slots, visible, topk)
+    graph, picks = capture(lambda: indexer_topk(q, weights, cache, slots, visible, topk))
     for seed in (9, 10, 11):
         new_q, new_w, _, new_slots = v4_inputs(batch, rows, seed=seed)
         q.copy_(new_q)

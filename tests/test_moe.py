@@ -206,6 +206,19 @@ FLASH = dict(dim=4096, inter=2048, num_experts=16, picks=6)
 GPU_TOL = 2e-2  # bf16 rounding of gate/up, h and each expert output, summed in another order
 
 
+def capture(fn):
+    """Warm fn up on a side stream (as torch recommends), then capture one call: (graph, output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 @pytest.fixture(scope="module")
 def flash_weights():
     return expert_weights(FLASH["num_experts"], FLASH["dim"], FLASH["inter"], torch.bfloat16, "cuda", seed=80)
@@ -233,11 +246,7 @@ def test_cuda_graph_replay_with_new_routing(flash_weights):
     batch = 24
     x = torch.randn(batch, FLASH["dim"], device="cuda").to(torch.bfloat16)
     ids, weights = routing("random", batch, FLASH["picks"], FLASH["num_experts"], "cuda", seed=90)
-    moe_experts(x, ids, weights, w1, w2, w3, LIMIT)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_experts(x, ids, weights, w1, w2, w3, LIMIT)
+    graph, out = capture(lambda: moe_experts(x, ids, weights, w1, w2, w3, LIMIT))
     for seed, pattern in ((91, "one_hot_expert"), (92, "some_experts_idle"), (93, "random")):
         new_ids, new_weights = routing(pattern, batch, FLASH["picks"], FLASH["num_experts"], "cuda", seed=seed)
         ids.copy_(new_ids)

@@ -1,0 +1,237 @@
+"""compile_decode: Inductor compiles the decode step (custom ops stay opaque) and, on CUDA, one
+CUDA graph per batch-size bucket is captured around it, the way serving stacks replay decode.
+
+What it takes care of:
+- every compile, Triton JIT and autotune happens in warm-up, outside any capture;
+- PyTorch's own cudagraph trees stay off: this runner owns capture, into one shared pool;
+- padded rows read and write only the decoder's scratch slot (`pad_slot`), never a real one;
+- after warm-up a recompile is an error naming the failed guard (or a warning, if lenient);
+- a bucket whose capture fails falls back (compiled without a graph, else eager) and says why.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+log = logging.getLogger("fuse")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How `compile_decode` builds its runner."""
+
+    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    compile: bool = True  # False: eager step (for A/B checks)
+    cuda_graphs: bool = True  # False: no capture (for A/B checks); ignored on the CPU
+    dynamic_batch: bool = False  # one compile with a symbolic batch size instead of one per bucket
+    mode: str | None = None  # Inductor mode, e.g. "max-autotune-no-cudagraphs"
+    inductor_options: Mapping[str, object] | None = None  # passed to torch.compile(options=...)
+    cache_dir: str | None = None  # persistent Inductor/Triton caches: a second start is fast
+    strict: bool = True  # a recompile after warm-up raises; False: it warns and is counted
+    progress: bool = True  # one line per bucket with its warm-up/capture time
+
+    def __post_init__(self):
+        if not self.buckets or any(int(b) < 1 for b in self.buckets):
+            raise ValueError(f"buckets must be positive batch sizes, got {self.buckets}")
+        object.__setattr__(self, "buckets", tuple(sorted({int(b) for b in self.buckets})))
+        if self.mode and "reduce-overhead" in self.mode:
+            raise ValueError("mode 'reduce-overhead' turns on PyTorch's cudagraph trees; compile_decode captures its own graphs")
+
+
+@dataclass
+class RunnerStats:
+    compiles: int = 0  # graphs Dynamo compiled (all warm-up, unless a recompile happened)
+    graph_breaks: int = 0
+    recompiles: int = 0  # compiles after warm-up (lenient mode only; strict mode raises)
+    captured: list[int] = field(default_factory=list)  # buckets replayed from a CUDA graph
+    fallbacks: dict[int, str] = field(default_factory=dict)  # bucket -> why it runs without a graph
+    warmup_seconds: dict[int, float] = field(default_factory=dict)
+
+
+def _dynamo_totals() -> tuple[int, int]:
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+@dataclass
+class _Bucket:
+    size: int
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    run: Callable[[], torch.Tensor]  # fills nothing: runs the step on the static inputs
+
+
+class DecodeRunner:
+    """`runner(tokens, positions, slots) -> logits [B, vocab]`, the decoder's signature."""
+
+    def __init__(self, decoder, options: CompileOptions):
+        self.decoder = decoder
+        self.options = options
+        self.device = decoder.device
+        self.stats = RunnerStats()
+        buckets = [b for b in options.buckets if b <= decoder.max_batch]
+        if not buckets:
+            raise ValueError(f"no bucket fits max_batch={decoder.max_batch}: {options.buckets}")
+        self.buckets = tuple(buckets)
+        self.use_graphs = options.cuda_graphs and options.compile and self.device.type == "cuda"
+        self._step = self._make_step()
+        self._buckets: dict[int, _Bucket] = {}
+        self._warm_up()
+
+    # -- building -------------------------------------------------------------------------------
+    def _make_step(self) -> Callable:
+        if not self.options.compile:
+            return self.decoder.step
+        if self.options.cache_dir:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(self.options.cache_dir, "inductor")
+            os.environ["TRITON_CACHE_DIR"] = os.path.join(self.options.cache_dir, "triton")
+        options = {"triton.cudagraphs": False, **(self.options.inductor_options or {})}
+        kwargs = {"options": options} if self.options.mode is None else {"mode": self.options.mode}
+        if self.options.mode is not None and self.options.inductor_options:
+            raise ValueError("pass either mode or inductor_options, as torch.compile requires")
+        return torch.compile(
+            self.decoder.step, fullgraph=True, dynamic=True if self.options.dynamic_batch else False, **kwargs
+        )
+
+    def _static_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inputs of a bucket, filled with padding rows: token 0 at position 0 in the scratch slot."""
+        device = self.device
+        tokens = torch.zeros(size, dtype=torch.int64, device=device)
+        positions = torch.zeros(size, dtype=torch.int64, device=device)
+        slots = torch.full((size,), self.decoder.pad_slot, dtype=torch.int64, device=device)
+        if self.options.dynamic_batch and size > 1:
+            for t in (tokens, positions, slots):
+                torch._dynamo.mark_dynamic(t, 0)
+        return tokens, positions, slots
+
+    def _warm_up(self) -> None:
+        compiles0, breaks0 = _dynamo_totals()
+        pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        limit = max(8, 2 * len(self.buckets))
+        patch = torch._dynamo.config.patch(recompile_limit=limit) if hasattr(torch._dynamo.config, "recompile_limit") else torch._dynamo.config.patch(cache_size_limit=limit)
+        with patch:
+            # Largest first: the shared pool then serves the smaller graphs from the same memory.
+            for size in sorted(self.buckets, reverse=True):
+                start = time.perf_counter()
+                self._buckets[size] = self._build_bucket(size, pool)
+                self.stats.warmup_seconds[size] = time.perf_counter() - start
+                if self.options.progress:
+                    how = "graph" if size in self.stats.captured else self.stats.fallbacks.get(size, "no graph")
+                    log.warning("fuse: bucket %3d ready in %6.1f s (%s)", size, self.stats.warmup_seconds[size], how)
+        compiles1, breaks1 = _dynamo_totals()
+        self.stats.compiles = compiles1 - compiles0
+        self.stats.graph_breaks = breaks1 - breaks0
+
+    def _build_bucket(self, size: int, pool) -> _Bucket:
+        inputs = self._static_inputs(size)
+        step = self._step
+        if not self.use_graphs:
+            step(*inputs)  # compile (or check the eager path) now, not on the first request
+            return _Bucket(size, *inputs, run=lambda: step(*inputs))
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up off the capture stream: compile, JIT, autotune
+                for _ in range(2):
+                    step(*inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                output = step(*inputs)
+            self.stats.captured.append(size)
+
+            def replay() -> torch.Tensor:
+                graph.replay()
+                return output
+
+            return _Bucket(size, *inputs, run=replay)
+        except Exception as error:  # this bucket runs without a graph; the others are unaffected
+            torch.cuda.synchronize()
+            reason = f"capture failed: {type(error).__name__}: {error}".splitlines()[0][:300]
+            log.warning("fuse: bucket %d falls back to running without a CUDA graph (%s)", size, reason)
+            try:
+                step(*inputs)
+                self.stats.fallbacks[size] = reason + "; runs compiled without a graph"
+                return _Bucket(size, *inputs, run=lambda: step(*inputs))
+            except Exception as second:
+                eager = self.decoder.step
+                self.stats.fallbacks[size] = reason + f"; compiled run failed too ({type(second).__name__}); runs eager"
+                return _Bucket(size, *inputs, run=lambda: eager(*inputs))
+
+    # -- running --------------------------------------------------------------------------------
+    def bucket_for(self, batch: int) -> int:
+        return next(b for b in self.buckets if b >= batch)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        tokens, positions, slots = self.decoder.check_inputs(tokens, positions, slots)
+        largest = self.buckets[-1]
+        chunks = [
+            self._run(tokens[i : i + largest], positions[i : i + largest], slots[i : i + largest])
+            for i in range(0, tokens.shape[0], largest)
+        ]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+    def _run(self, tokens, positions, slots) -> torch.Tensor:
+        n = tokens.shape[0]
+        bucket = self._buckets[self.bucket_for(n)]
+        for static, value, pad in (
+            (bucket.tokens, tokens, 0),
+            (bucket.positions, positions, 0),
+            (bucket.slots, slots, self.decoder.pad_slot),
+        ):
+            static[:n].copy_(value)
+            static[n:].fill_(pad)  # rows a larger batch left behind must not touch its slots
+        with self._recompile_guard():
+            output = bucket.run()
+        return output[:n].clone()  # the caller owns it; the static output is overwritten next call
+
+    @contextlib.contextmanager
+    def _recompile_guard(self):
+        if not self.options.compile or self.use_graphs and not self.stats.fallbacks:
+            yield  # graph replays and eager runs never consult Dynamo
+            return
+        before, _ = _dynamo_totals()
+        if self.options.strict:
+            try:
+                with torch._dynamo.config.patch(error_on_recompile=True):
+                    yield
+            except torch._dynamo.exc.RecompileError as error:
+                raise RuntimeError(
+                    f"the compiled decode step would recompile after warm-up, which compile_decode forbids "
+                    f"(pass CompileOptions(strict=False) to allow it with a warning):\n{error}"
+                ) from error
+            return
+        yield
+        after, _ = _dynamo_totals()
+        if after > before:
+            self.stats.recompiles += after - before
+            warnings.warn(f"fuse: the decode step recompiled after warm-up ({self.stats.recompiles} so far)")
+
+    def describe(self) -> str:
+        s = self.stats
+        lines = [
+            f"buckets {list(self.buckets)} on {self.device}: compiled={self.options.compile} "
+            f"graphs={self.use_graphs} dynamic_batch={self.options.dynamic_batch}",
+            f"compiles {s.compiles}, graph breaks {s.graph_breaks}, recompiles after warm-up {s.recompiles}",
+        ]
+        lines += [f"bucket {b}: {reason}" for b, reason in sorted(s.fallbacks.items())]
+        return "\n".join(lines)
+
+
+def compile_decode(decoder, buckets=None, **options) -> DecodeRunner:
+    """Compile `decoder`'s step and, on CUDA, capture one graph per batch bucket.
+    Keyword options are the fields of CompileOptions."""
+    if buckets is not None:
+        options["buckets"] = tuple(buckets)
+    return DecodeRunner(decoder, CompileOptions(**options))
+

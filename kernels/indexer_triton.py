@@ -1,0 +1,241 @@
+"""Triton indexer top-k (semantics: kernels/indexer.py), with work proportional to the visible
+entries rather than the cache capacity.
+
+Two kernels:
+
+- score: grid (sequence, worker). Worker p of sequence b scores the chunks p, p + W, p + 2W, ...
+  of SCORE_BLOCK_T entries below visible[b]: one tensor-core product K q^T per chunk, relu,
+  then the head-weighted sum in fp32. The worker count W comes from the batch and the SM count
+  (one resident wave), capped only by a tiny capacity, so a larger capacity adds no program.
+  Each score is written as an order-preserving int32 key (the fp32 bits with the magnitude
+  flipped for negatives) to a [B, capacity] scratch, visible part only.
+- select: one program per sequence. With at most `topk` visible entries the answer is
+  0..visible-1; otherwise a radix select over the visible keys (four 8-bit digit passes, each a
+  histogram of the keys that still match the prefix found so far; it stops early once the
+  threshold bin holds exactly the remaining picks) finds the top-k threshold, and a final pass
+  writes the entries above it, plus the first threshold ties by entry number, to the output.
+
+The output is the same *set* as the reference's top-k but in ascending entry order, not sorted
+by score. Ties at the threshold go to the lowest entry numbers (the reference leaves tie order
+to torch.topk).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# The interpreter has no SMs; a small count keeps its grids small.
+INTERPRETER_NUM_SMS = 8
+SCORE_BLOCK_T = 64
+SELECT_BLOCK = 2048
+# Score programs resident per SM (about 65 KB of shared memory each at 3 stages): one wave of
+# workers covers the GPU, each looping over its share of the visible chunks.
+WORKERS_PER_SM = 3
+
+
+@triton.jit
+def _visible_count(visible_ptr, b, rows):
+    """visible[b] clamped to [0, rows], as int32."""
+    vis = tl.load(visible_ptr + b)
+    return tl.minimum(tl.maximum(vis, 0), rows).to(tl.int32)
+
+
+@triton.jit
+def _indexer_score_kernel(
+    q_ptr, w_ptr, cache_ptr, slots_ptr, visible_ptr, keys_ptr,
+    rows,
+    stride_qb, stride_qh, stride_qd,
+    stride_wb, stride_wh,
+    stride_cs, stride_cr, stride_cd,
+    stride_kb,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    worker = tl.program_id(1)
+    num_workers = tl.num_programs(1)
+    vis = _visible_count(visible_ptr, b, rows)
+    num_chunks = tl.cdiv(vis, BLOCK_T)
+    if worker >= num_chunks:
+        return
+
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    head_ok = heads < NUM_HEADS
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :] * stride_qd,
+        mask=head_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    q_t = tl.trans(q)  # [BLOCK_D, BLOCK_H]
+    w = tl.load(w_ptr + b * stride_wb + heads * stride_wh, mask=head_ok, other=0.0).to(tl.float32)
+    slot_base = cache_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_cs
+    key_row = keys_ptr + b.to(tl.int64) * stride_kb
+    entries = tl.arange(0, BLOCK_T)
+
+    for chunk in range(worker, num_chunks, num_workers):
+        t = chunk * BLOCK_T + entries
+        t_ok = t < vis
+        k = tl.load(
+            slot_base + t[:, None].to(tl.int64) * stride_cr + dims[None, :] * stride_cd,
+            mask=t_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        s = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # [BLOCK_T, BLOCK_H], fp32
+        score = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
+        # Order-preserving int32 key: flip the magnitude bits of negative floats.
+        bits = score.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        tl.store(key_row + t, key, mask=t_ok)
+
+
+@triton.jit
+def _indexer_select_kernel(
+    keys_ptr, visible_ptr, out_ptr,
+    rows, stride_kb, stride_ob,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    vis = _visible_count(visible_ptr, b, rows)
+    key_row = keys_ptr + b.to(tl.int64) * stride_kb
+    out_row = out_ptr + b.to(tl.int64) * stride_ob
+    lanes = tl.arange(0, BLOCK)
+
+    if vis <= TOPK:  # everything visible is picked
+        for start in range(0, TOPK, BLOCK):
+            j = start + lanes
+            tl.store(out_row + j, tl.where(j < vis, j, -1), mask=j < TOPK)
+        return
+
+    # Radix select of the TOPK-th largest key, most significant digit first. Invariant: the
+    # threshold key starts with `prefix` (bits >= shift) and is the want-th largest of the keys
+    # with that prefix.
+    bins = tl.arange(0, 256)
+    prefix = vis * 0
+    shift = vis * 0
+    want = vis * 0 + TOPK
+    done = vis < 0
+    for digit_pass in tl.static_range(4):
+        digit_shift = 24 - 8 * digit_pass
+        hist = tl.zeros([256], dtype=tl.int32)
+        for start in range(0, tl.where(done, 0, vis), BLOCK):
+            offs = start + lanes
+            in_range = offs < vis
+            key = tl.load(key_row + offs, mask=in_range, other=0)
+            if digit_pass == 0:
+                digit = ((key >> 24) + 128) & 255  # signed top byte, biased to [0, 256)
+                match = in_range
+            else:
+                digit = (key >> digit_shift) & 255
+                match = in_range & ((key >> (digit_shift + 8)) == (prefix >> (digit_shift + 8)))
+            hist += tl.histogram(digit, 256, mask=match)
+        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        bin_ = tl.max(tl.where(at_or_above >= want, bins, -1), axis=0)
+        above = tl.sum(tl.where(bins > bin_, hist, 0), axis=0)
+        in_bin = tl.sum(tl.where(bins == bin_, hist, 0), axis=0)
+        if digit_pass == 0:
+            new_prefix = (bin_ - 128) << 24
+        else:
+            new_prefix = prefix | (bin_ << digit_shift)
+        prefix = tl.where(done, prefix, new_prefix)
+        shift = tl.where(done, shift, digit_shift)
+        want = tl.where(done, want, want - above)
+        # The bin holds exactly the remaining picks: every key with this prefix is taken.
+        done = done | (in_bin == want)
+
+    # Write the picks in entry order: keys above the threshold prefix, and the first `want` of
+    # the keys equal to it (all of them when the select stopped early).
+    threshold = prefix >> shift
+    written = vis * 0
+    ties_seen = vis * 0
+    for start in range(0, vis, BLOCK):
+        offs = start + lanes
+        in_range = offs < vis
+        key = tl.load(key_row + offs, mask=in_range, other=0) >> shift
+        tie = (in_range & (key == threshold)).to(tl.int32)
+        tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
+        take = (in_range & (key > threshold)) | ((tie != 0) & (tie_rank < want))
+        take_i = take.to(tl.int32)
+        pos = written + tl.cumsum(take_i, axis=0) - take_i
+        tl.store(out_row + pos, offs, mask=take & (pos < TOPK))
+        written += tl.sum(take_i, axis=0)
+        ties_seen += tl.sum(tie, axis=0)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would default to TF32 on tensor cores; keep them exact like the reference.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def select_topk_keys(keys: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
+    """The selection stage alone: keys [B, R] int32 (order-preserving score keys, only
+    keys[b, :visible[b]] are read) -> the entries of the `topk` largest keys per row, [B, topk]
+    int32 in ascending entry order, -1 past the visible count; ties at the threshold go to the
+    lowest entry numbers."""
+    if keys.dtype != torch.int32 or keys.dim() != 2:
+        raise ValueError(f"select_topk_keys: keys must be [B, R] int32, got {keys.dtype} {tuple(keys.shape)}")
+    keys = keys if keys.stride(1) == 1 else keys.contiguous()
+    batch, rows = keys.shape
+    out = torch.empty((batch, topk), dtype=torch.int32, device=keys.device)
+    if batch == 0:
+        return out
+    _indexer_select_kernel[(batch,)](
+        keys, visible, out,
+        rows, keys.stride(0), out.stride(0),
+        TOPK=topk, BLOCK=SELECT_BLOCK,
+        num_warps=8,
+    )
+    return out
+
+
+def indexer_topk_triton(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    slots: torch.Tensor,
+    visible: torch.Tensor,
+    topk: int,
+) -> torch.Tensor:
+    """Top-`topk` entry numbers [B, topk] int32 per sequence, -1 past the visible count.
+
+    Same arguments and same set of picks as `indexer_topk_reference`; the picks come in
+    ascending entry order (not by score). Launch shapes depend on B, the head sizes and the
+    SM count only, so the op is CUDA-graph safe and its cost follows visible[b], not the
+    capacity index_cache.shape[1]."""
+    if topk < 1:
+        raise ValueError(f"indexer_topk: topk must be >= 1, got {topk}")
+    if q.dtype != index_cache.dtype:
+        raise ValueError(f"indexer_topk: q is {q.dtype} but index_cache is {index_cache.dtype}")
+    if slots.dtype.is_floating_point or visible.dtype.is_floating_point:
+        raise ValueError("indexer_topk: slots and visible must be integer tensors")
+    batch, num_heads, head_dim = q.shape
+    rows = index_cache.shape[1]
+    if batch == 0 or rows == 0:  # nothing can be visible
+        return torch.full((batch, topk), -1, dtype=torch.int32, device=q.device)
+    keys = torch.empty((batch, rows), dtype=torch.int32, device=q.device)
+    workers = max(1, min(triton.cdiv(rows, SCORE_BLOCK_T), WORKERS_PER_SM * _num_sms(q.device) // batch))
+    _indexer_score_kernel[(batch, workers)](
+        q, weights, index_cache, slots, visible, keys,
+        rows,
+        q.stride(0), q.stride(1), q.stride(2),
+        weights.stride(0), weights.stride(1),
+        index_cache.stride(0), index_cache.stride(1), index_cache.stride(2),
+        keys.stride(0),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_T=SCORE_BLOCK_T,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=3,
+    )
+    return select_topk_keys(keys, visible, topk)

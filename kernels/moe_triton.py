@@ -1,0 +1,443 @@
+"""Triton routed experts (semantics: kernels/moe.py): a grouped GEMM over the (token, expert)
+pairs of the batch, CUDA-graph safe (no host sync, no data-dependent shape).
+
+Pipeline, all on the device:
+
+1. Route: sort the B*k pairs by expert and lay them out in blocks of `block_m` rows, each
+   expert's pairs padded to a whole number of blocks. Buffers have the static bound
+   B*k + min(E, B*k)*(block_m - 1) rows. Per block: its expert (-1 for unused blocks) and its
+   count of real rows. One single-program Triton kernel for decode-sized batches (a sort of the
+   pair keys plus a histogram); torch ops (argsort, cumsum, searchsorted) for large ones.
+2. Gate/up: per (block, N tile of the intermediate), g = x w1^T and u = x w3^T in one K loop,
+   both rounded to the activation dtype, clamped, h = silu(g) * u * routing weight, rounded.
+3. Down: per (block, N tile of the model width), y = h w2^T rounded to the activation dtype,
+   stored per pair.
+4. Combine: out[b] = sum over the k picks of y in fp32, in pick order (deterministic).
+
+A program whose block has no expert returns before loading any weight, so a batch reads only
+the experts it selected (at B=1, six). Tiles are chosen from the static shapes and the SM count
+(`choose_tiles`): small token counts per expert make the products GEMV-like, so N is split
+finely enough to give every SM several programs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# The interpreter has no SMs; a small count keeps its grids small.
+INTERPRETER_NUM_SMS = 8
+# Largest B*k routed by the single-program kernel (it holds every pair in registers).
+MAX_PAIRS_ONE_PROGRAM = 4096
+PROGRAMS_PER_SM = 4
+# Shared memory per pipeline stage that still lets two programs share an SM at 4 stages.
+STAGE_BYTES = 24 * 1024
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """Launch shape: rows (pairs) per block, N and K tiles of the gate/up and down products."""
+
+    block_m: int
+    up_block_n: int
+    up_block_k: int
+    down_block_n: int
+    down_block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclass(frozen=True)
+class PairBlocks:
+    """Pairs grouped by expert in blocks of block_m rows (see the module docstring).
+
+    sorted_pair [num_blocks*block_m] int32: flat pair index (token*k + pick) of each row; rows
+    past a block's count are padding and are never read. block_expert [num_blocks] int32:
+    expert of each block, -1 for unused blocks. block_rows [num_blocks] int32: real rows."""
+
+    sorted_pair: torch.Tensor
+    block_expert: torch.Tensor
+    block_rows: torch.Tensor
+    block_m: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_expert.shape[0]
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static bound on the blocks: each expert with pairs wastes at most block_m - 1 rows."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, triton.next_power_of_2(max(1, n)))
+
+
+def _widest_tile(n: int, active_experts: int, num_sms: int, choices: tuple[int, ...]) -> int:
+    """The widest N tile that still gives every SM PROGRAMS_PER_SM programs, else the narrowest."""
+    for block_n in choices:
+        if active_experts * triton.cdiv(n, block_n) >= PROGRAMS_PER_SM * num_sms:
+            return block_n
+    return choices[-1]
+
+
+def _deepest_k(rows: int, elem_bytes: int, k: int) -> int:
+    for block_k in (256, 128, 64, 32):
+        if rows * block_k * elem_bytes <= STAGE_BYTES and block_k <= max(32, triton.next_power_of_2(k)):
+            return block_k
+    return 16
+
+
+def choose_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, elem_bytes: int, num_sms: int) -> MoeTiles:
+    """Tiles from static shapes: block_m fits the expected pairs per expert (16..64), the N tiles
+    are as wide as the SM count allows, the K tiles as deep as the per-stage budget allows."""
+    active = max(1, min(num_pairs, num_experts))
+    block_m = min(64, _pow2_at_least(triton.cdiv(num_pairs, active), 16))
+    up_n = _widest_tile(inter, active, num_sms, (64, 32, 16))
+    down_n = _widest_tile(dim, active, num_sms, (128, 64, 32, 16))
+    return MoeTiles(
+        block_m=block_m,
+        up_block_n=up_n,
+        up_block_k=_deepest_k(block_m + 2 * up_n, elem_bytes, dim),
+        down_block_n=down_n,
+        down_block_k=_deepest_k(block_m + down_n, elem_bytes, inter),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _route_pairs_kernel(
+    ids_ptr, shift_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
+    num_pairs, num_experts, num_blocks,
+    BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
+):
+    pair = tl.arange(0, PAIRS)
+    expert = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1).to(tl.int32)
+    valid = (pair < num_pairs) & (expert >= 0) & (expert < num_experts)
+    counts = tl.histogram(tl.where(valid, expert, 0), EXPERTS, mask=valid)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    first = tl.cumsum(counts, axis=0) - counts  # rank of each expert's first pair in sorted order
+
+    # Stable sort by expert: key = expert * PAIRS + pair (invalid pairs sort last).
+    experts = tl.arange(0, EXPERTS)
+    tl.store(shift_ptr + experts, padded_start - first)
+    tl.debug_barrier()  # the table is read back below through other threads' addresses
+    key = tl.sort(tl.where(valid, expert * PAIRS + pair, EXPERTS * PAIRS))
+    rank = tl.arange(0, PAIRS)
+    sorted_ok = key < EXPERTS * PAIRS
+    sorted_expert = tl.where(sorted_ok, key // PAIRS, 0)
+    row = rank + tl.load(shift_ptr + sorted_expert, mask=sorted_ok, other=0)
+    tl.store(sorted_pair_ptr + row, key % PAIRS, mask=sorted_ok)
+
+    # Block table: the expert whose padded rows hold each block's first row.
+    for first_block in range(0, num_blocks, BLOCKS_PER_STEP):
+        block = first_block + tl.arange(0, BLOCKS_PER_STEP)
+        row0 = block * BLOCK_M
+        inside = (row0[:, None] >= padded_start[None, :]) & (row0[:, None] < padded_end[None, :])
+        owner = tl.sum(tl.where(inside, experts[None, :], 0), axis=1)
+        used = tl.sum(inside.to(tl.int32), axis=1) > 0
+        rows_left = tl.sum(tl.where(inside, counts[None, :] - (row0[:, None] - padded_start[None, :]), 0), axis=1)
+        tl.store(block_expert_ptr + block, tl.where(used, owner, -1), mask=block < num_blocks)
+        tl.store(block_rows_ptr + block, tl.where(used, tl.minimum(rows_left, BLOCK_M), 0), mask=block < num_blocks)
+
+
+def _route_pairs_torch(flat_ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int) -> PairBlocks:
+    """Same layout as _route_pairs_kernel with torch ops (no host sync), for large batches."""
+    device = flat_ids.device
+    ids = flat_ids.long()
+    valid = (ids >= 0) & (ids < num_experts)
+    bucket = torch.where(valid, ids, num_experts)  # an extra bucket for invalid ids gets no block
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    first = counts.cumsum(0) - counts
+    order = torch.argsort(bucket, stable=True)
+    sorted_bucket = bucket[order]
+    sorted_ok = sorted_bucket < num_experts
+    shift = torch.cat([padded_start - first, padded_start.new_zeros(1)])
+    rank = torch.arange(ids.numel(), device=device)
+    dump = num_blocks * block_m  # invalid pairs land in one extra row, cut off below
+    row = torch.where(sorted_ok, rank + shift[sorted_bucket], dump)
+    sorted_pair = torch.empty(dump + 1, dtype=torch.int32, device=device)
+    sorted_pair.scatter_(0, row, order.to(torch.int32))
+
+    row0 = torch.arange(num_blocks, device=device) * block_m
+    owner = torch.searchsorted(padded_end, row0, right=True)
+    used = owner < num_experts
+    owner = owner.clamp(max=num_experts - 1)
+    rows_left = (counts[owner] - (row0 - padded_start[owner])).clamp(max=block_m)
+    return PairBlocks(
+        sorted_pair=sorted_pair[:dump],
+        block_expert=torch.where(used, owner, -1).to(torch.int32),
+        block_rows=torch.where(used, rows_left, 0).to(torch.int32),
+        block_m=block_m,
+    )
+
+
+def route_pairs(expert_ids: torch.Tensor, num_experts: int, block_m: int, method: str = "auto") -> PairBlocks:
+    """Group the pairs of expert_ids [B,k] by expert (see PairBlocks). method: "kernel" (one
+    Triton program), "torch", or "auto" (the kernel up to MAX_PAIRS_ONE_PROGRAM pairs)."""
+    flat_ids = expert_ids.reshape(-1)
+    num_pairs = flat_ids.numel()
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+    if method == "auto":
+        method = "kernel" if num_pairs <= MAX_PAIRS_ONE_PROGRAM else "torch"
+    if method == "torch":
+        return _route_pairs_torch(flat_ids, num_experts, block_m, num_blocks)
+    if method != "kernel":
+        raise ValueError(f"route_pairs: unknown method {method!r}")
+    if num_pairs > MAX_PAIRS_ONE_PROGRAM:
+        raise ValueError(f"route_pairs: the kernel takes at most {MAX_PAIRS_ONE_PROGRAM} pairs, got {num_pairs}")
+    device = flat_ids.device
+    experts_pow2 = _pow2_at_least(num_experts, 32)  # at least one histogram bin per lane
+    shift = torch.empty(experts_pow2, dtype=torch.int32, device=device)
+    sorted_pair = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    block_rows = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    _route_pairs_kernel[(1,)](
+        flat_ids, shift, sorted_pair, block_expert, block_rows,
+        num_pairs, num_experts, num_blocks,
+        BLOCK_M=block_m,
+        PAIRS=_pow2_at_least(num_pairs, 16),
+        EXPERTS=experts_pow2,
+        BLOCKS_PER_STEP=max(16, 4096 // experts_pow2),
+        num_warps=4,
+    )
+    return PairBlocks(sorted_pair, block_expert, block_rows, block_m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert products
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _block_rows(sorted_pair_ptr, block_expert_ptr, block_rows_ptr, block, BLOCK_M: tl.constexpr):
+    """The block's expert (-1: unused), its row offsets, the real-row mask and their pair indices."""
+    expert = tl.load(block_expert_ptr + block)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = tl.arange(0, BLOCK_M) < tl.load(block_rows_ptr + block)
+    pair = tl.load(sorted_pair_ptr + rows, mask=row_ok, other=0)
+    return expert, rows, row_ok, pair
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w1_ptr, w3_ptr, route_w_ptr, h_ptr,
+    sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
+    dim, inter, swiglu_limit,
+    stride_xm, stride_xk,
+    stride_w1e, stride_w1n, stride_w1k,
+    stride_w3e, stride_w3n, stride_w3k,
+    stride_hm, stride_hn,
+    PICKS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(inter, BLOCK_N)
+    block = pid // tiles_n
+    tile_n = pid % tiles_n
+    expert, rows, row_ok, pair = _block_rows(sorted_pair_ptr, block_expert_ptr, block_rows_ptr, block, BLOCK_M)
+    if expert < 0:
+        return
+
+    token = pair // PICKS
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    expert = expert.to(tl.int64)
+    w1_ptrs = w1_ptr + expert * stride_w1e + offs_n[None, :].to(tl.int64) * stride_w1n + offs_k[:, None] * stride_w1k
+    w3_ptrs = w3_ptr + expert * stride_w3e + offs_n[None, :].to(tl.int64) * stride_w3n + offs_k[:, None] * stride_w3k
+
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, dim, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            w1 = tl.load(w1_ptrs, mask=n_ok[None, :], other=0.0)
+            w3 = tl.load(w3_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = (k + offs_k) < dim
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w1 = tl.load(w1_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            w3 = tl.load(w3_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc_gate = tl.dot(x, w1, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(x, w3, acc_up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w1_ptrs += BLOCK_K * stride_w1k
+        w3_ptrs += BLOCK_K * stride_w3k
+
+    # As the reference: products rounded to the activation dtype, SwiGLU and weighting in fp32.
+    act_dtype = h_ptr.dtype.element_ty
+    gate = acc_gate.to(act_dtype).to(tl.float32)
+    up = acc_up.to(act_dtype).to(tl.float32)
+    if HAS_LIMIT:
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        gate = tl.minimum(gate, swiglu_limit)
+    route_w = tl.load(route_w_ptr + pair, mask=row_ok, other=0.0)
+    h = gate * tl.sigmoid(gate) * up * route_w[:, None]
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_n[None, :] * stride_hn
+    tl.store(h_ptrs, h.to(act_dtype), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w2_ptr, y_ptr,
+    sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
+    dim, inter,
+    stride_hm, stride_hk,
+    stride_we, stride_wn, stride_wk,
+    stride_ym, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(dim, BLOCK_N)
+    block = pid // tiles_n
+    tile_n = pid % tiles_n
+    expert, rows, row_ok, pair = _block_rows(sorted_pair_ptr, block_expert_ptr, block_rows_ptr, block, BLOCK_M)
+    if expert < 0:
+        return
+
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < dim
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_k[None, :] * stride_hk
+    w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, inter, BLOCK_K):
+        if EVEN_K:
+            h = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = (k + offs_k) < inter
+            h = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K * stride_hk
+        w_ptrs += BLOCK_K * stride_wk
+
+    y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, ids_ptr, out_ptr,
+    dim, num_experts,
+    stride_ym, stride_ob,
+    PICKS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < dim
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for pick in tl.static_range(PICKS):
+        pair = token * PICKS + pick
+        expert = tl.load(ids_ptr + pair)
+        routed = (expert >= 0) & (expert < num_experts)  # pairs with an invalid id were never computed
+        y = tl.load(y_ptr + pair.to(tl.int64) * stride_ym + offs_n, mask=n_ok, other=0.0)
+        acc += tl.where(routed, y.to(tl.float32), 0.0)
+    tl.store(out_ptr + token.to(tl.int64) * stride_ob + offs_n, acc, mask=n_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would default to TF32 on tensor cores; keep them exact like the reference.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def moe_experts_triton(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    swiglu_limit: float,
+    tiles: MoeTiles | None = None,
+    routing: str = "auto",
+) -> torch.Tensor:
+    """Weighted sum of each token's experts, [B,D] fp32 (arguments as moe_experts_reference).
+    Expert ids outside [0, E) contribute nothing. `tiles` overrides choose_tiles and `routing`
+    the route_pairs method (both for tuning and tests)."""
+    if not (x.dtype == w1.dtype == w2.dtype == w3.dtype):
+        raise ValueError(f"moe_experts: x {x.dtype} and weights {w1.dtype}, {w2.dtype}, {w3.dtype} must share a dtype")
+    if expert_ids.dtype.is_floating_point:
+        raise ValueError(f"moe_experts: expert_ids must be integer, got {expert_ids.dtype}")
+    batch, dim = x.shape
+    picks = expert_ids.shape[1]
+    num_experts, inter, _ = w1.shape
+    out = torch.empty((batch, dim), dtype=torch.float32, device=x.device)
+    if batch == 0 or picks == 0:
+        return out.zero_()
+    num_pairs = batch * picks
+    if tiles is None:
+        tiles = choose_tiles(num_pairs, num_experts, dim, inter, x.element_size(), _num_sms(x.device))
+
+    ids = expert_ids.contiguous()
+    route_w = expert_weights.reshape(-1).to(torch.float32).contiguous()
+    blocks = route_pairs(ids, num_experts, tiles.block_m, routing)
+    h = torch.empty((blocks.num_blocks * tiles.block_m, inter), dtype=x.dtype, device=x.device)
+    y = torch.empty((num_pairs, dim), dtype=x.dtype, device=x.device)
+    precision = _dot_precision(x.dtype)
+    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+    _gate_up_kernel[(blocks.num_blocks * triton.cdiv(inter, tiles.up_block_n),)](
+        x, w1, w3, route_w, h,
+        blocks.sorted_pair, blocks.block_expert, blocks.block_rows,
+        dim, inter, float(swiglu_limit),
+        x.stride(0), x.stride(1),
+        w1.stride(0), w1.stride(1), w1.stride(2),
+        w3.stride(0), w3.stride(1), w3.stride(2),
+        h.stride(0), h.stride(1),
+        PICKS=picks, HAS_LIMIT=swiglu_limit > 0,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.up_block_n, BLOCK_K=tiles.up_block_k,
+        EVEN_K=dim % tiles.up_block_k == 0, DOT_PRECISION=precision,
+        **launch,
+    )
+    _down_kernel[(blocks.num_blocks * triton.cdiv(dim, tiles.down_block_n),)](
+        h, w2, y,
+        blocks.sorted_pair, blocks.block_expert, blocks.block_rows,
+        dim, inter,
+        h.stride(0), h.stride(1),
+        w2.stride(0), w2.stride(1), w2.stride(2),
+        y.stride(0), y.stride(1),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k,
+        EVEN_K=inter % tiles.down_block_k == 0, DOT_PRECISION=precision,
+        **launch,
+    )
+    combine_n = min(1024, triton.next_power_of_2(dim))
+    _combine_kernel[(batch, triton.cdiv(dim, combine_n))](
+        y, ids, out,
+        dim, num_experts,
+        y.stride(0), out.stride(0),
+        PICKS=picks, BLOCK_N=combine_n,
+        num_warps=4,
+    )
+    return out

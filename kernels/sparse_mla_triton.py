@@ -1,0 +1,512 @@
+"""Triton implementations of sparse MLA decode (semantics: kernels/sparse_mla.py).
+
+Three kernels compute the same thing:
+
+- simt: one program per (sequence, head) with CUDA-core dot products. Every gathered row is
+  fetched once per head (64x for V4), which makes it the baseline to beat.
+- head_batched: one program per (sequence, block of heads). Each KV tile of `block_k` gathered
+  rows is loaded once and feeds two tensor-core products, S = Q K^T and O += P V, with an online
+  softmax in fp32. The 512-wide head dim is one tile (Triton splits the products into MMA steps),
+  except that a 64-head block splits its output columns between two programs (see _tiles_for).
+- split_k: head_batched with the index list cut into `num_splits` contiguous pieces. Each
+  program writes its normalised partial output and base-2 LSE to fp32 scratch; a combine kernel
+  merges the pieces with log-sum-exp and adds the sink. This fills the GPU when
+  batch x head-blocks is far below the SM count.
+
+`sparse_mla_decode_triton` is the default: tiles and split count are pure functions of the shapes
+and the SM count (so one CUDA-graph capture per batch bucket stays valid), and it skips the
+combine when one split suffices. Softmax runs in base 2: scores carry scale * log2(e).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.sparse_mla import check_sparse_mla_inputs
+
+LOG2E = 1.4426950408889634
+# Globals read inside kernels must be constexpr.
+LOG2E_C = tl.constexpr(LOG2E)
+LN2_C = tl.constexpr(0.6931471805599453)
+MAX_SPLITS = 64
+# The interpreter has no SMs; a small count keeps the default plan (and the grids) small there.
+INTERPRETER_NUM_SMS = 8
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape of the head-batched kernel: heads and gathered rows per program, warps,
+    pipeline depth, and into how many programs (1 or 2) the output columns are split."""
+
+    block_h: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    dv_split: int = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_offsets(idx_row_ptr, offs_k, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS: tl.constexpr):
+    """Element offsets of the KV rows named by indices[offs_k] (global row numbers; -1 and
+    offs_k >= k_end are masked: offset 0, valid False). FLAT_ROWS: slots are evenly strided
+    (stride_slot = rows_per_slot * stride_row), so row g sits at g * stride_row; otherwise g is
+    split into (slot, row) first."""
+    idx = tl.load(idx_row_ptr + offs_k * stride_ik, mask=offs_k < k_end, other=-1)
+    valid = idx >= 0
+    row = tl.where(valid, idx, 0)
+    if FLAT_ROWS:
+        row_off = row.to(tl.int64) * stride_row
+    else:
+        slot = row // rows_per_slot
+        row_off = slot.to(tl.int64) * stride_slot + (row - slot * rows_per_slot).to(tl.int64) * stride_row
+    return row_off, valid
+
+
+@triton.jit
+def _load_rows(kv_ptr, row_off, valid, offs_d, d_ok, stride_d):
+    """The tile [len(row_off), len(offs_d)] of those rows' columns offs_d, zeros where masked."""
+    return tl.load(
+        kv_ptr + row_off[:, None] + offs_d[None, :] * stride_d, mask=valid[:, None] & d_ok[None, :], other=0.0
+    )
+
+
+@triton.jit
+def _online_softmax_step(s, valid, m_i, l_i):
+    """One online-softmax update on base-2 scores s [rows, BLOCK_K] (masked columns become -inf).
+    Returns the unnormalised probabilities p, the factor alpha that rescales earlier sums, and the
+    new (m, l). A row with no valid score so far keeps m = -inf; m_ref = 0 keeps p, alpha finite."""
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_new = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_new
+
+
+@triton.jit
+def _finish_with_sink(m_i, l_i, sink2):
+    """Add the sink (base 2) to the denominator only. Returns the factor that turns the
+    unnormalised accumulator into the output, and the natural-log LSE. With no valid index
+    m_i = -inf, the factor is 0 and the LSE is the sink."""
+    m_all = tl.maximum(m_i, sink2)
+    w = tl.exp2(m_i - m_all)
+    denom = l_i * w + tl.exp2(sink2 - m_all)
+    return w / denom, (m_all + tl.log2(denom)) * LN2_C
+
+
+@triton.jit
+def _simt_kernel(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr,
+    K, D, rows_per_slot, scale_log2,
+    stride_qb, stride_qh, stride_qd,
+    stride_slot, stride_row, stride_d,
+    stride_ib, stride_ik, stride_sink,
+    stride_ob, stride_oh, stride_lb,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, FLAT_ROWS: tl.constexpr,
+):
+    h = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_d * stride_qd, mask=d_ok, other=0.0).to(tl.float32)
+
+    # One query row: the softmax state is [1]-shaped so it shares the head-batched helpers.
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([1], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([1], dtype=tl.float32)
+    idx_row_ptr = idx_ptr + b * stride_ib
+    for start in range(0, K, BLOCK_K):
+        offs_k = start + tl.arange(0, BLOCK_K)
+        row_off, valid = _row_offsets(
+            idx_row_ptr, offs_k, K, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS
+        )
+        kv = _load_rows(kv_ptr, row_off, valid, offs_d, d_ok, stride_d)
+        kv_f = kv.to(tl.float32)
+        s = tl.sum(kv_f * q[None, :], axis=1) * scale_log2
+        p, alpha, m_i, l_i = _online_softmax_step(s[None, :], valid, m_i, l_i)
+        p = tl.reshape(p, (BLOCK_K,)).to(kv.dtype).to(tl.float32)  # activation dtype before P.V
+        acc = acc * alpha + tl.sum(p[:, None] * kv_f, axis=0)
+
+    sink2 = tl.load(sink_ptr + h * stride_sink).to(tl.float32) * LOG2E_C
+    out_scale, lse = _finish_with_sink(m_i, l_i, sink2)
+    out = acc * out_scale
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(lse_ptr + b * stride_lb + h + tl.arange(0, 1), lse)
+
+
+@triton.jit
+def _head_batched_kernel(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+    H, K, D, rows_per_slot, blocks_per_split, scale_log2,
+    stride_qb, stride_qh, stride_qd,
+    stride_slot, stride_row, stride_d,
+    stride_ib, stride_ik, stride_sink,
+    stride_ob, stride_oh, stride_lb,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DV_SPLIT: tl.constexpr,
+    FLAT_ROWS: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (head block x column part, split, sequence).
+
+    DV_SPLIT=2: two programs share a head block, each computing all of S = Q K^T (from its own
+    half of the columns plus the other half) but P V only for its own half, which halves the
+    accumulator and lets one warpgroup own a 64-head tile. SPLIT=False: the only split, writes out
+    and lse. SPLIT=True: writes the partial output (normalised by its own sum, zeros when the split
+    has no valid index) and its base-2 LSE (-inf when empty) to the fp32 scratch."""
+    BLOCK_DV: tl.constexpr = BLOCK_D // DV_SPLIT
+    hb = tl.program_id(0) // DV_SPLIT
+    part = tl.program_id(0) % DV_SPLIT
+    split = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    offs_dv = part * BLOCK_DV + tl.arange(0, BLOCK_DV)  # the output columns of this program
+    dv_ok = offs_dv < D
+    q_row_ptr = q_ptr + b * stride_qb + offs_h[:, None] * stride_qh
+    q = tl.load(q_row_ptr + offs_dv[None, :] * stride_qd, mask=h_ok[:, None] & dv_ok[None, :], other=0.0)
+    if DV_SPLIT == 2:
+        offs_do = (1 - part) * BLOCK_DV + tl.arange(0, BLOCK_DV)  # the other half, for Q K^T only
+        do_ok = offs_do < D
+        q_other = tl.load(q_row_ptr + offs_do[None, :] * stride_qd, mask=h_ok[:, None] & do_ok[None, :], other=0.0)
+
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    k_begin = split * blocks_per_split * BLOCK_K
+    k_end = tl.minimum(k_begin + blocks_per_split * BLOCK_K, K)
+    idx_row_ptr = idx_ptr + b * stride_ib
+    for start in range(k_begin, k_end, BLOCK_K):
+        offs_k = start + tl.arange(0, BLOCK_K)
+        row_off, valid = _row_offsets(
+            idx_row_ptr, offs_k, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS
+        )
+        kv = _load_rows(kv_ptr, row_off, valid, offs_dv, dv_ok, stride_d)
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K] fp32
+        if DV_SPLIT == 2:
+            kv_other = _load_rows(kv_ptr, row_off, valid, offs_do, do_ok, stride_d)
+            s = tl.dot(q_other, tl.trans(kv_other), s, input_precision=DOT_PRECISION)
+        p, alpha, m_i, l_i = _online_softmax_step(s * scale_log2, valid, m_i, l_i)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=DOT_PRECISION)
+
+    if SPLIT:
+        # l_i >= 1 whenever any index was valid (the max term is exp2(0)); the floor only keeps an
+        # empty split at out = 0 and lse = -inf + finite = -inf, never 0/0.
+        l_safe = tl.maximum(l_i, 1e-30)
+        row = (b * tl.num_programs(1) + split) * H + offs_h  # scratch is [B, splits, H, D]
+        tl.store(
+            part_out_ptr + row[:, None] * D + offs_dv[None, :], acc / l_safe[:, None],
+            mask=h_ok[:, None] & dv_ok[None, :],
+        )
+        if part == 0:
+            tl.store(part_lse_ptr + row, m_i + tl.log2(l_safe), mask=h_ok)
+    else:
+        sink2 = tl.load(sink_ptr + offs_h * stride_sink, mask=h_ok, other=0.0).to(tl.float32) * LOG2E_C
+        out_scale, lse = _finish_with_sink(m_i, l_i, sink2)
+        out = acc * out_scale[:, None]
+        tl.store(
+            out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_dv[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=h_ok[:, None] & dv_ok[None, :],
+        )
+        if part == 0:
+            tl.store(lse_ptr + b * stride_lb + offs_h, lse, mask=h_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr,
+    H, D, num_splits,
+    stride_sink, stride_ob, stride_oh, stride_lb,
+    BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr,
+):
+    """Program (column chunk, head, sequence): merge the splits' partial outputs with weights
+    exp2(lse_s - M) and add the sink to the denominator. Empty splits have lse_s = -inf and
+    weight 0; M includes the (finite) sink, so the weights never become NaN."""
+    dc = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < num_splits
+    row = (b * num_splits + offs_s) * H + h
+    lse_s = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
+    sink2 = tl.load(sink_ptr + h * stride_sink).to(tl.float32) * LOG2E_C
+    m_all = tl.maximum(tl.max(lse_s, axis=0), sink2)
+    w = tl.exp2(lse_s - m_all)
+    denom = tl.sum(w, axis=0) + tl.exp2(sink2 - m_all)
+
+    offs_d = dc * BLOCK_DC + tl.arange(0, BLOCK_DC)
+    d_ok = offs_d < D
+    parts = tl.load(part_out_ptr + row[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], axis=0) / denom
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    if dc == 0:
+        tl.store(lse_ptr + b * stride_lb + h, (m_all + tl.log2(denom)) * LN2_C)
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning: tiles and split count, pure functions of the shapes and the SM count
+# ---------------------------------------------------------------------------------------------
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _tiles_for(block_h: int, head_dim: int, itemsize: int) -> TileConfig:
+    """Tiles for a head block. The [block_h, head_dim] fp32 accumulator lives in registers:
+    - up to 32 x 512 elements: one program, 8 warps (64 per thread) or 4 for smaller ones;
+    - 64 x 512 (V4 at full occupancy): two programs each own 256 output columns (DV split) with a
+      single warpgroup, so both products run as M=64 wgmma without duplicating Q K^T across
+      warpgroups.
+    fp32 inputs (a checking mode) use smaller tiles so Q and two KV stages fit in shared memory."""
+    block_k = 32
+    if itemsize > 2:
+        block_h, block_k = min(block_h, 32), 16
+    acc = block_h * _block_d(head_dim)
+    if acc > 32 * 512:
+        # 64 gathered rows per step, two stages: fastest in the H200 tile sweep (docs/kernels.md).
+        return TileConfig(block_h, 64, num_warps=4, num_stages=2, dv_split=2)
+    return TileConfig(block_h, block_k, num_warps=8 if acc == 32 * 512 else 4, num_stages=2)
+
+
+def head_batched_tiles(heads: int, head_dim: int = 512, itemsize: int = 2) -> TileConfig:
+    """Tiles of the head-batched kernel at full occupancy: up to 64 heads per program, so each
+    gathered row is read from HBM once per sequence and the M=64 products can use Hopper's wgmma."""
+    return _tiles_for(min(64, max(16, triton.next_power_of_2(heads))), head_dim, itemsize)
+
+
+def choose_tiles(batch: int, heads: int, topk: int, num_sms: int, head_dim: int = 512, itemsize: int = 2) -> TileConfig:
+    """The head-batched tiles, with a smaller head block when even one split per KV block would
+    leave SMs idle (batch 1-2): more, shorter programs, each reading a smaller Q and writing a
+    smaller partial. The re-gathered rows then come from L2."""
+    tiles = head_batched_tiles(heads, head_dim, itemsize)
+    n_blocks = triton.cdiv(max(topk, 1), tiles.block_k)
+    while tiles.block_h > 16 and batch * triton.cdiv(heads, tiles.block_h) * tiles.dv_split * n_blocks < num_sms:
+        tiles = _tiles_for(tiles.block_h // 2, head_dim, itemsize)
+    return tiles
+
+
+# Rough costs on an H100/H200-class GPU, used only to rank split counts against each other.
+_ROW_US = 0.03  # one program consuming one gathered row (Q K^T and P V for 64 heads at D=512)
+_PROGRAM_US = 1.5  # a program's fixed cost: Q load, first gather latency, epilogue
+_COMBINE_US = 2.0  # the extra combine launch and its latency
+_BYTES_PER_US = 4.0e6  # HBM bandwidth, 4 TB/s
+
+
+def _estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles: TileConfig, splits: int) -> float:
+    """Waves of programs x per-program work, bounded below by HBM traffic; splitting adds the
+    fp32 partials (written, then read by the combine) and a launch."""
+    n_blocks = triton.cdiv(max(topk, 1), tiles.block_k)
+    blocks_per_split = triton.cdiv(n_blocks, splits)
+    splits = triton.cdiv(n_blocks, blocks_per_split)
+    head_blocks = triton.cdiv(heads, tiles.block_h)
+    programs = batch * head_blocks * tiles.dv_split * splits
+    waves = triton.cdiv(programs, num_sms)
+    # A DV-split program does all of Q K^T but half of P V.
+    row_us = _ROW_US * tiles.block_h / 64 * (0.5 + 0.5 / tiles.dv_split)
+    compute = waves * (_PROGRAM_US + blocks_per_split * tiles.block_k * row_us)
+    kv_bytes = batch * topk * head_dim * itemsize
+    partial_bytes = batch * head_blocks * splits * tiles.block_h * (head_dim + 1) * 4 if splits > 1 else 0
+    time = max(compute, (kv_bytes + partial_bytes) / _BYTES_PER_US)
+    if splits > 1:
+        time += _COMBINE_US + partial_bytes / _BYTES_PER_US
+    return time
+
+
+def choose_num_splits(
+    batch: int,
+    heads: int,
+    topk: int,
+    num_sms: int,
+    head_dim: int = 512,
+    itemsize: int = 2,
+    tiles: TileConfig | None = None,
+) -> int:
+    """Split count of the default path, a pure function of the shapes (CUDA-graph safe).
+
+    One split when batch x head-blocks already fills the SMs or the index list is one tile;
+    otherwise the count (whole KV blocks per split, at most MAX_SPLITS) that minimises a rough
+    cost model: enough programs to fill the SMs, but no split so small that the fp32 partials
+    and the combine launch cost more than the parallelism gains."""
+    if tiles is None:
+        tiles = choose_tiles(batch, heads, topk, num_sms, head_dim, itemsize)
+    n_blocks = triton.cdiv(max(topk, 1), tiles.block_k)
+    if batch * triton.cdiv(heads, tiles.block_h) * tiles.dv_split >= num_sms or n_blocks == 1:
+        return 1
+    # Distinct split counts only: s splits of cdiv(n_blocks, s) blocks each may leave some empty.
+    candidates = sorted({triton.cdiv(n_blocks, triton.cdiv(n_blocks, s)) for s in range(1, min(n_blocks, MAX_SPLITS) + 1)})
+    costs = [(_estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles, s), s) for s in candidates]
+    return min(costs)[1]
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_NUM_SMS
+
+
+def workspace_numel(batch: int, heads: int, head_dim: int, num_splits: int) -> int:
+    """fp32 elements of split-K scratch: partial outputs [B, S, H, D] then partial LSEs [B, S, H]."""
+    return batch * num_splits * heads * (head_dim + 1)
+
+
+def sparse_mla_workspace(
+    batch: int, heads: int, head_dim: int, topk: int, device, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Scratch for the default path at these shapes (activation dtype `dtype`), to allocate before
+    a CUDA-graph capture and pass as `workspace`. May be empty when one split suffices."""
+    device = torch.device(device)
+    itemsize = dtype.itemsize
+    splits = choose_num_splits(batch, heads, topk, _num_sms(device), head_dim, itemsize)
+    numel = workspace_numel(batch, heads, head_dim, splits) if splits > 1 else 0
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Python entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def _check(q, kv_cache, indices, sink) -> None:
+    check_sparse_mla_inputs(q, kv_cache, indices, sink)
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"sparse_mla_decode (triton): q must be bf16, fp16 or fp32, got {q.dtype}")
+    if kv_cache.dtype != q.dtype:
+        raise ValueError(f"sparse_mla_decode (triton): kv_cache dtype {kv_cache.dtype} differs from q dtype {q.dtype}")
+
+
+def _kv_strides(kv_cache: torch.Tensor) -> tuple:
+    # Global row g lives at slot g // rows, row g % rows: any slot/row strides work.
+    return kv_cache.shape[1], kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2)
+
+
+def _flat_rows(kv_cache: torch.Tensor) -> bool:
+    """Whether global row g is simply at g * row stride (true for a contiguous cache)."""
+    return kv_cache.shape[0] == 1 or kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
+
+
+def _new_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def sparse_mla_decode_simt(q, kv_cache, indices, sink, scale, block_k: int = 16, num_warps: int = 4):
+    """Baseline: one program per (sequence, head), no tensor cores. Returns (out, lse)."""
+    _check(q, kv_cache, indices, sink)
+    batch, heads, head_dim = q.shape
+    out, lse = _new_outputs(q)
+    if batch == 0:
+        return out, lse
+    rows_per_slot, *kv_strides = _kv_strides(kv_cache)
+    _simt_kernel[(heads, batch)](
+        q, kv_cache, indices, sink, out, lse,
+        indices.shape[1], head_dim, rows_per_slot, float(scale) * LOG2E,
+        *q.stride(), *kv_strides,
+        *indices.stride(), sink.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0),
+        BLOCK_K=block_k, BLOCK_D=_block_d(head_dim), FLAT_ROWS=_flat_rows(kv_cache), num_warps=num_warps,
+    )
+    return out, lse
+
+
+def _launch_head_batched(q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse):
+    batch, heads, head_dim = q.shape
+    rows_per_slot, *kv_strides = _kv_strides(kv_cache)
+    grid = (triton.cdiv(heads, tiles.block_h) * tiles.dv_split, num_splits, batch)
+    _head_batched_kernel[grid](
+        q, kv_cache, indices, sink, out, lse, part_out, part_lse,
+        heads, indices.shape[1], head_dim, rows_per_slot, blocks_per_split, float(scale) * LOG2E,
+        *q.stride(), *kv_strides,
+        *indices.stride(), sink.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0),
+        BLOCK_H=tiles.block_h, BLOCK_K=tiles.block_k, BLOCK_D=_block_d(head_dim), DV_SPLIT=tiles.dv_split,
+        FLAT_ROWS=_flat_rows(kv_cache), SPLIT=part_out is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+
+
+def sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale, tiles: TileConfig | None = None):
+    """One program per (sequence, head block) over the whole index list. Returns (out, lse)."""
+    _check(q, kv_cache, indices, sink)
+    batch, heads, head_dim = q.shape
+    tiles = tiles or head_batched_tiles(heads, head_dim, q.element_size())
+    out, lse = _new_outputs(q)
+    if batch == 0:
+        return out, lse
+    n_blocks = triton.cdiv(indices.shape[1], tiles.block_k)
+    _launch_head_batched(q, kv_cache, indices, sink, scale, tiles, 1, max(n_blocks, 1), out, lse, None, None)
+    return out, lse
+
+
+def _split_scratch(workspace, batch, heads, head_dim, num_splits, device):
+    numel = workspace_numel(batch, heads, head_dim, num_splits)
+    if workspace is None:
+        workspace = torch.empty(numel, dtype=torch.float32, device=device)
+    elif workspace.dtype != torch.float32 or workspace.device != device or not workspace.is_contiguous():
+        raise ValueError(
+            f"sparse_mla_decode: workspace must be a contiguous fp32 tensor on {device}, got "
+            f"{workspace.dtype} on {workspace.device}"
+        )
+    elif workspace.numel() < numel:
+        raise ValueError(
+            f"sparse_mla_decode: workspace holds {workspace.numel()} fp32 elements, {num_splits} splits at "
+            f"B={batch}, H={heads}, D={head_dim} need {numel} (allocate it with sparse_mla_workspace)"
+        )
+    n_out = batch * num_splits * heads * head_dim
+    return workspace[:n_out], workspace[n_out:numel]
+
+
+def sparse_mla_decode_split_k(
+    q, kv_cache, indices, sink, scale, num_splits: int | None = None, workspace=None, tiles: TileConfig | None = None
+):
+    """Split-K path: partial outputs per split into fp32 scratch, then the LSE combine, always
+    (even with one split). num_splits defaults to choose_num_splits. Returns (out, lse)."""
+    _check(q, kv_cache, indices, sink)
+    batch, heads, head_dim = q.shape
+    topk = indices.shape[1]
+    num_sms = _num_sms(q.device)
+    tiles = tiles or choose_tiles(batch, heads, topk, num_sms, head_dim, q.element_size())
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, heads, topk, num_sms, head_dim, q.element_size(), tiles)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"sparse_mla_decode: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    out, lse = _new_outputs(q)
+    if batch == 0:
+        return out, lse
+    part_out, part_lse = _split_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
+    # Whole KV blocks per split; with more splits than blocks the trailing splits are empty.
+    blocks_per_split = max(1, triton.cdiv(triton.cdiv(topk, tiles.block_k), num_splits))
+    _launch_head_batched(q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse)
+    block_s = triton.next_power_of_2(num_splits)
+    block_dc = max(16, min(_block_d(head_dim), 4096 // block_s))
+    _combine_kernel[(triton.cdiv(head_dim, block_dc), heads, batch)](
+        part_out, part_lse, sink, out, lse,
+        heads, head_dim, num_splits,
+        sink.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+        BLOCK_S=block_s, BLOCK_DC=block_dc, num_warps=4,
+    )
+    return out, lse
+
+
+def sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace=None):
+    """Default path: tiles and split count from the shapes; one split runs the head-batched
+    kernel alone, several run split-K with the combine. Returns (out, lse)."""
+    _check(q, kv_cache, indices, sink)
+    batch, heads, head_dim = q.shape
+    topk = indices.shape[1]
+    num_sms = _num_sms(q.device)
+    tiles = choose_tiles(batch, heads, topk, num_sms, head_dim, q.element_size())
+    num_splits = choose_num_splits(batch, heads, topk, num_sms, head_dim, q.element_size(), tiles)
+    if num_splits == 1:
+        return sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale, tiles)
+    return sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, num_splits, workspace, tiles)
