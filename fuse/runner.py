@@ -33,6 +33,10 @@ class CompileOptions:
     compile: bool = True  # False: eager step (for A/B checks)
     cuda_graphs: bool = True  # False: no capture (for A/B checks); ignored on the CPU
     dynamic_batch: bool = False  # one compile with a symbolic batch size instead of one per bucket
+    # Compile each block on its own: identical layers share one compiled graph, so compile time
+    # grows with the distinct layer kinds (window / ratio 4 / ratio 128, hash / score routing),
+    # not with the layer count. False: the whole step as one graph (fuses across layers too).
+    regional: bool = True
     mode: str | None = None  # Inductor mode, e.g. "max-autotune-no-cudagraphs"
     inductor_options: Mapping[str, object] | None = None  # passed to torch.compile(options=...)
     cache_dir: str | None = None  # persistent Inductor/Triton caches: a second start is fast
@@ -98,9 +102,12 @@ class DecodeRunner:
         kwargs = {"options": options} if self.options.mode is None else {"mode": self.options.mode}
         if self.options.mode is not None and self.options.inductor_options:
             raise ValueError("pass either mode or inductor_options, as torch.compile requires")
-        return torch.compile(
-            self.decoder.step, fullgraph=True, dynamic=True if self.options.dynamic_batch else False, **kwargs
-        )
+        dynamic = None if self.options.dynamic_batch else False
+        if self.options.regional:
+            blocks = [torch.compile(layer, fullgraph=True, dynamic=dynamic, **kwargs) for layer in self.decoder.layers]
+            decoder = self.decoder
+            return lambda tokens, positions, slots: decoder.step(tokens, positions, slots, layers=blocks)
+        return torch.compile(self.decoder.step, fullgraph=True, dynamic=dynamic, **kwargs)
 
     def _static_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inputs of a bucket, filled with padding rows: token 0 at position 0 in the scratch slot."""
@@ -108,15 +115,13 @@ class DecodeRunner:
         tokens = torch.zeros(size, dtype=torch.int64, device=device)
         positions = torch.zeros(size, dtype=torch.int64, device=device)
         slots = torch.full((size,), self.decoder.pad_slot, dtype=torch.int64, device=device)
-        if self.options.dynamic_batch and size > 1:
-            for t in (tokens, positions, slots):
-                torch._dynamo.mark_dynamic(t, 0)
         return tokens, positions, slots
 
     def _warm_up(self) -> None:
         compiles0, breaks0 = _dynamo_totals()
         pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        limit = max(8, 2 * len(self.buckets))
+        # Dynamo keeps one cache entry per (layer kind, bucket) on the shared code object.
+        limit = 8 * (len(self.buckets) + 1)
         patch = torch._dynamo.config.patch(recompile_limit=limit) if hasattr(torch._dynamo.config, "recompile_limit") else torch._dynamo.config.patch(cache_size_limit=limit)
         with patch:
             # Largest first: the shared pool then serves the smaller graphs from the same memory.

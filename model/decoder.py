@@ -3,7 +3,7 @@ fp32 logits. One new token per sequence; sequences in a batch may be at differen
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -98,8 +98,15 @@ class Decoder(nn.Module):
         return self.embed.weight.device
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One decode step without input checks. All inputs int64 [B] on the model's device."""
+    def step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        layers: Sequence[Callable[..., torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """One decode step without input checks. All inputs int64 [B] on the model's device.
+        `layers` replaces the blocks' calls (e.g. with separately compiled blocks); default: self.layers."""
         step = DecodeStep(
             tokens=tokens,
             positions=positions,
@@ -109,8 +116,8 @@ class Decoder(nn.Module):
             rope_compress_table=self.rope_compress,
         )
         cfg = self.config
-        streams = self.embed(tokens).unsqueeze(1).expand(-1, cfg.hc_mult, -1)
-        for layer in self.layers:
+        streams = self.embed(tokens).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+        for layer in self.layers if layers is None else layers:
             streams = layer(streams, step, self.hadamard)
         x = hc_head(streams, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.hc_eps, cfg.norm_eps)
         return F.linear(self.norm(x).float(), self.head.weight)
