@@ -96,6 +96,7 @@ class DecodeRunner:
         if not self.options.compile:
             return self.decoder.step
         if self.options.cache_dir:
+            # Inductor and Triton read their cache locations from the environment.
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(self.options.cache_dir, "inductor")
             os.environ["TRITON_CACHE_DIR"] = os.path.join(self.options.cache_dir, "triton")
         options = {"triton.cudagraphs": False, **(self.options.inductor_options or {})}
