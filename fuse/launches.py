@@ -1,0 +1,298 @@
+"""Count the kernels one call runs, by category, from the PyTorch profiler.
+
+How kernels are counted:
+- CUDA: every device kernel event (kernels replayed from a CUDA graph are traced one by one).
+- CPU, eager: every ATen op the program dispatched, once (what the op runs inside itself is not
+  counted again); views, allocations and other metadata-only ops count as nothing. Custom ops
+  (`v4::*`) count as one opaque kernel each.
+- CPU, compiled: every Inductor C++ kernel (`cpp_fused_*`, traced through Inductor's
+  `cpp.enable_kernel_profile`) and every extern call the generated code makes (mm, custom ops).
+
+Categories: gemm, custom (the opaque decode kernels), elementwise, copy, reduce, other. Names
+are classified by the ops they come from (for fused kernels: the ops in their names), so a
+fused kernel that contains a reduction counts as reduce."""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+CATEGORIES = ("gemm", "custom", "elementwise", "copy", "reduce", "other")
+GLUE = ("elementwise", "copy", "reduce")
+
+# ATen ops that only create views or allocate: no kernel.
+_METADATA_OPS = {
+    "view", "_unsafe_view", "as_strided", "reshape", "_reshape_alias", "expand", "expand_as", "unsqueeze",
+    "squeeze", "t", "transpose", "permute", "select", "slice", "split", "split_with_sizes", "unflatten",
+    "flatten", "narrow", "unbind", "chunk", "detach", "alias", "lift_fresh", "resolve_conj", "resolve_neg",
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "contiguous", "to", "type_as",
+    "view_as", "view_as_real", "view_as_complex", "real", "imag", "numpy_T", "movedim", "_local_scalar_dense",
+    "item", "is_nonzero", "result_type", "size", "stride", "dim", "lift", "set_", "record_stream",
+}
+_GEMM = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "einsum", "dot", "mv", "addmv", "_scaled_mm"}
+_REDUCE = {
+    "sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "topk", "sort", "argsort", "cumsum",
+    "cumprod", "softmax", "_softmax", "log_softmax", "_log_softmax", "logsumexp", "norm", "var", "std",
+    "any", "all", "prod", "cummax", "median", "unique", "_unique2", "bincount", "histc", "count_nonzero",
+}
+_COPY = {
+    "copy", "copy_", "_to_copy", "clone", "cat", "stack", "index", "index_put", "index_put_", "_index_put_impl_",
+    "index_select", "gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "embedding", "fill", "fill_",
+    "zero", "zero_", "zeros", "zeros_like", "ones", "full", "full_like", "repeat", "repeat_interleave", "roll",
+    "flip", "constant_pad_nd", "pad", "masked_select", "nonzero", "arange", "masked_scatter", "index_copy",
+}
+# Words of Inductor kernel names (ops joined by "_") that only move data.
+_COPY_TOKENS = {
+    "copy", "clone", "cat", "stack", "index", "put", "select", "gather", "scatter", "embedding", "fill", "zero",
+    "zeros", "repeat", "interleave", "constant", "pad", "nd", "roll", "flip", "slice", "full", "like", "new",
+}
+# Device kernel name fragments of library kernels (cuBLAS/cuTLASS and ATen's own).
+_GEMM_KERNEL = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|sm90_|splitKreduce", re.I)
+_REDUCE_KERNEL = re.compile(r"reduce|softmax|topk|sort|scan|radix|bitonic|argmax|norm", re.I)
+_COPY_KERNEL = re.compile(r"copy|CatArray|cat_|index|gather|scatter|fill|embedding|memset|memcpy", re.I)
+
+
+def _custom_kernel_names() -> set[str]:
+    """Names of the Triton kernels behind the opaque custom ops (defined in kernels/)."""
+    names: set[str] = set()
+    try:
+        import importlib
+
+        for module in ("kernels.sparse_mla_triton", "kernels.indexer_triton", "kernels.moe_triton"):
+            mod = importlib.import_module(module)
+            names |= {n for n, obj in vars(mod).items() if type(obj).__name__ in ("JITFunction", "Autotuner", "Heuristics")}
+    except Exception:  # no Triton here: no Triton kernel can run either
+        pass
+    return names
+
+
+def classify_op(name: str) -> str:
+    """Category of a profiler op (`aten::mul`, `v4::moe_experts`) or kernel name."""
+    if "::" in name:
+        namespace, op = name.split("::", 1)
+        op = op.split(".")[0]
+        if namespace not in ("aten", "prims"):
+            return "custom"
+        if op in _GEMM:
+            return "gemm"
+        if op in _REDUCE:
+            return "reduce"
+        if op in _COPY:
+            return "copy"
+        return "elementwise"
+    return classify_kernel(name)
+
+
+def classify_kernel(name: str, custom: Iterable[str] = ()) -> str:
+    """Category of a generated or library kernel name. Inductor names fused kernels after their
+    ops (`triton_red_fused_add_sum_3`, `cpp_fused_mul_sin_0`): any reduction makes it reduce,
+    only data-movement ops make it copy."""
+    base = name.rsplit("_cpp_fused_", 1)[-1] if "cpp_fused_" in name else name
+    if name in custom or any(name.startswith(c) for c in custom if c):
+        return "custom"
+    inductor = re.match(r"(?:graph_\d+_)?(?:cpp_fused|triton_(poi|red|per|tem)(?:_fused)?)_?(.*?)(?:_\d+)?$", name)
+    if inductor:
+        kind, ops = inductor.group(1), [t for t in inductor.group(2).split("_") if t]
+        if kind == "tem":
+            return "gemm"
+        if kind in ("red", "per") or any(t in _REDUCE for t in ops):
+            return "reduce"
+        if ops and all(t in _COPY_TOKENS for t in ops):
+            return "copy"
+        return "elementwise"
+    if _GEMM_KERNEL.search(base):
+        return "gemm"
+    if _REDUCE_KERNEL.search(base):
+        return "reduce"
+    if _COPY_KERNEL.search(base):
+        return "copy"
+    if re.search(r"elementwise|vectorized|unrolled|pointwise", base, re.I):
+        return "elementwise"
+    return "other"
+
+
+@dataclass
+class LaunchReport:
+    """Kernels per call by category (averaged over the profiled calls) and, on CUDA, device time."""
+
+    label: str
+    device: str
+    calls: int
+    counts: dict[str, float]
+    time_us: dict[str, float] = field(default_factory=dict)
+    layers: int | None = None
+    kernels: dict[str, float] = field(default_factory=dict)  # per-name counts, for reading
+
+    @property
+    def total(self) -> float:
+        return sum(self.counts.values())
+
+    @property
+    def glue(self) -> float:
+        return sum(self.counts.get(c, 0) for c in GLUE)
+
+    def glue_time_share(self) -> float | None:
+        total = sum(self.time_us.values())
+        return sum(self.time_us.get(c, 0.0) for c in GLUE) / total if total else None
+
+    def rows(self) -> list[tuple[str, float, float | None, float | None]]:
+        """(category, kernels per call, per layer, share of device time)."""
+        total_time = sum(self.time_us.values())
+        out = []
+        for c in CATEGORIES + ("glue", "total"):
+            count = self.glue if c == "glue" else self.total if c == "total" else self.counts.get(c, 0.0)
+            if c in ("glue", "total"):
+                t = sum(self.time_us.get(k, 0.0) for k in (GLUE if c == "glue" else CATEGORIES))
+            else:
+                t = self.time_us.get(c, 0.0)
+            out.append((c, count, count / self.layers if self.layers else None, t / total_time if total_time else None))
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "label": self.label, "device": self.device, "calls": self.calls, "layers": self.layers,
+            "counts": self.counts, "glue": self.glue, "total": self.total, "time_us": self.time_us,
+            "glue_time_share": self.glue_time_share(), "kernels": self.kernels,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_markdown(self) -> str:
+        header = "| category | kernels per call | per layer | share of device time |\n|---|---|---|---|"
+        lines = [header] + [
+            f"| {c} | {n:g} | {'' if pl is None else f'{pl:.1f}'} | {'' if share is None else f'{100 * share:.1f}%'} |"
+            for c, n, pl, share in self.rows()
+        ]
+        return f"**{self.label}** ({self.device})\n\n" + "\n".join(lines)
+
+    def __str__(self) -> str:
+        lines = [f"{self.label} ({self.device}, kernels per call)", f"{'category':<12}{'count':>10}{'per layer':>12}{'time':>9}"]
+        for c, n, pl, share in self.rows():
+            lines.append(f"{c:<12}{n:>10g}{'' if pl is None else f'{pl:.1f}':>12}{'' if share is None else f'{100 * share:.1f}%':>9}")
+        return "\n".join(lines)
+
+
+def diff_markdown(eager: LaunchReport, compiled: LaunchReport) -> str:
+    """Eager against compiled, per category: kernels per call (and per layer) and the ratio."""
+    lines = [
+        f"| category | {eager.label} | {compiled.label} | ratio | {eager.label} per layer | {compiled.label} per layer |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (c, a, apl, _), (_, b, bpl, _) in zip(eager.rows(), compiled.rows()):
+        ratio = f"{a / b:.1f}x" if b else ("-" if not a else "inf")
+        fmt = lambda v: "" if v is None else f"{v:.1f}"
+        lines.append(f"| {c} | {a:g} | {b:g} | {ratio} | {fmt(apl)} | {fmt(bpl)} |")
+    return "\n".join(lines)
+
+
+def _cpu_kernel_events(events) -> list:
+    """The outermost profiler events that are kernels by the CPU rules of the module docstring:
+    an ATen op counts once however it is implemented inside (its nested ATen calls are its own
+    business); view and allocation ops count as nothing but are looked through, since one may
+    wrap a real copy (`contiguous` -> `clone` -> `copy_`); custom ops and Inductor C++ kernels
+    count once each; profiler ranges of the compiled-code machinery are looked through."""
+
+    def counts_itself(e) -> bool:
+        name = e.name
+        if "cpp_fused" in name or "cpp_kernel" in name:
+            return True
+        if "::" not in name:
+            return False
+        namespace, op = name.split("::", 1)
+        return namespace not in ("aten", "prims") or op.split(".")[0] not in _METADATA_OPS
+
+    def outermost(e):
+        if counts_itself(e):
+            yield e
+            return
+        for child in e.cpu_children:
+            yield from outermost(child)
+
+    found = []
+    for root in (e for e in events if e.cpu_parent is None):
+        found += outermost(root)
+    return found
+
+
+def count_launches(
+    fn: Callable, *inputs, calls: int = 1, warmup: int = 1, label: str = "call", layers: int | None = None
+) -> LaunchReport:
+    """Run fn(*inputs) `warmup` times, then profile `calls` calls and count their kernels by
+    category (see the module docstring for the method on each device)."""
+    for _ in range(warmup):
+        fn(*inputs)
+    on_cuda = torch.cuda.is_available() and any(isinstance(t, torch.Tensor) and t.is_cuda for t in _flatten(inputs))
+    if on_cuda:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+        with profile(activities=activities) as prof:
+            for _ in range(calls):
+                fn(*inputs)
+            if on_cuda:
+                torch.cuda.synchronize()
+    names: Counter[str] = Counter()
+    time_us: Counter[str] = Counter()
+    if on_cuda:
+        custom = _custom_kernel_names()
+        for e in prof.events():
+            # Host<->device transfers are not kernels; device-side memcpy/memset count as copies.
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy HtoD", "Memcpy DtoH")):
+                names[e.name] += 1
+                time_us[classify_kernel(e.name, custom)] += getattr(e, "device_time", None) or e.cuda_time
+        counts = Counter()
+        for name, n in names.items():
+            counts[classify_kernel(name, custom)] += n
+    else:
+        for e in _cpu_kernel_events(prof.events()):
+            names[e.name] += 1
+        counts = Counter()
+        for name, n in names.items():
+            counts[classify_op(name)] += n
+    return LaunchReport(
+        label=label,
+        device="cuda" if on_cuda else "cpu",
+        calls=calls,
+        counts={c: counts.get(c, 0) / calls for c in CATEGORIES},
+        time_us={c: time_us.get(c, 0.0) / calls for c in CATEGORIES} if on_cuda else {},
+        layers=layers,
+        kernels={k: v / calls for k, v in sorted(names.items(), key=lambda kv: -kv[1])},
+    )
+
+
+def _flatten(items) -> list:
+    out = []
+    for item in items:
+        if isinstance(item, (list, tuple)):
+            out += _flatten(item)
+        else:
+            out.append(item)
+    return out
+
+
+def median_step_ms(fn: Callable, *inputs, steps: int = 10, warmup: int = 2) -> float:
+    """Median wall time of fn(*inputs) in ms (device-synchronised on CUDA)."""
+    import time
+
+    on_cuda = torch.cuda.is_available() and any(isinstance(t, torch.Tensor) and t.is_cuda for t in _flatten(inputs))
+    for _ in range(warmup):
+        fn(*inputs)
+    times = []
+    for _ in range(steps):
+        if on_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn(*inputs)
+        if on_cuda:
+            torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)

@@ -1,0 +1,85 @@
+"""Launch accounting and the `fuse report` main job on the CPU."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from fuse.launches import classify_kernel, classify_op, count_launches
+from fuse.report import ReportSettings, run_report
+
+
+def chain(x, z, extra: int):
+    y = torch.sin(x)
+    for _ in range(extra):
+        y = y * z  # one elementwise op each, tensor operands (no scalar wrapping)
+    return torch.mm(y, z).sum(-1)
+
+
+@pytest.mark.parametrize("extra", [1, 5])
+def test_eager_count_moves_by_the_ops_added(extra):
+    x, z = torch.randn(8, 8), torch.randn(8, 8)
+    base = count_launches(chain, x, z, 0)
+    more = count_launches(chain, x, z, extra)
+    assert more.counts["elementwise"] - base.counts["elementwise"] == extra
+    assert more.total - base.total == extra
+    assert base.counts["gemm"] == 1 and base.counts["reduce"] >= 1
+
+
+def test_compiled_count_sees_generated_kernels_and_fusion():
+    x, z = torch.randn(8, 8), torch.randn(8, 8)
+    compiled = torch.compile(chain, fullgraph=True, options={"cpp.enable_kernel_profile": True})
+    few = count_launches(compiled, x, z, 1)
+    many = count_launches(compiled, x, z, 6)
+    assert few.counts["gemm"] == 1  # the mm stays an extern call
+    assert any("cpp_fused" in name for name in many.kernels), many.kernels
+    # six more multiplies fuse into the kernels that were already there
+    assert many.counts["elementwise"] == few.counts["elementwise"]
+    eager = count_launches(chain, x, z, 6)
+    assert eager.glue > many.glue
+
+
+def test_kernel_names_are_classified():
+    assert classify_kernel("triton_red_fused_add_mean_3") == "reduce"
+    assert classify_kernel("triton_per_fused__softmax_1") == "reduce"
+    assert classify_kernel("triton_poi_fused_add_mul_sin_0") == "elementwise"
+    assert classify_kernel("triton_poi_fused_cat_index_put_2") == "copy"
+    assert classify_kernel("graph_0_cpp_fused_clone_permute_view_6") == "elementwise"
+    assert classify_kernel("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == "gemm"
+    assert classify_kernel("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
+    assert classify_kernel("void at::native::reduce_kernel<512, 1, ...>") == "reduce"
+    assert classify_kernel("_sparse_mla_split_kernel", custom={"_sparse_mla_split_kernel"}) == "custom"
+    assert classify_op("v4::moe_experts") == "custom" and classify_op("aten::index_put_") == "copy"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("report")
+    settings = ReportSettings(preset="tiny", batch=4, steps=3, timing_steps=2, out_dir=str(folder), inspect=False)
+    return folder, run_report(settings)
+
+
+def test_report_checks_compiled_against_eager_and_counts_real_kernels(report):
+    folder, result = report
+    assert result["max_relative_error"] <= 1e-4
+    eager, compiled = result["eager"], result["compiled"]
+    assert eager["counts"]["custom"] == compiled["counts"]["custom"] > 0  # the opaque ops stay as they are
+    assert compiled["glue"] * 10 <= eager["glue"]
+    assert {"report.json", "report.md", "launches.png"} <= {p.name for p in folder.iterdir()}
+    assert (folder / "launches.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_json_and_markdown_agree(report):
+    folder, _ = report
+    data = json.loads((folder / "report.json").read_text())
+    table = {}
+    for line in (folder / "report.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 6 and re.fullmatch(r"[a-z]+", cells[0]) and cells[0] != "category":
+            table[cells[0]] = (float(cells[1]), float(cells[2]))
+    for category, count in data["eager"]["counts"].items():
+        assert table[category] == (count, data["compiled"]["counts"][category])
+    assert table["glue"] == (data["eager"]["glue"], data["compiled"]["glue"])
+    assert table["total"] == (data["eager"]["total"], data["compiled"]["total"])
