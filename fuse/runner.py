@@ -86,7 +86,7 @@ class DecodeRunner:
         if not buckets:
             raise ValueError(f"no bucket fits max_batch={decoder.max_batch}: {options.buckets}")
         self.buckets = tuple(buckets)
-        self.use_graphs = options.cuda_graphs and options.compile and self.device.type == "cuda"
+        self.use_graphs = self._wants_graphs()
         self._step = self._make_step()
         self._buckets: dict[int, _Bucket] = {}
         self._warm_up()
@@ -123,7 +123,7 @@ class DecodeRunner:
 
     def _warm_up(self) -> None:
         compiles0, breaks0 = _dynamo_totals()
-        pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        pool = torch.cuda.graph_pool_handle() if self.use_graphs and self.device.type == "cuda" else None
         # Dynamo keeps one cache entry per (layer kind, bucket) on the shared code object.
         limit = 8 * (len(self.buckets) + 1)
         patch = torch._dynamo.config.patch(recompile_limit=limit) if hasattr(torch._dynamo.config, "recompile_limit") else torch._dynamo.config.patch(cache_size_limit=limit)
@@ -147,25 +147,12 @@ class DecodeRunner:
             step(*inputs)  # compile (or check the eager path) now, not on the first request
             return _Bucket(size, *inputs, run=lambda: step(*inputs))
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up off the capture stream: compile, JIT, autotune
-                for _ in range(2):
-                    step(*inputs)
-            torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                output = step(*inputs)
+            run = self._capture(step, inputs, pool)
             self.stats.captured.append(size)
-
-            def replay() -> torch.Tensor:
-                graph.replay()
-                return output
-
-            return _Bucket(size, *inputs, run=replay)
+            return _Bucket(size, *inputs, run=run)
         except Exception as error:  # this bucket runs without a graph; the others are unaffected
-            torch.cuda.synchronize()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
             reason = f"capture failed: {type(error).__name__}: {error}".splitlines()[0][:300]
             log.warning("fuse: bucket %d falls back to running without a CUDA graph (%s)", size, reason)
             try:
@@ -176,6 +163,29 @@ class DecodeRunner:
                 eager = self.decoder.step
                 self.stats.fallbacks[size] = reason + f"; compiled run failed too ({type(second).__name__}); runs eager"
                 return _Bucket(size, *inputs, run=lambda: eager(*inputs))
+
+    @staticmethod
+    def _capture(step: Callable, inputs: tuple, pool) -> Callable[[], torch.Tensor]:
+        """Warm up off the capture stream (compile, Triton JIT, autotune), then capture one graph."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step(*inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            output = step(*inputs)
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return output
+
+        return replay
+
+    def _wants_graphs(self) -> bool:
+        return self.options.cuda_graphs and self.options.compile and self.device.type == "cuda"
 
     # -- running --------------------------------------------------------------------------------
     def bucket_for(self, batch: int) -> int:

@@ -118,3 +118,30 @@ def test_options_are_checked():
         fuse.CompileOptions(mode="reduce-overhead")
     with pytest.raises(ValueError, match="positive"):
         fuse.CompileOptions(buckets=(0, 2))
+
+
+class CaptureFails(fuse.DecodeRunner):
+    """A runner whose graph capture fails for one bucket (as a capture-unsafe op would)."""
+
+    def _wants_graphs(self) -> bool:
+        return True
+
+    def _capture(self, step, inputs, pool):
+        if inputs[0].shape[0] == 4:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return lambda: step(*inputs)
+
+
+def test_failed_capture_falls_back_for_that_bucket_only(pair):
+    eager, _ = pair
+    model = Decoder(eager.config, max_batch=MAX_BATCH, max_seq_len=96, dtype=torch.float32)
+    model.load_state_dict(eager.state_dict())
+    runner = CaptureFails(model, fuse.CompileOptions(buckets=(1, 4), progress=False))
+    assert runner.stats.captured == [1]
+    assert list(runner.stats.fallbacks) == [4]
+    assert "not permitted when stream is capturing" in runner.stats.fallbacks[4]
+    assert "runs compiled without a graph" in runner.describe()
+    tokens, positions, slots = torch.tensor([3, 4, 5]), torch.tensor([0, 0, 0]), torch.tensor([0, 1, 2])
+    fresh = Decoder(eager.config, max_batch=MAX_BATCH, max_seq_len=96, dtype=torch.float32)
+    fresh.load_state_dict(eager.state_dict())
+    torch.testing.assert_close(runner(tokens, positions, slots), fresh(tokens, positions, slots), rtol=1e-4, atol=1e-4)
