@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.benchutil import markdown_table, median_time_us, rotation_count
+from kernels.benchutil import graphs_of, markdown_table, median_time_us, rotation_count
 from kernels.indexer import indexer_topk
 
 BATCH, HEADS, DIM, TOPK = 64, 64, 128, 512
@@ -72,21 +72,6 @@ def check_against_reference(q, weights, cache, slots, visible: torch.Tensor, lab
     return swaps
 
 
-def graphs_of(fn, input_sets) -> list[torch.cuda.CUDAGraph]:
-    """One CUDA graph per input set, each replaying fn on that set."""
-    side = torch.cuda.Stream()  # warm up (compile, allocate) off the capture, as torch recommends
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(*input_sets[0])
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graphs = []
-    for args in input_sets:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(*args)
-        graphs.append(graph)
-    return graphs
 
 
 def triton_path(*args):

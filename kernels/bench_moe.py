@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from triton.runtime.errors import OutOfResources
 
-from kernels.benchutil import markdown_table, median_time_us
+from kernels.benchutil import graph_time_us, markdown_table, median_time_us
 from kernels.moe import moe_experts, swiglu
 from kernels.moe_triton import MoeTiles, choose_tiles, moe_experts_triton
 
@@ -62,21 +62,6 @@ def check(fn, input_set, expected: torch.Tensor, label: str) -> None:
         raise AssertionError(f"moe {label}: max error {err:.2e} of the output scale (limit {TOLERANCE:.0e})")
 
 
-def graph_time_us(fn, input_sets) -> float:
-    """Median time of replaying one CUDA graph per input set (no launch overhead)."""
-    side = torch.cuda.Stream()  # warm up (compile, allocate) off the capture, as torch recommends
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(*input_sets[0])
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graphs = []
-    for args in input_sets:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(*args)
-        graphs.append(graph)
-    return median_time_us(lambda g: g.replay(), [(g,) for g in graphs])
 
 
 def bytes_read(input_sets) -> float:

@@ -24,6 +24,28 @@ def median_time_us(fn: Callable[..., object], input_sets: Sequence[tuple], warmu
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
 
 
+def graphs_of(fn: Callable[..., object], input_sets: Sequence[tuple]) -> list[torch.cuda.CUDAGraph]:
+    """One CUDA graph per input set, each replaying fn on that set."""
+    side = torch.cuda.Stream()  # warm up (compile, allocate) off the capture, as torch recommends
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*input_sets[0])
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graphs = []
+    for args in input_sets:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(*args)
+        graphs.append(graph)
+    return graphs
+
+
+def graph_time_us(fn: Callable[..., object], input_sets: Sequence[tuple]) -> float:
+    """Median time of replaying one CUDA graph per input set (no launch overhead)."""
+    return median_time_us(lambda g: g.replay(), [(g,) for g in graphs_of(fn, input_sets)])
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30, reps: int = 20) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()

@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_util import dot_precision, num_sms
+
 # The interpreter has no SMs; a small count keeps its grids small.
-INTERPRETER_NUM_SMS = 8
 SCORE_BLOCK_T = 64
 SELECT_BLOCK = 2048
 # Score programs resident per SM (about 65 KB of shared memory each at 3 stages): one wave of
@@ -165,15 +166,8 @@ def _indexer_select_kernel(
         ties_seen += tl.sum(tie, axis=0)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs would default to TF32 on tensor cores; keep them exact like the reference.
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def select_topk_keys(keys: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
@@ -222,7 +216,7 @@ def indexer_topk_triton(
     if batch == 0 or rows == 0:  # nothing can be visible
         return torch.full((batch, topk), -1, dtype=torch.int32, device=q.device)
     keys = torch.empty((batch, rows), dtype=torch.int32, device=q.device)
-    workers = max(1, min(triton.cdiv(rows, SCORE_BLOCK_T), WORKERS_PER_SM * _num_sms(q.device) // batch))
+    workers = max(1, min(triton.cdiv(rows, SCORE_BLOCK_T), WORKERS_PER_SM * num_sms(q.device) // batch))
     _indexer_score_kernel[(batch, workers)](
         q, weights, index_cache, slots, visible, keys,
         rows,
@@ -234,7 +228,7 @@ def indexer_topk_triton(
         BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_T=SCORE_BLOCK_T,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
         num_stages=3,
     )

@@ -27,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_util import dot_precision, num_sms
+
 # The interpreter has no SMs; a small count keeps its grids small.
-INTERPRETER_NUM_SMS = 8
 # Largest B*k routed by the single-program kernel (it holds every pair in registers).
 MAX_PAIRS_ONE_PROGRAM = 4096
 PROGRAMS_PER_SM = 4
@@ -361,15 +362,8 @@ def _combine_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs would default to TF32 on tensor cores; keep them exact like the reference.
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def moe_experts_triton(
@@ -398,14 +392,14 @@ def moe_experts_triton(
         return out.zero_()
     num_pairs = batch * picks
     if tiles is None:
-        tiles = choose_tiles(num_pairs, num_experts, dim, inter, x.element_size(), _num_sms(x.device))
+        tiles = choose_tiles(num_pairs, num_experts, dim, inter, x.element_size(), num_sms(x.device))
 
     ids = expert_ids.contiguous()
     route_w = expert_weights.reshape(-1).to(torch.float32).contiguous()
     blocks = route_pairs(ids, num_experts, tiles.block_m, routing)
     h = torch.empty((blocks.num_blocks * tiles.block_m, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((num_pairs, dim), dtype=x.dtype, device=x.device)
-    precision = _dot_precision(x.dtype)
+    precision = dot_precision(x.dtype)
     launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
     _gate_up_kernel[(blocks.num_blocks * triton.cdiv(inter, tiles.up_block_n),)](

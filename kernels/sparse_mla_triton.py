@@ -25,6 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_util import INTERPRETER_NUM_SMS  # noqa: F401  (re-exported for the tests)
+from kernels.triton_util import num_sms as device_sm_count
+
 from kernels.sparse_mla import check_sparse_mla_inputs
 
 LOG2E = 1.4426950408889634
@@ -33,7 +36,6 @@ LOG2E_C = tl.constexpr(LOG2E)
 LN2_C = tl.constexpr(0.6931471805599453)
 MAX_SPLITS = 64
 # The interpreter has no SMs; a small count keeps the default plan (and the grids) small there.
-INTERPRETER_NUM_SMS = 8
 
 
 @dataclass(frozen=True)
@@ -348,10 +350,6 @@ def choose_num_splits(
     return min(costs)[1]
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return INTERPRETER_NUM_SMS
 
 
 def workspace_numel(batch: int, heads: int, head_dim: int, num_splits: int) -> int:
@@ -366,7 +364,7 @@ def sparse_mla_workspace(
     a CUDA-graph capture and pass as `workspace`. May be empty when one split suffices."""
     device = torch.device(device)
     itemsize = dtype.itemsize
-    splits = choose_num_splits(batch, heads, topk, _num_sms(device), head_dim, itemsize)
+    splits = choose_num_splits(batch, heads, topk, device_sm_count(device), head_dim, itemsize)
     numel = workspace_numel(batch, heads, head_dim, splits) if splits > 1 else 0
     return torch.empty(numel, dtype=torch.float32, device=device)
 
@@ -474,7 +472,7 @@ def sparse_mla_decode_split_k(
     _check(q, kv_cache, indices, sink)
     batch, heads, head_dim = q.shape
     topk = indices.shape[1]
-    num_sms = _num_sms(q.device)
+    num_sms = device_sm_count(q.device)
     tiles = tiles or choose_tiles(batch, heads, topk, num_sms, head_dim, q.element_size())
     if num_splits is None:
         num_splits = choose_num_splits(batch, heads, topk, num_sms, head_dim, q.element_size(), tiles)
@@ -504,7 +502,7 @@ def sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace=None):
     _check(q, kv_cache, indices, sink)
     batch, heads, head_dim = q.shape
     topk = indices.shape[1]
-    num_sms = _num_sms(q.device)
+    num_sms = device_sm_count(q.device)
     tiles = choose_tiles(batch, heads, topk, num_sms, head_dim, q.element_size())
     num_splits = choose_num_splits(batch, heads, topk, num_sms, head_dim, q.element_size(), tiles)
     if num_splits == 1:

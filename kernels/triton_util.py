@@ -1,0 +1,18 @@
+"""Launch facts shared by the Triton paths."""
+from __future__ import annotations
+
+import torch
+
+# Under TRITON_INTERPRET=1 (tests on a CPU) there is no SM count; plans use this one instead.
+INTERPRETER_NUM_SMS = 8
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_NUM_SMS
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would default to TF32 on tensor cores; keep them exact like the reference.
+    return "ieee" if dtype == torch.float32 else "tf32"
