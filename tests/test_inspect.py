@@ -1,0 +1,336 @@
+"""fuse.inspect: the depyf dump of the compiled decode step and its kernel index.
+
+One inspect call on the tiny preset (CPU, fp32, regional compilation, batch 1) is shared by the
+CPU tests; the Triton side of the parser is tested on a hand-written piece of CUDA output code."""
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+import fuse
+from fuse.inspect import known_ops, ops_from_kernel_name, parse_output_code, triton_kernel_info
+from model import Decoder, ModelConfig
+
+
+def real_slot_caches(decoder: Decoder) -> dict[str, torch.Tensor]:
+    return {
+        name: buf[: decoder.max_batch].clone()
+        for name, buf in decoder.named_buffers()
+        if buf.dim() >= 2 and buf.shape[0] == decoder.max_batch + 1
+    }
+
+
+def hook_state():
+    """What depyf patches or registers while it dumps, and Dynamo's compile accounting."""
+    from torch._inductor.codecache import PyCodeCache
+
+    return {
+        "exec_with_source": torch.fx.graph_module._exec_with_source,
+        "load_by_key_path": PyCodeCache.__dict__["load_by_key_path"],
+        "lazy_format_graph_code": torch._dynamo.utils.lazy_format_graph_code.__code__,
+        "bytecode_hooks": dict(torch._dynamo.convert_frame._bytecode_hooks),
+        "counters": {k: dict(v) for k, v in torch._dynamo.utils.counters.items()},
+    }
+
+
+@pytest.fixture(scope="module")
+def inspected(tmp_path_factory):
+    cfg = ModelConfig.preset("tiny")
+    decoder = Decoder(cfg, max_batch=2, max_seq_len=32, dtype=torch.float32).init_random(0)
+    generator = torch.Generator().manual_seed(1)
+    for position in range(5):  # real sequences in both slots, so their caches hold data
+        decoder(torch.randint(0, cfg.vocab_size, (2,), generator=generator), torch.full((2,), position), torch.arange(2))
+    block_code = type(decoder.layers[0]).forward.__code__
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    before = real_slot_caches(decoder), hook_state(), len(_debug_get_cache_entry_list(block_code))
+    result = fuse.inspect(decoder, tmp_path_factory.mktemp("inspect") / "dump")
+    after = real_slot_caches(decoder), hook_state(), len(_debug_get_cache_entry_list(block_code))
+    return decoder, result, before, after
+
+
+def layer_kinds(cfg: ModelConfig) -> dict[int, tuple[int, bool]]:
+    """Layer -> (compress ratio, hash routing): what makes blocks compile to different graphs."""
+    return {i: (cfg.layer_ratios[i], i < cfg.n_hash_layers) for i in range(cfg.n_layers)}
+
+
+def test_dump_has_bytecode_graphs_and_output_code(inspected):
+    _, result, _, _ = inspected
+    assert result.graphs
+    for graph in result.graphs:
+        files = graph.files
+        transformed = files["transformed_code"].read_text()
+        assert re.search(r"def __transformed_code_\d+_for_forward\(self, streams, step, hadamard\)", transformed)
+        assert re.search(rf"{graph.name}[_(]", transformed)  # it calls this graph
+        assert "class GraphModule(torch.nn.Module)" in files["captured_graph"].read_text()
+        assert "torch.ops.aten." in files["aot_forward_graph"].read_text()
+        assert "torch.ops.aten." in files["post_grad_graph"].read_text()
+        output = files["output_code"].read_text()
+        assert "def call(" in output and "async_compile.cpp_pybinding" in output
+        assert all(p.parent == result.out_dir for p in files.values())
+    assert list(result.out_dir.glob("full_code_for_forward_*.py"))
+
+
+def test_index_lists_fused_kernels(inspected):
+    _, result, _, _ = inspected
+    generated = [k for k in result.kernels if k.kind == "cpp"]
+    assert generated and all(k.name.startswith("cpp_") and k.calls >= 1 for k in generated)
+    assert any(len(k.ops) >= 2 and all(op.startswith(("aten.", "v4.")) for op in k.ops) for k in generated)
+    assert any(k.kind == "extern" and k.name == "extern_kernels.mm" for k in result.kernels)
+    for graph in result.graphs:  # every launch of a generated kernel in the wrapper is counted
+        wrapper = graph.files["output_code"].read_text().split("def call(", 1)[1]
+        for k in graph.kernels:
+            if k.kind == "cpp":
+                assert k.calls == len(re.findall(rf"^\s+{k.name}\(", wrapper, re.M)), k.name
+
+
+def test_graphs_and_custom_op_counts_match_the_model(inspected):
+    decoder, result, _, _ = inspected
+    kinds = layer_kinds(decoder.config)
+    # Regional compilation: one graph per distinct layer kind, and every layer runs one of them.
+    assert len(result.graphs) == len(set(kinds.values()))
+    assert sorted(i for g in result.graphs for i in g.layers) == list(range(decoder.config.n_layers))
+    for graph in result.graphs:
+        (kind,) = {kinds[i] for i in graph.layers}
+        ratio = kind[0]
+        # Per run of the graph (one block): attention and experts once, the indexer on ratio-4 layers.
+        calls = graph.calls("custom op")
+        assert calls == {
+            "v4.sparse_mla_decode": 1,
+            "v4.moe_experts": 1,
+            **({"v4.indexer_topk": 1} if ratio == 4 else {}),
+        }, (graph.name, graph.layers)
+        assert graph.runs_per_step == len(graph.layers)
+    ratios = Counter(decoder.config.layer_ratios)
+    n_layers = decoder.config.n_layers
+    assert result.custom_op_calls == {"v4.indexer_topk": ratios[4], "v4.moe_experts": n_layers, "v4.sparse_mla_decode": n_layers}
+
+
+def test_real_slots_and_global_state_are_untouched(inspected):
+    _, _, (caches0, hooks0, entries0), (caches1, hooks1, entries1) = inspected
+    assert any(v.abs().sum() > 0 for v in caches0.values())
+    for name, value in caches0.items():
+        assert torch.equal(caches1[name], value), name
+    assert hooks1["exec_with_source"] is hooks0["exec_with_source"]
+    assert hooks1["load_by_key_path"] is hooks0["load_by_key_path"]
+    assert hooks1["lazy_format_graph_code"] is hooks0["lazy_format_graph_code"]
+    assert hooks1["bytecode_hooks"] == hooks0["bytecode_hooks"]
+    assert hooks1["counters"] == hooks0["counters"]
+    assert entries1 == entries0  # the model's own Block.forward gained no compiled entries
+
+
+def test_index_json_and_markdown_agree(inspected):
+    _, result, _, _ = inspected
+    index = json.loads(result.index_json.read_text())
+    assert index["compilation"] == "regional" and index["batch"] == 1
+    assert index["custom_op_calls_per_step"] == result.custom_op_calls
+    assert [g["name"] for g in index["graphs"]] == [g.name for g in result.graphs]
+    assert [k["name"] for g in index["graphs"] for k in g["kernels"]] == [k.name for k in result.kernels]
+    for g in index["graphs"]:
+        for role, name in g["files"].items():
+            assert name and (result.out_dir / name).is_file(), role
+
+    markdown = result.index_md.read_text()
+    per_step = dict(re.findall(r"^\| `([\w.]+)` \| (\d+) \|$", markdown, re.M))
+    assert {op: int(n) for op, n in per_step.items()} == index["custom_op_calls_per_step"]
+    sections = re.split(r"^## `(__compiled_fn_\d+)`.*$", markdown, flags=re.M)[1:]
+    md_graphs = dict(zip(sections[::2], sections[1::2]))
+    assert list(md_graphs) == [g["name"] for g in index["graphs"]]
+    for g in index["graphs"]:
+        rows = re.findall(r"^\| `([^`]+)` \| ([\w ]+) \| (\d+) \| ([^|]*) \| ([^|]*) \|$", md_graphs[g["name"]], re.M)
+        split = lambda cell: [x for x in cell.strip().split(", ") if x]
+        assert [(name, kind, int(calls), split(ops), split(nodes)) for name, kind, calls, ops, nodes in rows] == [
+            (k["name"], k["kind"], k["calls"], k["ops"], k["source_nodes"]) for k in g["kernels"]
+        ]
+        for name in g["files"].values():
+            assert f"[`{name}`]({name})" in md_graphs[g["name"]]
+
+
+def test_inspect_refuses_bad_arguments(tmp_path, inspected):
+    decoder = inspected[0]
+    with pytest.raises(ValueError, match="target must be"):
+        fuse.inspect(object(), tmp_path / "a")
+    with pytest.raises(ValueError, match="batch must be"):
+        fuse.inspect(decoder, tmp_path / "b", batch=0)
+    with pytest.raises(ValueError, match="batch must be"):
+        fuse.inspect(decoder, tmp_path / "c", batch=decoder.max_batch + 1)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not empty"):
+        fuse.inspect(decoder, tmp_path / "d")
+    assert (tmp_path / "d" / "notes.txt").read_text() == "mine"
+
+
+def test_an_earlier_dump_is_replaced(tmp_path):
+    from fuse.inspect import _prepare_out_dir
+
+    for name in ("__compiled_fn_3.kernel_0.py", "__transformed_code_0_for_forward.py", "full_code_for_forward_0.py", "index.json"):
+        (tmp_path / name).write_text("old")
+    assert _prepare_out_dir(tmp_path) == tmp_path.resolve()
+    assert not list(tmp_path.iterdir())
+
+
+def test_loader_shim_passes_keywords_under_depyf(tmp_path):
+    """depyf 0.20's replacement loader rejects the keyword torch 2.13's PyCodeCache.load passes."""
+    from torch._inductor.codecache import PyCodeCache
+
+    from fuse.inspect import _depyf_dump
+
+    before = PyCodeCache.__dict__["load_by_key_path"]
+    with _depyf_dump(tmp_path):
+        module = PyCodeCache.load(f"answer = {6 * 7}\n")
+    assert module.answer == 42
+    assert PyCodeCache.__dict__["load_by_key_path"] is before
+
+
+def test_kernel_names_split_into_ops():
+    known = known_ops()
+    name = "cpp_fused___lshift_____rshift____to_copy_abs_add_bitwise_and_floor_divide_moe_experts_where_12"
+    assert ops_from_kernel_name(name, known) == (
+        "aten.__lshift__", "aten.__rshift__", "aten._to_copy", "aten.abs", "aten.add",
+        "aten.bitwise_and", "aten.floor_divide", "v4.moe_experts", "aten.where",
+    )
+    assert ops_from_kernel_name("triton_poi_fused_mul_sigmoid_0", known) == ("aten.mul", "aten.sigmoid")
+    assert ops_from_kernel_name("cpp_fused_frobnicate_add_3", known) == ("frobnicate", "aten.add")
+    assert ops_from_kernel_name("triton_poi_0", known) == ()
+
+
+# A short piece of CUDA output code in the shape Inductor writes it: kernels with origin comments
+# above their definitions, then the wrapper with a comment above each launch.
+TRITON_OUTPUT_CODE = '''
+from torch._inductor.select_algorithm import extern_kernels
+aten = torch.ops.aten
+async_compile = AsyncCompile()
+
+
+# kernel path: /tmp/torchinductor/ab/cab.py
+# Topologically Sorted Source Nodes: [square, mean, add_1, rsqrt, mul_2], Original ATen: [aten.pow, aten.mean, aten.add, aten.rsqrt, aten.mul]
+# Source node to ATen node mapping:
+#   add_1 => add_1
+# Graph fragment:
+#   %pow_1 : Tensor "f32[1, 128]" = call_function[target=torch.ops.aten.pow.Tensor_Scalar](args = (%arg0_1, 2))
+triton_per_fused_add_mean_mul_pow_rsqrt_0 = async_compile.triton('triton_per_fused_add_mean_mul_pow_rsqrt_0', \'\'\'
+import triton
+import triton.language as tl
+from torch._inductor.runtime import triton_helpers, triton_heuristics
+
+@triton_heuristics.persistent_reduction(size_hints={'x': 1, 'r0_': 128}, filename=__file__)
+@triton.jit
+def triton_per_fused_add_mean_mul_pow_rsqrt_0(in_out_ptr0, in_ptr0, xnumel, r0_numel, XBLOCK : tl.constexpr):
+    r0_1 = tl.arange(0, 128)[None, :]
+    tmp0 = tl.load(in_ptr0 + r0_1)
+    tmp3 = tl.sum(tmp0 * tmp0, 1)[:, None]
+    tl.store(in_out_ptr0 + r0_1, tmp0 * libdevice.rsqrt(tmp3 / 128.0 + 1e-06))
+\'\'\', device_str='cuda')
+
+
+# kernel path: /tmp/torchinductor/cd/ccd.py
+# Topologically Sorted Source Nodes: [sigmoid, mul_5], Original ATen: [aten.sigmoid, aten.mul]
+triton_poi_fused_mul_sigmoid_1 = async_compile.triton('triton_poi_fused_mul_sigmoid_1', \'\'\'
+@triton_heuristics.pointwise(size_hints={'x': 512}, filename=__file__)
+@triton.jit
+def triton_poi_fused_mul_sigmoid_1(in_out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    x0 = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:]
+    tmp0 = tl.load(in_out_ptr0 + x0, x0 < xnumel)
+    tl.store(in_out_ptr0 + x0, tmp0 * tl.sigmoid(tmp0), x0 < xnumel)
+\'\'\', device_str='cuda')
+
+
+# kernel path: /tmp/torchinductor/ef/cef.py
+# Topologically Sorted Source Nodes: [scores, top], Original ATen: [aten.amax, aten.sub, aten.exp, aten.sum]
+triton_red_fused_amax_exp_sub_sum_2 = async_compile.triton('triton_red_fused_amax_exp_sub_sum_2', \'\'\'
+@triton_heuristics.reduction(size_hints={'x': 8, 'r0_': 4096}, filename=__file__)
+@triton.jit
+def triton_red_fused_amax_exp_sub_sum_2(in_ptr0, out_ptr0, xnumel, r0_numel, XBLOCK : tl.constexpr, R0_BLOCK : tl.constexpr):
+    pass
+\'\'\', device_str='cuda')
+
+
+async_compile.wait(globals())
+del async_compile
+
+class Runner:
+    def call(self, args):
+        arg0_1, arg1_1, arg2_1 = args
+        args.clear()
+        with torch.cuda._DeviceGuard(0):
+            torch.cuda.set_device(0)
+            buf0 = empty_strided_cuda((1, 128), (128, 1), torch.float32)
+            # Topologically Sorted Source Nodes: [square, mean, add_1, rsqrt, mul_2], Original ATen: [aten.pow, aten.mean, aten.add, aten.rsqrt, aten.mul]
+            stream0 = get_raw_stream(0)
+            triton_per_fused_add_mean_mul_pow_rsqrt_0.run(buf0, arg0_1, 1, 128, stream=stream0)
+            buf1 = empty_strided_cuda((1, 512), (512, 1), torch.float32)
+            # Topologically Sorted Source Nodes: [linear], Original ATen: [aten.t, aten.mm]
+            extern_kernels.mm(buf0, reinterpret_tensor(arg1_1, (128, 512), (1, 128), 0), out=buf1)
+            # Topologically Sorted Source Nodes: [sigmoid, mul_5], Original ATen: [aten.sigmoid, aten.mul]
+            triton_poi_fused_mul_sigmoid_1.run(buf1, 512, stream=stream0)
+            # Topologically Sorted Source Nodes: [routed], Original ATen: [v4.moe_experts]
+            buf2 = torch.ops.v4.moe_experts.default(buf1, arg2_1, 10.0)
+            assert_size_stride(buf2, (1, 128), (128, 1), 'torch.ops.v4.moe_experts.default')
+            # buffer buf2 (op: torch.ops.v4.moe_experts.default) is assumed to be not aligned
+            buf3 = torch.ops.v4.moe_experts.default(buf2, arg2_1, 10.0)
+            triton_poi_fused_mul_sigmoid_1.run(buf3, 512, stream=stream0)
+            buf4 = empty_strided_cuda((8, ), (1, ), torch.float32)
+            triton_red_fused_amax_exp_sub_sum_2.run(buf3, buf4, 8, 4096, stream=stream0)
+            buf5 = torch.ops.aten.index_put_.default(buf4, [arg0_1], buf4)
+            # Topologically Sorted Source Nodes: [view_3], Original ATen: [aten.view]
+            buf6 = reinterpret_tensor(buf4, (2, 4), (4, 1), 0)  # alias
+            buf7 = torch.ops.v4.indexer_topk.default(buf6, arg0_1, 8)
+        return (buf4, buf7)
+'''
+
+
+def test_triton_output_code_is_parsed():
+    kernels = {k.name: k for k in parse_output_code(TRITON_OUTPUT_CODE)}
+    assert list(kernels) == [
+        "triton_per_fused_add_mean_mul_pow_rsqrt_0",
+        "triton_poi_fused_mul_sigmoid_1",
+        "triton_red_fused_amax_exp_sub_sum_2",
+        "extern_kernels.mm",
+        "v4.moe_experts",
+        "aten.index_put_",
+        "v4.indexer_topk",
+    ]
+    norm = kernels["triton_per_fused_add_mean_mul_pow_rsqrt_0"]
+    assert (norm.kind, norm.calls) == ("persistent reduction", 1)
+    assert norm.source_nodes == ("square", "mean", "add_1", "rsqrt", "mul_2")
+    assert norm.ops == ("aten.pow", "aten.mean", "aten.add", "aten.rsqrt", "aten.mul")
+    assert (kernels["triton_poi_fused_mul_sigmoid_1"].kind, kernels["triton_poi_fused_mul_sigmoid_1"].calls) == ("pointwise", 2)
+    red = kernels["triton_red_fused_amax_exp_sub_sum_2"]
+    assert (red.kind, red.calls, red.source_nodes) == ("reduction", 1, ("scores", "top"))
+    mm = kernels["extern_kernels.mm"]
+    assert (mm.kind, mm.calls, mm.ops, mm.source_nodes) == ("extern", 1, ("aten.t", "aten.mm"), ("linear",))
+    experts = kernels["v4.moe_experts"]  # the string and comment mentions are not calls
+    assert (experts.kind, experts.calls, experts.source_nodes) == ("custom op", 2, ("routed",))
+    assert (kernels["aten.index_put_"].kind, kernels["aten.index_put_"].calls) == ("extern", 1)
+    topk = kernels["v4.indexer_topk"]  # the comment above the alias line is not about this call
+    assert (topk.kind, topk.calls, topk.ops, topk.source_nodes) == ("custom op", 1, (), ())
+
+
+def test_triton_kind_falls_back_to_the_decorator_and_ops_to_the_name():
+    body = "@triton_heuristics.template(num_stages=3)\n@triton.jit\ndef triton_(arg_A, arg_B): pass"
+    assert triton_kernel_info("triton_", "", body) == ("template", (), ())
+    kind, ops, nodes = triton_kernel_info("triton_tem_fused_addmm_relu_4", "# kernel path: x.py", body)
+    assert (kind, ops, nodes) == ("template", ("aten.addmm", "aten.relu"), ())
+    older = "# Source Nodes: [gelu], Original ATen: [aten.gelu]"  # without "Topologically Sorted"
+    assert triton_kernel_info("triton_poi_fused_gelu_0", older, "") == ("pointwise", ("aten.gelu",), ("gelu",))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_inspect_on_cuda_indexes_triton_kernels(tmp_path):
+    cfg = ModelConfig.preset("tiny").replace(qat=False)
+    decoder = Decoder(cfg, max_batch=2, max_seq_len=32, dtype=torch.float32, device="cuda").init_random(0)
+    result = fuse.inspect(decoder, tmp_path / "dump")
+    triton = [k for k in result.kernels if k.kind in ("pointwise", "reduction", "persistent reduction")]
+    assert triton and all(k.name.startswith("triton_") and k.calls >= 1 for k in triton)
+    assert any(len(k.ops) >= 2 and k.source_nodes for k in triton)
+    ratios = Counter(cfg.layer_ratios)
+    assert result.custom_op_calls == {"v4.indexer_topk": ratios[4], "v4.moe_experts": cfg.n_layers, "v4.sparse_mla_decode": cfg.n_layers}
+    for graph in result.graphs:
+        assert "async_compile.triton(" in graph.files["output_code"].read_text()
+    print("\n" + "\n".join(f"{k.graph} {k.kind:20} {k.calls} {k.name}" for k in result.kernels[:40]))
