@@ -34,6 +34,7 @@ def assert_close_up_to_rounding_flips(actual: torch.Tensor, expected: torch.Tens
 
 @pytest.fixture(scope="module")
 def pair():
+    torch._dynamo.reset()  # graphs compiled by other tests with the same shapes would be reused
     cfg = ModelConfig.preset("tiny")
     eager = Decoder(cfg, max_batch=MAX_BATCH, max_seq_len=96, dtype=torch.float32).init_random(seed=21)
     compiled_model = Decoder(cfg, max_batch=MAX_BATCH, max_seq_len=96, dtype=torch.float32)
