@@ -560,7 +560,9 @@ def ops_from_kernel_name(name: str, known: dict[str, str]) -> tuple[str, ...]:
         else:
             ops.append(known[text[i:end]])
         i = end + 1
-    return tuple(op for op in ops if op)
+    # A custom op never runs inside a generated kernel; Inductor names a kernel after the nodes
+    # it was built from, and a kernel that reads a custom op's outputs can carry its name.
+    return tuple(op for op in ops if op and op.split(".")[0] in ("aten", "prims") or "." not in op and op)
 
 
 # -- the index ----------------------------------------------------------------------------------
