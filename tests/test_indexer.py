@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 
 from kernels import indexer_triton  # noqa: E402
 from kernels.indexer import indexer_topk, indexer_topk_reference  # noqa: E402
+from cuda_graphs import capture
 
 interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (without the interpreter)")
@@ -208,18 +209,6 @@ def score_tolerance(scores):
     # ties closer than this may swap.
     return 1e-4 * float(scores.abs().max())
 
-
-def capture(fn):
-    """Warm fn up on a side stream (as torch recommends), then capture one call: (graph, output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 
 from kernels import moe_triton  # noqa: E402
 from kernels.moe import moe_experts, moe_experts_reference  # noqa: E402
+from cuda_graphs import capture
 
 interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (without the interpreter)")
@@ -205,18 +206,6 @@ def test_bad_input_raises():
 FLASH = dict(dim=4096, inter=2048, num_experts=16, picks=6)
 GPU_TOL = 2e-2  # bf16 rounding of gate/up, h and each expert output, summed in another order
 
-
-def capture(fn):
-    """Warm fn up on a side stream (as torch recommends), then capture one call: (graph, output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 @pytest.fixture(scope="module")
