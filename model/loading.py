@@ -2,6 +2,7 @@
 scales, fp4 e2m1 experts with 1x32 block scales, dequantised on load) and reproducible random init."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from typing import Callable, Mapping, NamedTuple
@@ -20,9 +21,10 @@ class _Entry(NamedTuple):
     load: Callable[[], torch.Tensor]
 
 
-def _open_source(source) -> dict[str, _Entry]:
+def _open_source(source, stack: contextlib.ExitStack) -> dict[str, _Entry]:
     """Every key with its shape and dtype and a loader, reading no tensor data yet (a full
-    checkpoint is far larger than host memory)."""
+    checkpoint is far larger than host memory). Each shard is opened once, its header parsed
+    once, and kept open on `stack` for the loaders."""
     if isinstance(source, Mapping):
         return {k: _Entry(v, lambda v=v: v) for k, v in source.items()}
     from safetensors import safe_open
@@ -33,21 +35,14 @@ def _open_source(source) -> dict[str, _Entry]:
         raise ValueError(f"no safetensors checkpoint at {path}")
     entries: dict[str, _Entry] = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                if key in entries:
-                    raise ValueError(f"key {key} appears in more than one shard (second: {file})")
-                sl = f.get_slice(key)
-                meta = torch.empty(sl.get_shape(), dtype=_safetensors_dtype(sl.get_dtype()), device="meta")
-                entries[key] = _Entry(meta, lambda file=file, key=key: _read_one(file, key))
+        f = stack.enter_context(safe_open(file, framework="pt"))
+        for key in f.keys():
+            if key in entries:
+                raise ValueError(f"key {key} appears in more than one shard (second: {file})")
+            sl = f.get_slice(key)
+            meta = torch.empty(sl.get_shape(), dtype=_safetensors_dtype(sl.get_dtype()), device="meta")
+            entries[key] = _Entry(meta, lambda f=f, key=key: f.get_tensor(key))
     return entries
-
-
-def _read_one(file: str, key: str) -> torch.Tensor:
-    from safetensors import safe_open
-
-    with safe_open(file, framework="pt") as f:
-        return f.get_tensor(key)
 
 
 def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -89,7 +84,12 @@ def load_official_weights(decoder: nn.Module, source) -> None:
     """Load `source` (a safetensors file, a directory of shards, or a dict) into `decoder`.
     `mtp.*` keys (the multi-token-prediction layer) are skipped. Unknown, missing or misshapen
     keys raise ValueError naming them, before any weight is changed."""
-    entries = {k: v for k, v in _open_source(source).items() if not k.startswith("mtp.")}
+    with contextlib.ExitStack() as stack:
+        _load_entries(decoder, _open_source(source, stack))
+
+
+def _load_entries(decoder: nn.Module, entries: dict[str, _Entry]) -> None:
+    entries = {k: v for k, v in entries.items() if not k.startswith("mtp.")}
     scales = {k: v for k, v in entries.items() if k.endswith(".scale") and k[: -len("scale")] + "weight" in entries}
     weights = {k: v for k, v in entries.items() if k not in scales}
     targets = decoder.state_dict()
