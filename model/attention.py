@@ -12,7 +12,7 @@ from torch import nn
 
 import kernels
 from model.config import ModelConfig
-from model.layers import DecodeStep, Linear, RMSNorm, fp32_param
+from model.layers import DecodeStep, Linear, RMSNorm, fp32_linear, fp32_param, product_dtype
 from model.quant import fp4_qdq, fp8_qdq, hadamard_rotate
 from model.rope import apply_rope
 
@@ -32,7 +32,7 @@ class Compressor(nn.Module):
     overlapping windows: the entry mixes the previous window (first half of the channels) and
     the current one (second half), so its state keeps two windows."""
 
-    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, rotate: bool, num_slots: int, device=None):
+    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, rotate: bool, num_slots: int, dtype: torch.dtype, device=None):
         super().__init__()
         self.ratio = ratio
         self.head_dim = head_dim
@@ -44,8 +44,9 @@ class Compressor(nn.Module):
         width = (2 if self.overlap else 1) * head_dim
         rows = (2 if self.overlap else 1) * ratio
         self.ape = fp32_param(ratio, width, device=device)
-        self.wkv = Linear(cfg.dim, width, torch.float32, device)
-        self.wgate = Linear(cfg.dim, width, torch.float32, device)
+        weight_dtype = product_dtype(cfg.fp32_products, dtype)
+        self.wkv = Linear(cfg.dim, width, weight_dtype, device)
+        self.wgate = Linear(cfg.dim, width, weight_dtype, device)
         self.norm = RMSNorm(head_dim, cfg.norm_eps, device)
         self.register_buffer("kv_state", torch.zeros(num_slots, rows, width, device=device), persistent=False)
         self.register_buffer("score_state", torch.zeros(num_slots, rows, width, device=device), persistent=False)
@@ -55,8 +56,8 @@ class Compressor(nn.Module):
         r, d = self.ratio, self.head_dim
         pos, slots = step.positions, step.slots
         x32 = x.float()
-        kv = self.wkv(x32)
-        score = self.wgate(x32) + self.ape[pos % r]
+        kv = fp32_linear(x32, self.wkv.weight)
+        score = fp32_linear(x32, self.wgate.weight) + self.ape[pos % r]
         row = pos % r + (r if self.overlap else 0)
         self.kv_state[slots, row] = kv
         self.score_state[slots, row] = score
@@ -97,7 +98,7 @@ class Indexer(nn.Module):
         self.qat = cfg.qat
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, device)
         self.weights_proj = Linear(cfg.dim, self.n_heads, dtype, device)
-        self.compressor = Compressor(cfg, 4, self.head_dim, True, num_slots, device)
+        self.compressor = Compressor(cfg, 4, self.head_dim, True, num_slots, dtype, device)
         capacity = compressed_capacity(max_seq_len, 4)
         self.register_buffer(
             "kv_cache", torch.zeros(num_slots, capacity, self.head_dim, dtype=dtype, device=device), persistent=False
@@ -139,7 +140,7 @@ class Attention(nn.Module):
         self.wo_b = Linear(self.n_groups * self.o_lora_rank, cfg.dim, dtype, device)
         self.n_compressed = compressed_capacity(max_seq_len, ratio) if ratio else 0
         if ratio:
-            self.compressor = Compressor(cfg, ratio, self.head_dim, False, num_slots, device)
+            self.compressor = Compressor(cfg, ratio, self.head_dim, False, num_slots, dtype, device)
         if ratio == 4:
             self.indexer = Indexer(cfg, num_slots, max_seq_len, dtype, device)
         rows = self.window + self.n_compressed

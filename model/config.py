@@ -54,6 +54,10 @@ class ModelConfig:
     qat: bool = True
     # ue8m0 = power-of-two block scales, as the official fp8 checkpoints use
     scale_fmt: str | None = "ue8m0"
+    # The products the official code runs in fp32 (hyper-connection mixes, gate, compressor
+    # projections, LM head): "exact" keeps fp32 weights and math; "fast" stores those weights in
+    # the model dtype and multiplies there (fp32 accumulation, fp32 result): half the bytes read.
+    fp32_products: str = "exact"
 
     def __post_init__(self) -> None:
         ratios = tuple(int(r) for r in self.compress_ratios)
@@ -65,6 +69,8 @@ class ModelConfig:
             problems.append(f"compress ratios must be 0, 4 or 128, got {sorted(set(ratios))}")
         if self.score_func != "sqrtsoftplus":
             problems.append(f"score_func {self.score_func!r} is not supported (V4 uses 'sqrtsoftplus')")
+        if self.fp32_products not in ("exact", "fast"):
+            problems.append(f"fp32_products must be 'exact' or 'fast', got {self.fp32_products!r}")
         if self.n_shared_experts != 1:
             problems.append("exactly one shared expert is supported")
         if self.n_heads % self.o_groups:

@@ -6,13 +6,12 @@ import os
 from typing import Callable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.attention import Attention
 from model.config import ModelConfig
 from model.hyper import hc_head, hc_post, hc_pre
-from model.layers import DecodeStep, Embedding, Linear, RMSNorm, fp32_param
+from model.layers import DecodeStep, Embedding, Linear, RMSNorm, fp32_linear, fp32_param, product_dtype
 from model.moe import MoE
 from model.quant import hadamard_matrix
 from model.rope import rope_frequencies, rope_table
@@ -29,8 +28,10 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
         mixes, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
+        fn_dtype = product_dtype(cfg.fp32_products, dtype)
         for side in ("attn", "ffn"):
-            setattr(self, f"hc_{side}_fn", fp32_param(mixes, width, device=device))
+            fn = torch.empty(mixes, width, dtype=fn_dtype, device=device)
+            setattr(self, f"hc_{side}_fn", nn.Parameter(fn, requires_grad=False))
             setattr(self, f"hc_{side}_base", fp32_param(mixes, device=device))
             setattr(self, f"hc_{side}_scale", fp32_param(3, device=device))
 
@@ -80,8 +81,10 @@ class Decoder(nn.Module):
         self.embed = Embedding(cfg.vocab_size, cfg.dim, dtype, device)
         self.layers = nn.ModuleList(Block(cfg, i, num_slots, max_seq_len, dtype, device) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
-        self.head = Linear(cfg.dim, cfg.vocab_size, torch.float32, device)
-        self.hc_head_fn = fp32_param(cfg.hc_mult, cfg.hc_mult * cfg.dim, device=device)
+        head_dtype = product_dtype(cfg.fp32_products, dtype)
+        self.head = Linear(cfg.dim, cfg.vocab_size, head_dtype, device)
+        hc_head_fn = torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.dim, dtype=head_dtype, device=device)
+        self.hc_head_fn = nn.Parameter(hc_head_fn, requires_grad=False)
         self.hc_head_base = fp32_param(cfg.hc_mult, device=device)
         self.hc_head_scale = fp32_param(1, device=device)
 
@@ -120,7 +123,7 @@ class Decoder(nn.Module):
         for layer in self.layers if layers is None else layers:
             streams = layer(streams, step, self.hadamard)
         x = hc_head(streams, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.hc_eps, cfg.norm_eps)
-        return F.linear(self.norm(x).float(), self.head.weight)
+        return fp32_linear(self.norm(x), self.head.weight)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():

@@ -4,15 +4,17 @@ The parameters live on the owning module under their official names; these are t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from model.layers import fp32_linear
 
 
 def normalized_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """streams [B, hc, D] -> (streams as fp32 [B, hc*D], mixes [B, rows of fn]): an fp32 GEMV
-    scaled by the inverse RMS of the flattened streams."""
+    """streams [B, hc, D] -> (streams as fp32 [B, hc*D], mixes [B, rows of fn]): a GEMV in fn's
+    dtype (fp32 as the official code, unless ModelConfig.fp32_products is "fast") scaled by the
+    inverse RMS of the flattened streams."""
     flat = streams.flatten(1).float()
     inv_rms = torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
-    return flat, F.linear(flat, fn) * inv_rms
+    return flat, fp32_linear(flat, fn) * inv_rms
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

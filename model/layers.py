@@ -38,6 +38,16 @@ def fp32_param(*shape: int, device=None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=torch.float32, device=device), requires_grad=False)
 
 
+def product_dtype(fp32_products: str, dtype: torch.dtype) -> torch.dtype:
+    """Weight dtype of a product the official code runs in fp32 (see ModelConfig.fp32_products)."""
+    return torch.float32 if fp32_products == "exact" else dtype
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T in W's dtype, returned as fp32: exact for an fp32 W, a half-width product otherwise."""
+    return F.linear(x.to(weight.dtype), weight).float()
+
+
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, device=None):
         super().__init__()

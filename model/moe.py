@@ -23,6 +23,7 @@ class Gate(nn.Module):
         self.topk = cfg.n_activated_experts
         self.route_scale = cfg.route_scale
         self.hashed = hashed
+        self.exact = cfg.fp32_products == "exact"
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim, dtype=dtype, device=device), requires_grad=False)
         if hashed:
             self.tid2eid = nn.Parameter(
@@ -32,7 +33,9 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.empty(cfg.n_routed_experts, dtype=torch.float32, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+        # The official code upcasts the weight each call; "fast" multiplies in the model dtype.
+        logits = F.linear(x.float(), self.weight.float()) if self.exact else F.linear(x, self.weight).float()
+        scores = F.softplus(logits).sqrt()
         if self.hashed:
             ids = self.tid2eid[tokens].long()
         else:
