@@ -24,7 +24,27 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--seed", type=int, default=0)
     report.add_argument("--out", default=None, help="output folder (default fuse-out/report-<preset>-<device>)")
     report.add_argument("--no-inspect", action="store_true", help="skip the depyf dump of the generated code")
+    bench = commands.add_parser("bench", help="GPU: eager, eager in CUDA graphs, reduce-overhead and compile_decode, side by side")
+    bench.add_argument("--preset", default="bench", choices=["tiny", "bench", "flash"])
+    bench.add_argument("--layers", type=int, default=None, help="use the first N layers of the preset (default: all)")
+    bench.add_argument("--contexts", type=_ints, default=(4096, 32768))
+    bench.add_argument("--batches", type=_ints, default=(1, 16, 32, 64))
+    bench.add_argument("--variants", type=lambda s: tuple(s.split(",")), default=None, help="comma list (default: all)")
+    bench.add_argument("--steps", type=int, default=10)
+    bench.add_argument("--eager-steps", type=int, default=4)
+    bench.add_argument("--repeats", type=int, default=2)
+    bench.add_argument("--fp32-products", default="exact", choices=["exact", "fast"])
+    bench.add_argument("--start-times", action="store_true", help="also cold and warm start of compile_decode, 7 buckets")
+    bench.add_argument("--compare-precision", action="store_true", help="only: fp32 products fast vs exact under compile_decode")
+    bench.add_argument("--device", default="cuda")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", default="fuse-out/bench")
+    bench.add_argument("--start-time-child", action="store_true", help=argparse.SUPPRESS)
+    bench.add_argument("--buckets", type=_ints, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+
+    if args.command == "bench":
+        return _bench(args)
 
     if args.command == "report":
         from fuse.report import ReportSettings, format_console, run_report
@@ -45,6 +65,38 @@ def main(argv: list[str] | None = None) -> int:
         print(format_demo(stats))
         return 0 if stats["finite"] else 1
     return 2
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(t) for t in text.split(","))
+
+
+def _bench(args) -> int:
+    import json
+    import os
+
+    from fuse import bench
+
+    settings = bench.BenchSettings(
+        preset=args.preset, layers=args.layers, contexts=args.contexts, batches=args.batches,
+        variants=args.variants or bench.VARIANTS, steps=args.steps, eager_steps=args.eager_steps,
+        repeats=args.repeats, fp32_products=args.fp32_products, start_times=args.start_times,
+        device=args.device, seed=args.seed, out_dir=args.out,
+    )
+    if args.start_time_child:  # one timed start in this fresh process (see bench.measure_start_times)
+        print(json.dumps(bench.start_time_child(settings, args.buckets or bench.START_BUCKETS)))
+        return 0
+    if args.compare_precision:
+        result = bench.compare_precision(settings)
+        os.makedirs(settings.out_dir, exist_ok=True)
+        with open(os.path.join(settings.out_dir, "precision.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        return 0
+    result = bench.run_bench(settings)
+    bench.write_outputs(result, settings.out_dir)
+    print(bench.to_markdown(result))
+    print(f"wrote bench.json, bench.md, bench.png to {settings.out_dir}")
+    return 0
 
 
 if __name__ == "__main__":

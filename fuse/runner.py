@@ -30,7 +30,7 @@ class CompileOptions:
     """How `compile_decode` builds its runner."""
 
     buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    compile: bool = True  # False: eager step (for A/B checks)
+    compile: bool = True  # False: the eager step (inside the bucket graphs, unless cuda_graphs=False)
     cuda_graphs: bool = True  # False: no capture (for A/B checks); ignored on the CPU
     dynamic_batch: bool = False  # one compile with a symbolic batch size instead of one per bucket
     # Compile each block on its own: identical layers share one compiled graph, so compile time
@@ -157,7 +157,8 @@ class DecodeRunner:
             log.warning("fuse: bucket %d falls back to running without a CUDA graph (%s)", size, reason)
             try:
                 step(*inputs)
-                self.stats.fallbacks[size] = reason + "; runs compiled without a graph"
+                how = "compiled" if self.options.compile else "eager"
+                self.stats.fallbacks[size] = reason + f"; runs {how} without a graph"
                 return _Bucket(size, *inputs, run=lambda: step(*inputs))
             except Exception as second:
                 eager = self.decoder.step
@@ -185,7 +186,7 @@ class DecodeRunner:
         return replay
 
     def _wants_graphs(self) -> bool:
-        return self.options.cuda_graphs and self.options.compile and self.device.type == "cuda"
+        return self.options.cuda_graphs and self.device.type == "cuda"
 
     # -- running --------------------------------------------------------------------------------
     def bucket_for(self, batch: int) -> int:

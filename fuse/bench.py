@@ -1,0 +1,498 @@
+"""`fuse bench`: the decode step as users run it today against `compile_decode`, side by side.
+
+Variants, all on one decoder (same weights, same caches), timed interleaved in one process:
+  eager            the step as written, one launch per op;
+  eager-graphs     the eager step captured in one CUDA graph per batch bucket (serving stacks' default);
+  reduce-overhead  stock `torch.compile(step, mode="reduce-overhead")` (whole step, cudagraph trees);
+  fuse             `fuse.compile_decode` (regional Inductor compile, one CUDA graph per bucket).
+Caches are filled with random rows as if every sequence were `context` tokens in (decode cost
+depends on the positions, not on the values). The floor is the bytes a step must read (weights
+it touches, attended KV rows, the indexer cache) over a copy bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from fuse.runner import _dynamo_totals, compile_decode
+from model import Decoder, ModelConfig
+
+VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse")
+START_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class BenchSettings:
+    preset: str = "bench"
+    layers: int | None = None  # None: the preset's depth
+    contexts: tuple[int, ...] = (4096, 32768)
+    batches: tuple[int, ...] = (1, 16, 32, 64)
+    variants: tuple[str, ...] = VARIANTS
+    steps: int = 10  # timed steps per variant and shape (split over `repeats` interleaved rounds)
+    repeats: int = 2
+    eager_steps: int = 4  # the eager step is slow: fewer samples
+    fp32_products: str = "exact"
+    start_times: bool = False  # cold and warm start of compile_decode for START_BUCKETS, in fresh processes
+    device: str = "cuda"  # "cpu" runs eager and fuse only (no CUDA graphs there), in fp32
+    seed: int = 0
+    out_dir: str = "fuse-out/bench"
+
+    def __post_init__(self):
+        unknown = sorted(set(self.variants) - set(VARIANTS))
+        if unknown:
+            raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+        if not self.batches or min(self.batches) < 1 or not self.contexts or min(self.contexts) < 1:
+            raise ValueError(f"batches and contexts must be positive, got {self.batches} and {self.contexts}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+
+    def config(self) -> ModelConfig:
+        cfg = ModelConfig.preset(self.preset).replace(fp32_products=self.fp32_products)
+        return cfg if self.layers is None else cfg.replace(n_layers=self.layers)
+
+
+# -- what a step must read ----------------------------------------------------------------------
+def expected_experts(n_experts: int, topk: int, batch: int) -> float:
+    """Distinct experts a batch touches on average when each token picks `topk` uniformly."""
+    return n_experts * (1 - (1 - topk / n_experts) ** batch)
+
+
+def floor_bytes(decoder: Decoder, batch: int, context: int) -> dict[str, float]:
+    """Bytes one decode step must read at least: every weight it uses (routed experts: the expected
+    distinct ones; embedding and hash table: the batch's rows), the KV rows sparse attention
+    attends, and the indexer cache rows it scores. Compressor states and activations (small) are left out."""
+    cfg = decoder.config
+    weights = 0.0
+    for name, p in decoder.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if name.endswith(("experts.w1", "experts.w2", "experts.w3")):
+            weights += nbytes / cfg.n_routed_experts * expected_experts(cfg.n_routed_experts, cfg.n_activated_experts, batch)
+        elif name == "embed.weight" or name.endswith("tid2eid"):
+            weights += nbytes / p.shape[0] * batch
+        else:
+            weights += nbytes
+    kv = indexer = 0.0
+    for block in decoder.layers:
+        attn = block.attn
+        row_bytes = attn.kv_cache.shape[-1] * attn.kv_cache.element_size()
+        rows = min(context, cfg.window_size)
+        if attn.ratio == 4:
+            rows += min(cfg.index_topk, context // 4)
+            cache = attn.indexer.kv_cache
+            indexer += batch * (context // 4) * cache.shape[-1] * cache.element_size()
+        elif attn.ratio == 128:
+            rows += context // 128
+        kv += batch * rows * row_bytes
+    return {"weights": weights, "kv": kv, "indexer": indexer, "total": weights + kv + indexer}
+
+
+@torch.no_grad()
+def synthesize_context(decoder: Decoder, seed: int) -> None:
+    """Fill every cache and compressor state with random values (what is there does not change
+    the cost of a step; all-equal scores would give the top-k selection an unusual tie pattern)."""
+    generator = torch.Generator(device=decoder.device).manual_seed(seed)
+    for name, buf in decoder.named_buffers():
+        if name.endswith(("kv_cache", "kv_state", "score_state")):
+            buf.copy_(torch.randn(buf.shape, generator=generator, device=buf.device, dtype=torch.float32).to(buf.dtype))
+
+
+# -- variants -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def counting_graph_captures():
+    """Counts CUDA graph captures started inside (ours, and PyTorch's cudagraph trees)."""
+    counter = {"captures": 0}
+    original = torch.cuda.CUDAGraph.capture_begin
+
+    def capture_begin(self, *args, **kwargs):
+        counter["captures"] += 1
+        return original(self, *args, **kwargs)
+
+    torch.cuda.CUDAGraph.capture_begin = capture_begin
+    try:
+        yield counter
+    finally:
+        torch.cuda.CUDAGraph.capture_begin = original
+
+
+@dataclass
+class Variant:
+    name: str
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    start_seconds: float = 0.0
+    compiles: int = 0
+    captures: int = 0
+    graph_memory_gib: float = 0.0
+    note: str = ""
+    samples: dict = field(default_factory=dict)  # (context, batch) -> step times in ms
+
+
+def _reserved_gib() -> float:
+    if not torch.cuda.is_available():
+        return 0.0
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved() / 2**30
+
+
+def build_variant(name: str, decoder: Decoder, batches: tuple[int, ...], warm_inputs: Callable[[int], tuple]) -> Variant:
+    """Build, compile and capture one variant for every batch size; time and count doing so."""
+    memory0 = _reserved_gib()
+    compiles0, _ = _dynamo_totals()
+    start = time.perf_counter()
+    note = ""
+    with counting_graph_captures() as counter:
+        if name == "eager":
+            run = decoder.step
+        elif name in ("eager-graphs", "fuse"):
+            runner = compile_decode(decoder, buckets=batches, compile=name == "fuse", progress=False)
+            run = runner.run_checked
+            note = runner.describe().replace("\n", "; ")
+        elif name == "reduce-overhead":
+            step = torch.compile(decoder.step, mode="reduce-overhead", fullgraph=True)
+            run = lambda *inputs: step(*inputs).clone()  # cudagraph trees overwrite the output next replay
+            # Cudagraph trees record on the third call of each shape; warm all sizes up front.
+            for batch in sorted(batches, reverse=True):
+                for _ in range(3):
+                    run(*warm_inputs(batch))
+            skips = sum(torch._dynamo.utils.counters["inductor"].get(k, 0) for k in ("cudagraph_skips",))
+            note = f"cudagraph skips: {skips}" if skips else ""
+        else:
+            raise ValueError(name)
+        _synchronize(decoder.device)
+    seconds = time.perf_counter() - start
+    compiles1, _ = _dynamo_totals()
+    return Variant(
+        name, run, start_seconds=seconds, compiles=compiles1 - compiles0, captures=counter["captures"],
+        graph_memory_gib=max(0.0, _reserved_gib() - memory0) if name != "eager" else 0.0, note=note,
+    )
+
+
+# -- timing -------------------------------------------------------------------------------------
+def step_inputs(batch: int, context: int, vocab: int, device, seed: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed * 7919 + batch)
+    tokens = torch.randint(0, vocab, (batch,), generator=generator)
+    positions = torch.full((batch,), context - 1)  # the step that makes each sequence `context` long
+    slots = torch.arange(batch)
+    return tuple(t.to(device) for t in (tokens, positions, slots))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_step_ms(run: Callable, inputs: tuple) -> float:
+    device = inputs[0].device
+    _synchronize(device)
+    start = time.perf_counter()
+    run(*inputs)
+    _synchronize(device)
+    return 1e3 * (time.perf_counter() - start)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+def compressor_states(decoder: Decoder) -> dict[str, torch.Tensor]:
+    """The state a repeated step does not simply rewrite: a ratio-4 compressor shifts its window
+    when one completes, so running the same position twice differs (cache rows are rewritten)."""
+    return {name: buf for name, buf in decoder.named_buffers() if name.endswith(("kv_state", "score_state"))}
+
+
+def check_against_eager(variants: dict[str, Variant], decoder: Decoder, inputs: tuple) -> dict[str, dict]:
+    """One step of every variant from the same state, against the eager step: max relative logit
+    error and the share of rows whose top token agrees."""
+    states = compressor_states(decoder)
+    saved = {name: buf.clone() for name, buf in states.items()}
+    expected = decoder.step(*inputs).float()
+    checks = {}
+    for name, variant in variants.items():
+        if name == "eager":
+            continue
+        for key, buf in states.items():
+            buf.copy_(saved[key])
+        actual = variant.run(*inputs).float()
+        if not torch.isfinite(actual).all():
+            raise AssertionError(f"{name}: non-finite logits")
+        checks[name] = {
+            "max_relative_error": relative_error(actual, expected),
+            "top1_agreement": (actual.argmax(-1) == expected.argmax(-1)).float().mean().item(),
+        }
+    return checks
+
+
+def copy_bandwidth_gbs(device: torch.device) -> float:
+    """Bytes read plus written per second by a large copy on `device`."""
+    if device.type == "cuda":
+        from kernels.benchutil import copy_bandwidth_gbs as measure
+
+        return measure()
+    src = torch.randn(32 << 20)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / statistics.median(times) / 1e9
+
+
+# -- cold and warm start, each in a fresh process -------------------------------------------------
+def start_time_child(settings: BenchSettings, buckets: tuple[int, ...]) -> dict:
+    cfg = settings.config()
+    decoder = Decoder(cfg, max_batch=max(buckets), max_seq_len=max(settings.contexts) + 8, dtype=settings.dtype, device=settings.device)
+    decoder.init_random(settings.seed)
+    start = time.perf_counter()
+    runner = compile_decode(decoder, buckets=buckets, progress=False)  # caches: see measure_start_times
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "compiles": runner.stats.compiles, "captured": len(runner.stats.captured)}
+
+
+def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = START_BUCKETS) -> dict:
+    """compile_decode for `buckets`, twice in new processes sharing one empty cache folder."""
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="fuse-start-") as cache_dir:
+        for which in ("cold", "warm"):
+            command = [
+                sys.executable, "-m", "fuse", "bench", "--start-time-child",
+                "--preset", settings.preset, "--contexts", ",".join(map(str, settings.contexts)),
+                "--buckets", ",".join(map(str, buckets)), "--fp32-products", settings.fp32_products, "--device", settings.device,
+            ] + (["--layers", str(settings.layers)] if settings.layers else [])
+            # The compile caches are chosen before the child imports torch (Inductor reads them once).
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
+                   "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
+            done = subprocess.run(command, capture_output=True, text=True, env=env)
+            if done.returncode:
+                raise RuntimeError(f"{which} start failed:\n{done.stderr[-3000:]}")
+            results[which] = json.loads(done.stdout.strip().splitlines()[-1])
+    results["buckets"] = list(buckets)
+    return results
+
+
+# -- the run ------------------------------------------------------------------------------------
+def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> dict:
+    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("fuse bench --device cuda: no CUDA device here")
+    cuda_only = {"eager-graphs", "reduce-overhead"}
+    if not settings.device.startswith("cuda") and cuda_only & set(settings.variants):
+        settings = dataclasses.replace(settings, variants=tuple(v for v in settings.variants if v not in cuda_only))
+        log(f"on {settings.device}: no CUDA graphs, running {list(settings.variants)} only")
+    result = {
+        "settings": {**{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()},
+                     "dtype": str(settings.dtype).removeprefix("torch.")},
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if settings.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+    }
+    if settings.start_times:
+        log("start times: compile_decode for buckets %s, cold then warm, in new processes" % (START_BUCKETS,))
+        result["start_times"] = measure_start_times(settings)
+        log(json.dumps(result["start_times"]))
+
+    cfg = settings.config()
+    batches = tuple(sorted(set(settings.batches)))
+    decoder = Decoder(cfg, max_batch=max(batches), max_seq_len=max(settings.contexts) + 8, dtype=settings.dtype, device=settings.device)
+    decoder.init_random(settings.seed)
+    synthesize_context(decoder, settings.seed + 1)
+    result["layers"] = cfg.n_layers
+    result["copy_gbs"] = copy_bandwidth_gbs(decoder.device)
+    log(f"{cfg.n_layers} layers, {sum(p.numel() * p.element_size() for p in decoder.parameters()) / 2**30:.1f} GiB of weights, "
+        f"copy bandwidth {result['copy_gbs']:.0f} GB/s")
+
+    warm = lambda batch: step_inputs(batch, min(settings.contexts), cfg.vocab_size, decoder.device, settings.seed)
+    variants: dict[str, Variant] = {}
+    # fuse first: nothing compiled in this process yet, so its start time is as cold as the
+    # process's compile cache (new processes with an empty one: --start-times).
+    for name in sorted(settings.variants, key=lambda v: v != "fuse"):
+        log(f"building {name} ...")
+        variants[name] = build_variant(name, decoder, batches, warm)
+        v = variants[name]
+        log(f"  {name}: ready in {v.start_seconds:.1f} s, {v.compiles} compiles, {v.captures} graph captures, "
+            f"{v.graph_memory_gib:.2f} GiB held by graphs {v.note}")
+
+    rows = []
+    for context in settings.contexts:
+        for batch in batches:
+            inputs = step_inputs(batch, context, cfg.vocab_size, decoder.device, settings.seed)
+            checks = check_against_eager(variants, decoder, inputs)
+            for variant in variants.values():  # warm-up at this shape
+                variant.run(*inputs)
+            samples = {name: [] for name in variants}
+            for _ in range(settings.repeats):  # interleaved rounds: drift on a shared GPU hits all alike
+                for name, variant in variants.items():
+                    count = settings.eager_steps if name == "eager" else settings.steps
+                    for _ in range(max(1, count // settings.repeats)):
+                        samples[name].append(time_step_ms(variant.run, inputs))
+            floor = floor_bytes(decoder, batch, context)
+            floor_ms = floor["total"] / (result["copy_gbs"] * 1e9) * 1e3
+            row = {"context": context, "batch": batch, "floor_ms": floor_ms, "floor_bytes": floor, "checks": checks}
+            for name, times in samples.items():
+                ms = statistics.median(times)
+                row[name] = {"ms": ms, "tokens_per_s": batch / ms * 1e3, "samples": len(times)}
+            rows.append(row)
+            log(format_row(row, variants))
+    result["rows"] = rows
+    result["variants"] = {
+        name: {k: getattr(v, k) for k in ("start_seconds", "compiles", "captures", "graph_memory_gib", "note")}
+        for name, v in variants.items()
+    }
+    return result
+
+
+def compare_precision(settings: BenchSettings, log: Callable[[str], None] = print) -> dict:
+    """ModelConfig.fp32_products "fast" against "exact" under compile_decode, at the first context:
+    the same weights (fast rounds the fp32 product weights to bf16) and caches, one step from
+    identical state: logit error of fast against exact, and both step times, interleaved."""
+    context, batches = min(settings.contexts), tuple(sorted(set(settings.batches)))
+    shape = dict(max_batch=max(batches), max_seq_len=context + 8, dtype=settings.dtype, device=settings.device)
+    exact = Decoder(settings.config().replace(fp32_products="exact"), **shape).init_random(settings.seed)
+    fast = Decoder(settings.config().replace(fp32_products="fast"), **shape)
+    fast.load_state_dict(exact.state_dict())
+    for decoder in (exact, fast):
+        synthesize_context(decoder, settings.seed + 1)
+    warm = lambda batch: step_inputs(batch, context, exact.config.vocab_size, exact.device, settings.seed)
+    runs = {name: build_variant("fuse", decoder, batches, warm) for name, decoder in (("exact", exact), ("fast", fast))}
+    rows = []
+    for batch in batches:
+        inputs = warm(batch)
+        saved = {name: buf.clone() for name, buf in compressor_states(exact).items()}
+        reference = runs["exact"].run(*inputs).float()
+        for name, buf in compressor_states(fast).items():
+            buf.copy_(saved[name])
+        actual = runs["fast"].run(*inputs).float()
+        samples = {name: [] for name in runs}
+        for _ in range(settings.repeats):
+            for name, variant in runs.items():
+                samples[name] += [time_step_ms(variant.run, inputs) for _ in range(max(1, settings.steps // settings.repeats))]
+        row = {
+            "batch": batch, "context": context,
+            "exact_ms": statistics.median(samples["exact"]), "fast_ms": statistics.median(samples["fast"]),
+            "max_relative_error": relative_error(actual, reference),
+            "top1_agreement": (actual.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+        }
+        rows.append(row)
+        log(f"B {batch:>3}: exact {row['exact_ms']:.2f} ms, fast {row['fast_ms']:.2f} ms "
+            f"({row['exact_ms'] / row['fast_ms']:.2f}x), fast vs exact max rel. error {row['max_relative_error']:.3f}, "
+            f"top-1 agreement {row['top1_agreement']:.2f}")
+    return {"context": context, "rows": rows}
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return "-"
+
+
+# -- output -------------------------------------------------------------------------------------
+def format_row(row: dict, variants) -> str:
+    parts = [f"ctx {row['context']:>6} B {row['batch']:>3}:"]
+    parts += [f"{name} {row[name]['ms']:8.2f} ms" for name in variants]
+    parts.append(f"floor {row['floor_ms']:.2f} ms")
+    return "  ".join(parts)
+
+
+def ratio(row: dict, a: str, b: str) -> str:
+    return f"{row[b]['ms'] / row[a]['ms']:.2f}x" if a in row and b in row else "-"
+
+
+def to_markdown(result: dict) -> str:
+    s = result["settings"]
+    names = [v for v in VARIANTS if v in result["variants"]]
+    command = (
+        f"python -m fuse bench --preset {s['preset']}" + (f" --layers {s['layers']}" if s["layers"] else "")
+        + f" --contexts {','.join(map(str, s['contexts']))} --batches {','.join(map(str, s['batches']))}"
+        + (" --start-times" if s["start_times"] else "") + (f" --fp32-products {s['fp32_products']}" if s["fp32_products"] != "exact" else "")
+    )
+    lines = [
+        f"# Decode step benchmark: {s['preset']} preset, {result['layers']} layers",
+        "",
+        f"`{command}` on {result['gpu']}, torch {result['torch']}, triton {result['triton']}, {result['date']}. "
+        f"{s['dtype']} weights, fp32 products {s['fp32_products']}. Copy bandwidth measured in the same run: {result['copy_gbs']:.0f} GB/s. "
+        f"Step time = median wall time of one synchronised step ({s['steps']} samples, {s['eager_steps']} for eager, "
+        f"in {s['repeats']} interleaved rounds). Floor = bytes the step must read / copy bandwidth.",
+        "",
+        "| context | batch | " + " | ".join(f"{n} ms" for n in names) + " | floor ms | fuse vs eager-graphs | fuse vs reduce-overhead | fuse / floor | fuse tokens/s |",
+        "|---|---|" + "---|" * (len(names) + 5),
+    ]
+    for row in result["rows"]:
+        cells = [str(row["context"]), str(row["batch"])] + [f"{row[n]['ms']:.2f}" for n in names]
+        cells += [f"{row['floor_ms']:.2f}", ratio(row, "fuse", "eager-graphs"), ratio(row, "fuse", "reduce-overhead")]
+        cells += [f"{row['fuse']['ms'] / row['floor_ms']:.2f}x" if "fuse" in row else "-"]
+        cells += [f"{row['fuse']['tokens_per_s']:.0f}" if "fuse" in row else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Start-up, for the batch sizes above", "",
+              "| variant | start s | compiles | graph captures | GiB held by graphs | note |", "|---|---|---|---|---|---|"]
+    for name in names:
+        v = result["variants"][name]
+        lines.append(f"| {name} | {v['start_seconds']:.1f} | {v['compiles']} | {v['captures']} | {v['graph_memory_gib']:.2f} | {v['note']} |")
+    if "start_times" in result:
+        st = result["start_times"]
+        lines += ["", f"compile_decode for buckets {st['buckets']}, each start in a new process: cold {st['cold']['seconds']:.1f} s "
+                  f"({st['cold']['compiles']} compiles, {st['cold']['captured']} graphs), warm (same compile cache) {st['warm']['seconds']:.1f} s."]
+    lines += ["", "## Accuracy (one step from identical caches, against eager)", "",
+              "| context | batch | " + " | ".join(f"{n} max rel. error / top-1 agree" for n in names if n != "eager") + " |",
+              "|---|---|" + "---|" * (len(names) - ("eager" in names))]
+    for row in result["rows"]:
+        cells = [str(row["context"]), str(row["batch"])]
+        cells += [f"{row['checks'][n]['max_relative_error']:.3f} / {row['checks'][n]['top1_agreement']:.2f}" for n in names if n != "eager"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = result["settings"]["contexts"]
+    names = [v for v in VARIANTS if v in result["variants"]]
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 3.8), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        rows = [r for r in result["rows"] if r["context"] == context]
+        x = range(len(rows))
+        width = 0.8 / (len(names) + 1)
+        for i, name in enumerate(names):
+            ax.bar([j + i * width for j in x], [r[name]["ms"] for r in rows], width, label=name)
+        ax.bar([j + len(names) * width for j in x], [r["floor_ms"] for r in rows], width, label="floor", color="gray")
+        ax.set_xticks([j + 0.4 for j in x], [str(r["batch"]) for r in rows])
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("ms per decode step")
+        ax.set_title(f"context {context}")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{result['gpu']}, {result['layers']} layers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(result: dict, folder: str) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "bench.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.join(folder, "bench.md"), "w") as f:
+        f.write(to_markdown(result))
+    plot(result, os.path.join(folder, "bench.png"))

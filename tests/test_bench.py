@@ -1,0 +1,95 @@
+"""`fuse bench` on the CPU (eager and compile_decode; the CUDA-graph variants need a GPU): the floor
+it divides by, the context it synthesizes, and a short run end to end."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from fuse import bench
+from model import Decoder, ModelConfig
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Decoder(ModelConfig.preset("tiny"), max_batch=4, max_seq_len=96, dtype=torch.float32).init_random(0)
+
+
+def test_expected_experts_matches_simulated_routing():
+    generator = torch.Generator().manual_seed(0)
+    for n_experts, topk, batch in ((16, 6, 1), (16, 6, 3), (256, 6, 32), (8, 3, 4)):
+        picks = torch.rand(4000, batch, n_experts, generator=generator).argsort(-1)[..., :topk]
+        touched = torch.zeros(4000, n_experts).scatter_(1, picks.flatten(1), 1).sum(1).mean().item()
+        assert bench.expected_experts(n_experts, topk, batch) == pytest.approx(touched, rel=0.02)
+
+
+def test_floor_counts_attended_rows_indexer_rows_and_weights(tiny):
+    cfg = tiny.config
+    elem = 4  # fp32 caches
+    batch, context = 3, 90
+    floor = bench.floor_bytes(tiny, batch, context)
+    # Independently from the config: per layer, the window rows, plus the top-k picks (ratio 4)
+    # or every compressed entry (ratio 128), each head_dim wide; ratio-4 layers also score every
+    # compressed entry of the indexer cache.
+    window = min(context, cfg.window_size)
+    rows = {0: window, 4: window + min(cfg.index_topk, context // 4), 128: window + context // 128}
+    assert floor["kv"] == batch * sum(rows[r] for r in cfg.layer_ratios) * cfg.head_dim * elem
+    assert floor["indexer"] == batch * (context // 4) * cfg.layer_ratios.count(4) * cfg.index_head_dim * elem
+
+    params = dict(tiny.named_parameters())
+    all_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in params.items() if ".experts.w" in n)
+    table_bytes = sum(params[n].numel() * params[n].element_size() for n in params if n == "embed.weight" or n.endswith("tid2eid"))
+    one_row = sum(params[n][0].numel() * params[n].element_size() for n in params if n == "embed.weight" or n.endswith("tid2eid"))
+    share = bench.expected_experts(cfg.n_routed_experts, cfg.n_activated_experts, batch) / cfg.n_routed_experts
+    assert floor["weights"] == pytest.approx(all_bytes - expert_bytes - table_bytes + expert_bytes * share + batch * one_row)
+    assert floor["total"] == pytest.approx(floor["weights"] + floor["kv"] + floor["indexer"])
+    # More sequences read more KV and touch more experts, never fewer.
+    assert bench.floor_bytes(tiny, batch + 1, context)["total"] > floor["total"]
+
+
+def test_synthesized_context_fills_caches_and_states_only(tiny):
+    weights = {n: p.clone() for n, p in tiny.named_parameters()}
+    tables = {n: b.clone() for n, b in tiny.named_buffers() if n.startswith(("rope", "hadamard"))}
+    bench.synthesize_context(tiny, seed=1)
+    filled = [n for n, b in tiny.named_buffers() if n.endswith(("kv_cache", "kv_state", "score_state"))]
+    assert len(filled) >= 3 * tiny.config.n_layers // 2
+    for name, buf in tiny.named_buffers():
+        if name in filled:
+            assert buf.float().std() > 0.5, name  # random rows, not the zeros of a fresh decoder
+    for name, p in tiny.named_parameters():
+        assert torch.equal(p, weights[name])
+    for name, b in tables.items():
+        assert torch.equal(dict(tiny.named_buffers())[name], b)
+
+
+def test_cpu_run_end_to_end(tmp_path):
+    settings = bench.BenchSettings(
+        preset="tiny", layers=2, contexts=(88,), batches=(1, 4), variants=bench.VARIANTS, steps=2,
+        eager_steps=2, repeats=1, device="cpu", out_dir=str(tmp_path),
+    )
+    result = bench.run_bench(settings, log=lambda line: None)
+    assert result["settings"]["variants"] == ["eager", "fuse"]  # the CUDA-graph variants need a GPU
+    assert [(r["context"], r["batch"]) for r in result["rows"]] == [(88, 1), (88, 4)]
+    for row in result["rows"]:
+        # fp32: compiled equals eager up to summation order (one step from the same state).
+        assert row["checks"]["fuse"]["max_relative_error"] < 1e-4
+        assert row["checks"]["fuse"]["top1_agreement"] == 1.0
+        assert row["fuse"]["ms"] > 0 and row["eager"]["ms"] > 0 and row["floor_ms"] > 0
+    assert result["variants"]["fuse"]["compiles"] >= 1 and result["variants"]["eager"]["compiles"] == 0
+
+    bench.write_outputs(result, str(tmp_path))
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
+    markdown = (tmp_path / "bench.md").read_text()
+    fuse_ms = result["rows"][1]["fuse"]["ms"]
+    assert f"| 88 | 4 | {result['rows'][1]['eager']['ms']:.2f} | {fuse_ms:.2f} |" in markdown
+    assert os.path.getsize(tmp_path / "bench.png") > 1000
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="unknown variants \\['eager-graph'\\]"):
+        bench.BenchSettings(variants=("eager-graph",))
+    with pytest.raises(ValueError, match="batches and contexts must be positive"):
+        bench.BenchSettings(batches=(0, 4))
