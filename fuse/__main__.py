@@ -29,12 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--layers", type=int, default=None, help="use the first N layers of the preset (default: all)")
     bench.add_argument("--contexts", type=_ints, default=(4096, 32768))
     bench.add_argument("--batches", type=_ints, default=(1, 16, 32, 64))
-    bench.add_argument("--variants", type=lambda s: tuple(s.split(",")), default=None, help="comma list (default: all)")
+    bench.add_argument("--variants", type=lambda s: tuple(s.split(",")), default=None, help="comma list of eager, eager-graphs, reduce-overhead, fuse, fuse-static (default: all but fuse-static)")
     bench.add_argument("--steps", type=int, default=10)
     bench.add_argument("--eager-steps", type=int, default=4)
     bench.add_argument("--repeats", type=int, default=2)
     bench.add_argument("--fp32-products", default="exact", choices=["exact", "fast"])
-    bench.add_argument("--start-times", action="store_true", help="also cold and warm start of compile_decode, 7 buckets")
+    bench.add_argument("--start-times", action="store_true", help="only: cold and warm start of compile_decode for 7 buckets, each in a new process")
     bench.add_argument("--compare-precision", action="store_true", help="only: fp32 products fast vs exact under compile_decode")
     bench.add_argument("--device", default="cuda")
     bench.add_argument("--seed", type=int, default=0)
@@ -79,19 +79,24 @@ def _bench(args) -> int:
 
     settings = bench.BenchSettings(
         preset=args.preset, layers=args.layers, contexts=args.contexts, batches=args.batches,
-        variants=args.variants or bench.VARIANTS, steps=args.steps, eager_steps=args.eager_steps,
-        repeats=args.repeats, fp32_products=args.fp32_products, start_times=args.start_times,
+        variants=args.variants or bench.DEFAULT_VARIANTS, steps=args.steps, eager_steps=args.eager_steps,
+        repeats=args.repeats, fp32_products=args.fp32_products,
         device=args.device, seed=args.seed, out_dir=args.out,
     )
     if args.start_time_child:  # one timed start in this fresh process (see bench.measure_start_times)
         print(json.dumps(bench.start_time_child(settings, args.buckets or bench.START_BUCKETS)))
         return 0
-    if args.compare_precision:
-        result = bench.compare_precision(settings)
-        os.makedirs(settings.out_dir, exist_ok=True)
-        with open(os.path.join(settings.out_dir, "precision.json"), "w") as f:
-            json.dump(result, f, indent=2)
-        return 0
+    for flag, measure, name in (
+        (args.start_times, bench.measure_start_times, "start_times.json"),
+        (args.compare_precision, bench.compare_precision, "precision.json"),
+    ):
+        if flag:
+            result = measure(settings)
+            os.makedirs(settings.out_dir, exist_ok=True)
+            with open(os.path.join(settings.out_dir, name), "w") as f:
+                json.dump(result, f, indent=2)
+            print(json.dumps(result, indent=1))
+            return 0
     result = bench.run_bench(settings)
     bench.write_outputs(result, settings.out_dir)
     print(bench.to_markdown(result))

@@ -4,7 +4,10 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
   eager            the step as written, one launch per op;
   eager-graphs     the eager step captured in one CUDA graph per batch bucket (serving stacks' default);
   reduce-overhead  stock `torch.compile(step, mode="reduce-overhead")` (whole step, cudagraph trees);
-  fuse             `fuse.compile_decode` (regional Inductor compile, one CUDA graph per bucket).
+  fuse             `fuse.compile_decode(dynamic_batch=True)` (regional Inductor compile with a
+                   symbolic batch size, one CUDA graph per bucket);
+  fuse-static      `fuse.compile_decode(dynamic_batch=False)`: one compile per bucket (not run by
+                   default; for the compile-time / step-time trade-off).
 Caches are filled with random rows as if every sequence were `context` tokens in (decode cost
 depends on the positions, not on the values). The floor is the bytes a step must read (weights
 it touches, attended KV rows, the indexer cache) over a copy bandwidth measured in the same run.
@@ -31,7 +34,8 @@ import torch
 from fuse.runner import _dynamo_totals, compile_decode
 from model import Decoder, ModelConfig
 
-VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse")
+VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static")
+DEFAULT_VARIANTS = VARIANTS[:4]
 START_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -41,12 +45,11 @@ class BenchSettings:
     layers: int | None = None  # None: the preset's depth
     contexts: tuple[int, ...] = (4096, 32768)
     batches: tuple[int, ...] = (1, 16, 32, 64)
-    variants: tuple[str, ...] = VARIANTS
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
     steps: int = 10  # timed steps per variant and shape (split over `repeats` interleaved rounds)
     repeats: int = 2
     eager_steps: int = 4  # the eager step is slow: fewer samples
     fp32_products: str = "exact"
-    start_times: bool = False  # cold and warm start of compile_decode for START_BUCKETS, in fresh processes
     device: str = "cuda"  # "cpu" runs eager and fuse only (no CUDA graphs there), in fp32
     seed: int = 0
     out_dir: str = "fuse-out/bench"
@@ -55,6 +58,8 @@ class BenchSettings:
         unknown = sorted(set(self.variants) - set(VARIANTS))
         if unknown:
             raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+        if {"fuse", "fuse-static"} <= set(self.variants):
+            raise ValueError("fuse and fuse-static would share Dynamo's cache of the same blocks; run them in separate invocations")
         if not self.batches or min(self.batches) < 1 or not self.contexts or min(self.contexts) < 1:
             raise ValueError(f"batches and contexts must be positive, got {self.batches} and {self.contexts}")
 
@@ -160,8 +165,10 @@ def build_variant(name: str, decoder: Decoder, batches: tuple[int, ...], warm_in
     with counting_graph_captures() as counter:
         if name == "eager":
             run = decoder.step
-        elif name in ("eager-graphs", "fuse"):
-            runner = compile_decode(decoder, buckets=batches, compile=name == "fuse", progress=False)
+        elif name in ("eager-graphs", "fuse", "fuse-static"):
+            runner = compile_decode(
+                decoder, buckets=batches, compile=name != "eager-graphs", dynamic_batch=name == "fuse", progress=False
+            )
             run = runner.run_checked
             note = runner.describe().replace("\n", "; ")
         elif name == "reduce-overhead":
@@ -261,7 +268,7 @@ def start_time_child(settings: BenchSettings, buckets: tuple[int, ...]) -> dict:
     decoder = Decoder(cfg, max_batch=max(buckets), max_seq_len=max(settings.contexts) + 8, dtype=settings.dtype, device=settings.device)
     decoder.init_random(settings.seed)
     start = time.perf_counter()
-    runner = compile_decode(decoder, buckets=buckets, progress=False)  # caches: see measure_start_times
+    runner = compile_decode(decoder, buckets=buckets, dynamic_batch=True, progress=False)  # caches: see measure_start_times
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "compiles": runner.stats.compiles, "captured": len(runner.stats.captured)}
 
@@ -284,6 +291,7 @@ def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = STAR
                 raise RuntimeError(f"{which} start failed:\n{done.stderr[-3000:]}")
             results[which] = json.loads(done.stdout.strip().splitlines()[-1])
     results["buckets"] = list(buckets)
+    results["layers"] = settings.config().n_layers
     return results
 
 
@@ -303,11 +311,6 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
         "torch": torch.__version__,
         "triton": _triton_version(),
     }
-    if settings.start_times:
-        log("start times: compile_decode for buckets %s, cold then warm, in new processes" % (START_BUCKETS,))
-        result["start_times"] = measure_start_times(settings)
-        log(json.dumps(result["start_times"]))
-
     cfg = settings.config()
     batches = tuple(sorted(set(settings.batches)))
     decoder = Decoder(cfg, max_batch=max(batches), max_seq_len=max(settings.contexts) + 8, dtype=settings.dtype, device=settings.device)
@@ -322,7 +325,7 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
     variants: dict[str, Variant] = {}
     # fuse first: nothing compiled in this process yet, so its start time is as cold as the
     # process's compile cache (new processes with an empty one: --start-times).
-    for name in sorted(settings.variants, key=lambda v: v != "fuse"):
+    for name in sorted(settings.variants, key=lambda v: (v != "fuse", VARIANTS.index(v))):
         log(f"building {name} ...")
         variants[name] = build_variant(name, decoder, batches, warm)
         v = variants[name]
@@ -423,7 +426,7 @@ def to_markdown(result: dict) -> str:
     command = (
         f"python -m fuse bench --preset {s['preset']}" + (f" --layers {s['layers']}" if s["layers"] else "")
         + f" --contexts {','.join(map(str, s['contexts']))} --batches {','.join(map(str, s['batches']))}"
-        + (" --start-times" if s["start_times"] else "") + (f" --fp32-products {s['fp32_products']}" if s["fp32_products"] != "exact" else "")
+        + (f" --fp32-products {s['fp32_products']}" if s["fp32_products"] != "exact" else "")
     )
     lines = [
         f"# Decode step benchmark: {s['preset']} preset, {result['layers']} layers",
@@ -447,10 +450,6 @@ def to_markdown(result: dict) -> str:
     for name in names:
         v = result["variants"][name]
         lines.append(f"| {name} | {v['start_seconds']:.1f} | {v['compiles']} | {v['captures']} | {v['graph_memory_gib']:.2f} | {v['note']} |")
-    if "start_times" in result:
-        st = result["start_times"]
-        lines += ["", f"compile_decode for buckets {st['buckets']}, each start in a new process: cold {st['cold']['seconds']:.1f} s "
-                  f"({st['cold']['compiles']} compiles, {st['cold']['captured']} graphs), warm (same compile cache) {st['warm']['seconds']:.1f} s."]
     lines += ["", "## Accuracy (one step from identical caches, against eager)", "",
               "| context | batch | " + " | ".join(f"{n} max rel. error / top-1 agree" for n in names if n != "eager") + " |",
               "|---|---|" + "---|" * (len(names) - ("eager" in names))]

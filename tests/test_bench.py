@@ -67,7 +67,7 @@ def test_synthesized_context_fills_caches_and_states_only(tiny):
 
 def test_cpu_run_end_to_end(tmp_path):
     settings = bench.BenchSettings(
-        preset="tiny", layers=2, contexts=(88,), batches=(1, 4), variants=bench.VARIANTS, steps=2,
+        preset="tiny", layers=2, contexts=(88,), batches=(1, 4), variants=bench.DEFAULT_VARIANTS, steps=2,
         eager_steps=2, repeats=1, device="cpu", out_dir=str(tmp_path),
     )
     result = bench.run_bench(settings, log=lambda line: None)
@@ -91,5 +91,7 @@ def test_cpu_run_end_to_end(tmp_path):
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="unknown variants \\['eager-graph'\\]"):
         bench.BenchSettings(variants=("eager-graph",))
+    with pytest.raises(ValueError, match="fuse and fuse-static would share"):
+        bench.BenchSettings(variants=("fuse", "fuse-static"))
     with pytest.raises(ValueError, match="batches and contexts must be positive"):
         bench.BenchSettings(batches=(0, 4))
