@@ -1,11 +1,13 @@
 """Opaque decode kernels for DeepSeek-V4-class models, registered as torch.library custom ops.
 
 Each op has a plain-torch reference (the CPU path) beside its fast path."""
+from kernels.hc_sinkhorn import hc_split_sinkhorn, hc_split_sinkhorn_reference
 from kernels.indexer import indexer_topk, indexer_topk_reference
 from kernels.moe import moe_experts, moe_experts_reference
 from kernels.sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
 
 __all__ = [
+    "hc_split_sinkhorn", "hc_split_sinkhorn_reference",
     "indexer_topk",
     "indexer_topk_reference",
     "moe_experts",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from model.layers import fp32_linear
 
 
@@ -17,25 +18,14 @@ def normalized_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> tup
     return flat, fp32_linear(flat, fn) * inv_rms
 
 
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Row softmax (+eps), column normalisation, then iters - 1 more rounds of row and column
-    normalisation, each denominator + eps."""
-    comb = torch.softmax(logits, dim=-1) + eps
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    return comb
-
-
 def hc_pre(streams, fn, scale, base, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
     """streams [B, hc, D] -> (sublayer input [B, D] in the stream dtype, post [B, hc], comb [B, hc, hc])."""
     hc = streams.shape[1]
     flat, mixes = normalized_mixes(streams, fn, norm_eps)
-    pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * torch.sigmoid(mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
-    comb_logits = (mixes[:, 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
-    comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps)
+    # CUDA: one fused kernel (Inductor's Triton backend would launch one per half-iteration).
+    # CPU: the plain function, which Inductor's C++ backend fuses into one loop nest by itself.
+    impl = "auto" if streams.is_cuda else "reference"
+    pre, post, comb = kernels.hc_split_sinkhorn(mixes, scale, base, hc, sinkhorn_iters, hc_eps, impl=impl)
     x = (pre.unsqueeze(-1) * flat.view(streams.shape)).sum(1)
     return x.to(streams.dtype), post, comb
 
