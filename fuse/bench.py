@@ -361,8 +361,8 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
     return result
 
 
-def compare_precision(settings: BenchSettings, log: Callable[[str], None] = print) -> dict:
-    """ModelConfig.fp32_products "fast" against "exact" under compile_decode, at the first context:
+def compare_precision(settings: BenchSettings, log: Callable[[str], None] = print, variant: str = "eager-graphs") -> dict:
+    """ModelConfig.fp32_products "fast" against "exact" run as `variant`, at the first context:
     the same weights (fast rounds the fp32 product weights to bf16) and caches, one step from
     identical state: logit error of fast against exact, and both step times, interleaved."""
     context, batches = min(settings.contexts), tuple(sorted(set(settings.batches)))
@@ -373,7 +373,7 @@ def compare_precision(settings: BenchSettings, log: Callable[[str], None] = prin
     for decoder in (exact, fast):
         synthesize_context(decoder, settings.seed + 1)
     warm = lambda batch: step_inputs(batch, context, exact.config.vocab_size, exact.device, settings.seed)
-    runs = {name: build_variant("fuse", decoder, batches, warm) for name, decoder in (("exact", exact), ("fast", fast))}
+    runs = {name: build_variant(variant, decoder, batches, warm) for name, decoder in (("exact", exact), ("fast", fast))}
     rows = []
     for batch in batches:
         inputs = warm(batch)
@@ -384,8 +384,8 @@ def compare_precision(settings: BenchSettings, log: Callable[[str], None] = prin
         actual = runs["fast"].run(*inputs).float()
         samples = {name: [] for name in runs}
         for _ in range(settings.repeats):
-            for name, variant in runs.items():
-                samples[name] += [time_step_ms(variant.run, inputs) for _ in range(max(1, settings.steps // settings.repeats))]
+            for name, run in runs.items():
+                samples[name] += [time_step_ms(run.run, inputs) for _ in range(max(1, settings.steps // settings.repeats))]
         row = {
             "batch": batch, "context": context,
             "exact_ms": statistics.median(samples["exact"]), "fast_ms": statistics.median(samples["fast"]),
@@ -396,7 +396,7 @@ def compare_precision(settings: BenchSettings, log: Callable[[str], None] = prin
         log(f"B {batch:>3}: exact {row['exact_ms']:.2f} ms, fast {row['fast_ms']:.2f} ms "
             f"({row['exact_ms'] / row['fast_ms']:.2f}x), fast vs exact max rel. error {row['max_relative_error']:.3f}, "
             f"top-1 agreement {row['top1_agreement']:.2f}")
-    return {"context": context, "rows": rows}
+    return {"context": context, "variant": variant, "layers": exact.config.n_layers, "rows": rows}
 
 
 def _triton_version() -> str:

@@ -64,7 +64,7 @@ def _custom_kernel_names() -> set[str]:
     try:
         import importlib
 
-        for module in ("kernels.sparse_mla_triton", "kernels.indexer_triton", "kernels.moe_triton"):
+        for module in ("kernels.sparse_mla_triton", "kernels.indexer_triton", "kernels.moe_triton", "kernels.hc_sinkhorn_triton"):
             mod = importlib.import_module(module)
             names |= {n for n, obj in vars(mod).items() if type(obj).__name__ in ("JITFunction", "Autotuner", "Heuristics")}
     except Exception:  # no Triton here: no Triton kernel can run either

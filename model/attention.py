@@ -4,7 +4,11 @@ attending to all), sparse attention with per-head sinks, and a grouped low-rank 
 
 Caches hold one row set per cache slot: `kv_cache[slot]` is the window ring (rows
 [0, window)) followed by the compressed entries. Everything is written with static shapes:
-an entry is (re)written every step and becomes visible only once complete."""
+an entry is (re)written every step and becomes visible only once complete.
+
+Projections that read the same input run as one GEMM (FusedLinear): the attention input feeds
+wq_a, wkv, the compressors' wkv/wgate and the indexer's weights_proj; the normed low-rank query
+feeds wq_b and the indexer's wq_b. Each projection keeps its official name as a LinearView."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +16,7 @@ from torch import nn
 
 import kernels
 from model.config import ModelConfig
-from model.layers import DecodeStep, Linear, RMSNorm, fp32_linear, fp32_param, product_dtype
+from model.layers import DecodeStep, FusedLinear, Linear, LinearView, RMSNorm, fp32_param, product_dtype
 from model.quant import fp4_qdq, fp8_qdq, hadamard_rotate
 from model.rope import apply_rope
 
@@ -30,9 +34,10 @@ def kv_fp8_qdq(kv: torch.Tensor, rope_dim: int, pow2_scale: bool) -> torch.Tenso
 class Compressor(nn.Module):
     """Gated pooling of `ratio` consecutive tokens into one cache entry. Ratio 4 pools
     overlapping windows: the entry mixes the previous window (first half of the channels) and
-    the current one (second half), so its state keeps two windows."""
+    the current one (second half), so its state keeps two windows. Its projections wkv and wgate
+    of the attention input are run by the attention, fused with the other projections of x."""
 
-    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, rotate: bool, num_slots: int, dtype: torch.dtype, device=None):
+    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, rotate: bool, num_slots: int, device=None):
         super().__init__()
         self.ratio = ratio
         self.head_dim = head_dim
@@ -44,20 +49,21 @@ class Compressor(nn.Module):
         width = (2 if self.overlap else 1) * head_dim
         rows = (2 if self.overlap else 1) * ratio
         self.ape = fp32_param(ratio, width, device=device)
-        weight_dtype = product_dtype(cfg.fp32_products, dtype)
-        self.wkv = Linear(cfg.dim, width, weight_dtype, device)
-        self.wgate = Linear(cfg.dim, width, weight_dtype, device)
+        self.wkv = LinearView(cfg.dim, width)
+        self.wgate = LinearView(cfg.dim, width)
         self.norm = RMSNorm(head_dim, cfg.norm_eps, device)
         self.register_buffer("kv_state", torch.zeros(num_slots, rows, width, device=device), persistent=False)
         self.register_buffer("score_state", torch.zeros(num_slots, rows, width, device=device), persistent=False)
 
-    def forward(self, x: torch.Tensor, step: DecodeStep, cache: torch.Tensor, first_row: int, hadamard: torch.Tensor):
-        """Record this token and write the sequence's current entry to cache[slot, first_row + pos // ratio]."""
+    def forward(
+        self, kv: torch.Tensor, score: torch.Tensor, step: DecodeStep, cache: torch.Tensor, first_row: int, hadamard: torch.Tensor
+    ):
+        """Record this token's wkv and wgate products [B, width] (fp32, or the weights' dtype) and
+        write the sequence's current entry to cache[slot, first_row + pos // ratio]."""
         r, d = self.ratio, self.head_dim
         pos, slots = step.positions, step.slots
-        x32 = x.float()
-        kv = fp32_linear(x32, self.wkv.weight)
-        score = fp32_linear(x32, self.wgate.weight) + self.ape[pos % r]
+        kv = kv.float()
+        score = score.float() + self.ape[pos % r]
         row = pos % r + (r if self.overlap else 0)
         self.kv_state[slots, row] = kv
         self.score_state[slots, row] = score
@@ -88,7 +94,9 @@ class Compressor(nn.Module):
 
 
 class Indexer(nn.Module):
-    """Scores every visible compressed entry against 64 small query heads and keeps the top-k."""
+    """Scores every visible compressed entry against 64 small query heads and keeps the top-k.
+    Its projections (wq_b of the low-rank query, weights_proj and the compressor's of the
+    attention input) are run by the attention, fused with the attention's own."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, max_seq_len: int, dtype: torch.dtype, device=None):
         super().__init__()
@@ -96,22 +104,32 @@ class Indexer(nn.Module):
         self.head_dim = cfg.index_head_dim
         self.topk = cfg.index_topk
         self.qat = cfg.qat
-        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, device)
-        self.weights_proj = Linear(cfg.dim, self.n_heads, dtype, device)
-        self.compressor = Compressor(cfg, 4, self.head_dim, True, num_slots, dtype, device)
+        self.wq_b = LinearView(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = LinearView(cfg.dim, self.n_heads)
+        self.compressor = Compressor(cfg, 4, self.head_dim, True, num_slots, device)
         capacity = compressed_capacity(max_seq_len, 4)
         self.register_buffer(
             "kv_cache", torch.zeros(num_slots, capacity, self.head_dim, dtype=dtype, device=device), persistent=False
         )
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, step: DecodeStep, hadamard: torch.Tensor) -> torch.Tensor:
-        """Entry numbers [B, topk] int32 of the selected compressed entries, -1 where fewer are visible."""
-        self.compressor(x, step, self.kv_cache, 0, hadamard)
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+    def forward(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        compressor_kv: torch.Tensor,
+        compressor_score: torch.Tensor,
+        step: DecodeStep,
+        hadamard: torch.Tensor,
+    ) -> torch.Tensor:
+        """Entry numbers [B, topk] int32 of the selected compressed entries, -1 where fewer are
+        visible. Takes the products of its projections: q = wq_b(qr), weights = weights_proj(x),
+        and its compressor's wkv(x), wgate(x)."""
+        self.compressor(compressor_kv, compressor_score, step, self.kv_cache, 0, hadamard)
+        q = q.unflatten(-1, (self.n_heads, self.head_dim))
         q = hadamard_rotate(apply_rope(q, step.rope_compress), hadamard)
         if self.qat:
             q = fp4_qdq(q, 32)
-        weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        weights = weights * (self.head_dim**-0.5 * self.n_heads**-0.5)
         visible = (step.positions + 1) // 4
         return kernels.indexer_topk(q, weights, self.kv_cache, step.slots, visible, self.topk)
 
@@ -131,22 +149,42 @@ class Attention(nn.Module):
         self.pow2_scale = cfg.scale_fmt == "ue8m0"
         self.softmax_scale = self.head_dim**-0.5
         self.attn_sink = fp32_param(self.n_heads, device=device)
-        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, dtype, device)
+        self.wq_a = LinearView(cfg.dim, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, device)
-        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, device)
-        self.wkv = Linear(cfg.dim, self.head_dim, dtype, device)
+        self.wq_b = LinearView(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.wkv = LinearView(cfg.dim, self.head_dim)
         self.kv_norm = RMSNorm(self.head_dim, cfg.norm_eps, device)
         self.wo_a = Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank, dtype, device)
         self.wo_b = Linear(self.n_groups * self.o_lora_rank, cfg.dim, dtype, device)
         self.n_compressed = compressed_capacity(max_seq_len, ratio) if ratio else 0
         if ratio:
-            self.compressor = Compressor(cfg, ratio, self.head_dim, False, num_slots, dtype, device)
+            self.compressor = Compressor(cfg, ratio, self.head_dim, False, num_slots, device)
         if ratio == 4:
             self.indexer = Indexer(cfg, num_slots, max_seq_len, dtype, device)
         rows = self.window + self.n_compressed
         self.register_buffer(
             "kv_cache", torch.zeros(num_slots, rows, self.head_dim, dtype=dtype, device=device), persistent=False
         )
+        self._fuse_projections(product_dtype(cfg.fp32_products, dtype), dtype, device)
+
+    def _fuse_projections(self, compressor_dtype: torch.dtype, dtype: torch.dtype, device) -> None:
+        """One GEMM per input: x_proj for the attention input x, qr_proj for the normed low-rank
+        query. The compressors' weights are fp32 in "exact" fp32_products mode: they then read x
+        in fp32 through x32_proj; otherwise (x.float() cast back is x) they join x_proj."""
+        on_x, on_qr, on_x32 = ["wq_a", "wkv"], ["wq_b"], []
+        if self.ratio:
+            on_x32 += ["compressor.wkv", "compressor.wgate"]
+        if self.ratio == 4:
+            on_x.append("indexer.weights_proj")
+            on_qr.append("indexer.wq_b")
+            on_x32 += ["indexer.compressor.wkv", "indexer.compressor.wgate"]
+        if compressor_dtype == dtype:
+            on_x, on_x32 = on_x + on_x32, []
+        self.x_proj = FusedLinear({name: self.get_submodule(name) for name in on_x}, dtype, device)
+        self.qr_proj = FusedLinear({name: self.get_submodule(name) for name in on_qr}, dtype, device)
+        self.x32_proj = None
+        if on_x32:
+            self.x32_proj = FusedLinear({name: self.get_submodule(name) for name in on_x32}, compressor_dtype, device)
 
     def attended_rows(self, step: DecodeStep, compressed_entries: torch.Tensor | None) -> torch.Tensor:
         """Global row numbers [B, K] into kv_cache viewed as [slots * rows, head_dim]; -1 = masked."""
@@ -166,18 +204,27 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: DecodeStep, hadamard: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]
         rope = step.rope_compress if self.ratio else step.rope_window
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        on_x = self.x_proj(x)  # {projection name: product}
+        if self.x32_proj is not None:
+            on_x.update(self.x32_proj(x.float()))
+        qr = self.q_norm(on_x["wq_a"])
+        on_qr = self.qr_proj(qr)
+        q = on_qr["wq_b"].unflatten(-1, (self.n_heads, self.head_dim))
         q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)
         q = apply_rope(q, rope)
 
-        kv = apply_rope(self.kv_norm(self.wkv(x)), rope)
+        kv = apply_rope(self.kv_norm(on_x["wkv"]), rope)
         if self.qat:
             kv = kv_fp8_qdq(kv, self.rope_dim, self.pow2_scale)
-        entries = self.indexer(x, qr, step, hadamard) if self.ratio == 4 else None
+        entries = None
+        if self.ratio == 4:
+            entries = self.indexer(
+                on_qr["indexer.wq_b"], on_x["indexer.weights_proj"],
+                on_x["indexer.compressor.wkv"], on_x["indexer.compressor.wgate"], step, hadamard,
+            )
         self.kv_cache[step.slots, step.positions % self.window] = kv
         if self.ratio:
-            self.compressor(x, step, self.kv_cache, self.window, hadamard)
+            self.compressor(on_x["compressor.wkv"], on_x["compressor.wgate"], step, self.kv_cache, self.window, hadamard)
 
         rows = self.attended_rows(step, entries)
         o = kernels.sparse_mla_decode(q, self.kv_cache, rows, self.attn_sink, self.softmax_scale)

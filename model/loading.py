@@ -10,6 +10,8 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch import nn
 
+from model.layers import official_parameters
+
 FP8_BLOCK = 128
 FP4_BLOCK = 32
 # e2m1 magnitudes by 3-bit code (exponent 2 bits, mantissa 1 bit); bit 3 is the sign.
@@ -142,9 +144,10 @@ def _safetensors_dtype(name: str) -> torch.dtype:
 @torch.no_grad()
 def init_random_weights(decoder: nn.Module, seed: int) -> None:
     """Random weights that keep activations O(1): linear maps N(0, 1/fan_in), norms around 1,
-    hyper-connection maps giving unit-variance mixes, distinct hash experts per token."""
+    hyper-connection maps giving unit-variance mixes, distinct hash experts per token. Fused
+    projections are drawn piece by piece under their official names, as if unfused."""
     generator = None
-    for name, param in decoder.named_parameters():
+    for name, param in official_parameters(decoder):
         if generator is None:
             generator = torch.Generator(device=param.device).manual_seed(seed)
         leaf = name.rsplit(".", 1)[-1]

@@ -10,7 +10,7 @@ from torch import nn
 import kernels
 from kernels.moe import swiglu
 from model.config import ModelConfig
-from model.layers import Linear
+from model.layers import FusedLinear, Linear, LinearView
 
 
 class Gate(nn.Module):
@@ -78,15 +78,19 @@ class RoutedExperts(nn.Module):
 
 
 class SharedExpert(nn.Module):
+    """w1 and w3 read the same input: they run as one GEMM (w13), keeping their official names."""
+
     def __init__(self, dim: int, inter: int, swiglu_limit: float, dtype: torch.dtype, device=None):
         super().__init__()
         self.swiglu_limit = swiglu_limit
-        self.w1 = Linear(dim, inter, dtype, device)
+        self.w1 = LinearView(dim, inter)
         self.w2 = Linear(inter, dim, dtype, device)
-        self.w3 = Linear(dim, inter, dtype, device)
+        self.w3 = LinearView(dim, inter)
+        self.w13 = FusedLinear({"w1": self.w1, "w3": self.w3}, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.swiglu_limit).to(x.dtype))
+        h = self.w13(x)
+        return self.w2(swiglu(h["w1"], h["w3"], self.swiglu_limit).to(x.dtype))
 
 
 class MoE(nn.Module):
