@@ -32,7 +32,10 @@ class CompileOptions:
     buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     compile: bool = True  # False: the eager step (inside the bucket graphs, unless cuda_graphs=False)
     cuda_graphs: bool = True  # False: no capture (for A/B checks); ignored on the CPU
-    dynamic_batch: bool = False  # one compile with a symbolic batch size instead of one per bucket
+    # One compile with a symbolic batch size (3 shapes per layer kind: the first bucket, the
+    # symbolic one, batch 1) instead of one per bucket: start-up stays flat as buckets are added,
+    # for steps ~2-3% slower than per-bucket graphs (docs/compile_decode.md).
+    dynamic_batch: bool = True
     # Compile each block on its own: identical layers share one compiled graph, so compile time
     # grows with the distinct layer kinds (window / ratio 4 / ratio 128, hash / score routing),
     # not with the layer count. False: the whole step as one graph (fuses across layers too).
