@@ -218,16 +218,10 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
 
 
-def compressor_states(decoder: Decoder) -> dict[str, torch.Tensor]:
-    """The state a repeated step does not simply rewrite: a ratio-4 compressor shifts its window
-    when one completes, so running the same position twice differs (cache rows are rewritten)."""
-    return {name: buf for name, buf in decoder.named_buffers() if name.endswith(("kv_state", "score_state"))}
-
-
 def check_against_eager(variants: dict[str, Variant], decoder: Decoder, inputs: tuple) -> dict[str, dict]:
     """One step of every variant from the same state, against the eager step: max relative logit
     error and the share of rows whose top token agrees."""
-    states = compressor_states(decoder)
+    states = decoder.recurrent_state()
     saved = {name: buf.clone() for name, buf in states.items()}
     expected = decoder.step(*inputs).float()
     checks = {}
@@ -377,9 +371,9 @@ def compare_precision(settings: BenchSettings, log: Callable[[str], None] = prin
     rows = []
     for batch in batches:
         inputs = warm(batch)
-        saved = {name: buf.clone() for name, buf in compressor_states(exact).items()}
+        saved = {name: buf.clone() for name, buf in exact.recurrent_state().items()}
         reference = runs["exact"].run(*inputs).float()
-        for name, buf in compressor_states(fast).items():
+        for name, buf in fast.recurrent_state().items():
             buf.copy_(saved[name])
         actual = runs["fast"].run(*inputs).float()
         samples = {name: [] for name in runs}

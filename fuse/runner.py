@@ -64,6 +64,16 @@ class RunnerStats:
     warmup_seconds: dict[int, float] = field(default_factory=dict)
 
 
+def _decode_mode():
+    """Every step, warm-up or request, runs in one autograd mode whatever the caller's is: grad
+    mode is part of Dynamo's guards, so a request under torch.no_grad() or inference_mode would
+    otherwise recompile the step that warm-up compiled."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.no_grad())
+    return stack
+
+
 def _dynamo_totals() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
@@ -130,7 +140,7 @@ class DecodeRunner:
         # Dynamo keeps one cache entry per (layer kind, bucket) on the shared code object.
         limit = 8 * (len(self.buckets) + 1)
         patch = torch._dynamo.config.patch(recompile_limit=limit) if hasattr(torch._dynamo.config, "recompile_limit") else torch._dynamo.config.patch(cache_size_limit=limit)
-        with patch:
+        with patch, _decode_mode():
             # Largest first: the shared pool then serves the smaller graphs from the same memory.
             for size in sorted(self.buckets, reverse=True):
                 start = time.perf_counter()
@@ -210,16 +220,17 @@ class DecodeRunner:
     def _run(self, tokens, positions, slots) -> torch.Tensor:
         n = tokens.shape[0]
         bucket = self._buckets[self.bucket_for(n)]
-        for static, value, pad in (
-            (bucket.tokens, tokens, 0),
-            (bucket.positions, positions, 0),
-            (bucket.slots, slots, self.decoder.pad_slot),
-        ):
-            static[:n].copy_(value)
-            static[n:].fill_(pad)  # rows a larger batch left behind must not touch its slots
-        with self._recompile_guard():
-            output = bucket.run()
-        return output[:n].clone()  # the caller owns it; the static output is overwritten next call
+        with _decode_mode():
+            for static, value, pad in (
+                (bucket.tokens, tokens, 0),
+                (bucket.positions, positions, 0),
+                (bucket.slots, slots, self.decoder.pad_slot),
+            ):
+                static[:n].copy_(value)
+                static[n:].fill_(pad)  # rows a larger batch left behind must not touch its slots
+            with self._recompile_guard():
+                output = bucket.run()
+            return output[:n].clone()  # the caller owns it; the static output is overwritten next call
 
     @contextlib.contextmanager
     def _recompile_guard(self):

@@ -130,6 +130,13 @@ class Decoder(nn.Module):
             tokens, positions, slots = self.check_inputs(tokens, positions, slots)
         return self.step(tokens, positions, slots)
 
+    def recurrent_state(self) -> dict[str, torch.Tensor]:
+        """The buffers a step reads back besides the cache rows it rewrites: the compressors'
+        pooling windows (a ratio-4 compressor shifts its window when one completes). Restoring
+        them (and nothing else) makes a repeated step at the same positions start from the
+        same state."""
+        return {name: buf for name, buf in self.named_buffers() if name.endswith(("kv_state", "score_state"))}
+
     # -- input checks -------------------------------------------------------------------------
     def check_inputs(self, tokens, positions, slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Raise ValueError naming the problem, before anything is written. Shapes and dtypes are

@@ -2,6 +2,7 @@
 padding, no graph breaks, no recompiles after warm-up, and padded rows never touch real slots."""
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -102,6 +103,23 @@ def test_bad_input_leaves_caches_unchanged(pair):
         runner(torch.tensor([1]), torch.tensor([96]), torch.tensor([0]))
     after = real_slot_caches(runner.decoder)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_any_autograd_mode_of_the_caller_runs_the_same_graphs(pair):
+    """Grad mode is part of Dynamo's guards: a request under no_grad or inference_mode must not
+    recompile (strict mode would raise) and must give the same logits."""
+    eager, runner = pair
+    tokens, positions, slots = torch.tensor([5, 6]), torch.tensor([0, 0]), torch.tensor([0, 1])
+    state = {name: buf.clone() for name, buf in runner.decoder.named_buffers()}
+    results = []
+    for mode in (contextlib.nullcontext(), torch.no_grad(), torch.inference_mode()):
+        for name, buf in runner.decoder.named_buffers():
+            buf.copy_(state[name])
+        with mode:
+            results.append(runner(tokens, positions, slots))
+    assert not results[0].requires_grad
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+    assert runner.stats.recompiles == 0
 
 
 def test_recompile_after_warm_up_is_an_error_naming_the_guard(pair):
