@@ -122,6 +122,23 @@ def test_any_autograd_mode_of_the_caller_runs_the_same_graphs(pair):
     assert runner.stats.recompiles == 0
 
 
+def test_uncompiled_runner_runs_the_eager_step_with_the_same_padding():
+    """compile=False (the A/B baseline; on CUDA, eager inside the bucket graphs): no compile, and
+    padded, chunked batches give the decoder's own logits."""
+    cfg = ModelConfig.preset("tiny").replace(n_layers=2)
+    reference = Decoder(cfg, max_batch=5, max_seq_len=16, dtype=torch.float32).init_random(seed=2)
+    model = Decoder(cfg, max_batch=5, max_seq_len=16, dtype=torch.float32)
+    model.load_state_dict(reference.state_dict())
+    runner = fuse.compile_decode(model, buckets=(2, 4), compile=False, progress=False)
+    assert runner.stats.compiles == 0
+    generator = torch.Generator().manual_seed(3)
+    for position in range(3):
+        tokens = torch.randint(0, cfg.vocab_size, (5,), generator=generator)  # 5 rows: chunks of 4 + 1 (padded to 2)
+        positions, slots = torch.full((5,), position), torch.tensor([4, 0, 3, 1, 2])
+        expected = reference(tokens, positions, slots)
+        torch.testing.assert_close(runner(tokens, positions, slots), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_recompile_after_warm_up_is_an_error_naming_the_guard(pair):
     _, runner = pair
     runner.decoder.layers[0].attn.softmax_scale = 0.5  # a constant the compiled graph guarded on
