@@ -19,14 +19,13 @@ import dataclasses
 import datetime
 import gc
 import json
-import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
@@ -144,7 +143,6 @@ class Variant:
     captures: int = 0
     graph_memory_gib: float = 0.0
     note: str = ""
-    samples: dict = field(default_factory=dict)  # (context, batch) -> step times in ms
 
 
 def _reserved_gib() -> float:
@@ -178,7 +176,7 @@ def build_variant(name: str, decoder: Decoder, batches: tuple[int, ...], warm_in
             for batch in sorted(batches, reverse=True):
                 for _ in range(3):
                     run(*warm_inputs(batch))
-            skips = sum(torch._dynamo.utils.counters["inductor"].get(k, 0) for k in ("cudagraph_skips",))
+            skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]  # e.g. on the CPU: no graphs
             note = f"cudagraph skips: {skips}" if skips else ""
         else:
             raise ValueError(name)
