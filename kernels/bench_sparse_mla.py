@@ -1,4 +1,5 @@
-"""Sparse MLA decode benchmark (H=64, D=512, bf16): SIMT vs head-batched vs split-K vs default.
+"""Sparse MLA decode benchmark (H=64, D=512, bf16): SIMT vs head-batched vs split-K vs default,
+and split-K with the combine fused into the split kernel (opt-in, not used by the default).
 
 Every variant is first checked against the reference on fresh inputs (an AssertionError stops the
 run). Timing: one CUDA graph per variant holds one call per rotating input set (enough sets to
@@ -7,6 +8,9 @@ without host launch gaps, as in the captured decode step. Each sequence gathers 
 cache slot of 128 window + 16384 compressed rows (at least 16 slots: the rows the sets touch
 never fit in L2); its indices are the 128 ring rows plus random compressed rows, 10% set to -1
 at random positions.
+
+The fused-combine variant gets a workspace preallocated once per shape (as a CUDA-graph caller
+would): with workspace=None each call would also zero its counters, one more node in the graph.
 
 Effective bandwidth counts the bytes the op must move at least once: each sequence's distinct
 valid KV rows (D x 2 bytes each) plus q and out (B x H x D x 2 bytes each); indices, sink and LSE
@@ -120,6 +124,44 @@ VARIANTS = {
     "split_k": smt.sparse_mla_decode_split_k,
     "default": smt.sparse_mla_decode_triton,
 }
+FUSED = "split_k_fused"  # not in VARIANTS: the default cannot pick it, so it stays out of 'best other'
+
+
+class FusedCombine:
+    """Split-K with the fused combine on a zeroed workspace of its own (sized for the default
+    split count, or num_splits). Every call must leave the arrival counters at zero again:
+    check_reset raises if one did not."""
+
+    def __init__(self, case: Case, num_splits: int | None = None, tiles: smt.TileConfig | None = None):
+        self.batch, self.num_splits, self.tiles = case.batch, num_splits, tiles
+        device = case.kv_cache.device
+        if num_splits is None:
+            self.workspace = smt.sparse_mla_workspace(case.batch, HEADS, DIM, case.topk, device, DTYPE, fused_combine=True)
+        else:
+            numel = smt.workspace_numel(case.batch, HEADS, DIM, num_splits, fused_combine=True)
+            self.workspace = torch.zeros(numel, dtype=torch.float32, device=device)
+
+    def __call__(self, *args):
+        return smt.sparse_mla_decode_split_k(
+            *args, num_splits=self.num_splits, workspace=self.workspace, tiles=self.tiles, fused_combine=True
+        )
+
+    def check_reset(self, name: str, case: Case) -> None:
+        if smt.fused_counters(self.workspace, self.batch, HEADS).any():
+            raise AssertionError(f"sparse_mla {name} at B={case.batch}, K={case.topk}: arrival counters not reset")
+
+
+def checked_time_us(name: str, fn, case: Case) -> float:
+    """Check fn against the reference, then time it; its graph replay must reproduce the eager
+    output bit for bit (the fused combine reads every split back in a fixed order, so it is
+    deterministic too) and a FusedCombine must have reset its counters."""
+    eager = check_against_reference(name, fn, case)
+    us, captured = time_per_call_us(fn, case)
+    if not torch.equal(captured, eager):
+        raise AssertionError(f"sparse_mla {name} at B={case.batch}, K={case.topk}: graph replay differs from eager")
+    if isinstance(fn, FusedCombine):
+        fn.check_reset(name, case)
+    return us
 
 
 def run_main_table(copy_gbs: float, l2_bytes: int, num_sms: int):
@@ -127,31 +169,29 @@ def run_main_table(copy_gbs: float, l2_bytes: int, num_sms: int):
     for topk in TOPKS:
         for batch in BATCHES:
             case = Case(batch, topk, l2_bytes, seed=batch * 10 + topk)
-            times = {}
-            for name, fn in VARIANTS.items():
-                eager = check_against_reference(name, fn, case)
-                times[name], captured = time_per_call_us(fn, case)
-                if not torch.equal(captured, eager):
-                    raise AssertionError(f"sparse_mla {name} at B={batch}, K={topk}: graph replay differs from eager")
+            times = {name: checked_time_us(name, fn, case) for name, fn in VARIANTS.items()}
+            times[FUSED] = checked_time_us(FUSED, FusedCombine(case), case)
             tiles = smt.choose_tiles(batch, HEADS, topk, num_sms)
             splits = smt.choose_num_splits(batch, HEADS, topk, num_sms)
             gbs = case.bytes_per_call / (times["default"] * 1e-6) / 1e9
-            best_other = min(t for name, t in times.items() if name != "default")
+            best_other = min(t for name, t in times.items() if name in VARIANTS and name != "default")
             results[(batch, topk)] = dict(times=times, gbs=gbs, splits=splits, tiles=tiles)
             rows.append([
                 batch, topk,
                 f"{times['simt']:.1f}", f"{times['head_batched']:.1f}", f"{times['split_k']:.1f}",
-                f"{times['default']:.1f}", f"{tile_name(tiles)}, S={splits}",
+                f"{times['default']:.1f}", f"{times[FUSED]:.1f}", f"{tile_name(tiles)}, S={splits}",
                 f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%",
                 f"{times['simt'] / times['head_batched']:.1f}x",
                 f"{times['head_batched'] / times['split_k']:.2f}x",
                 f"{best_other / times['default']:.2f}",
+                f"{times['default'] / times[FUSED]:.2f}x",
             ])
             print(f"sparse_mla B={batch} K={topk}: " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()), flush=True)
             del case
     header = [
-        "B", "K", "SIMT us", "head-batched us", "split-K us", "default us", "default plan (tiles, splits)",
-        "default GB/s", "% of copy", "HB vs SIMT", "split-K vs HB", "best other / default",
+        "B", "K", "SIMT us", "head-batched us", "split-K us", "default us", "split-K fused us",
+        "default plan (tiles, splits)", "default GB/s", "% of copy", "HB vs SIMT", "split-K vs HB",
+        "best other / default", "default / fused",
     ]
     return markdown_table(header, rows), results
 
@@ -174,11 +214,22 @@ def acceptance(results: dict) -> str:
     gbs = results[(128, 2048)]["gbs"]
     lines.append(f"- default at B=128, K=2048: {gbs / 1e3:.2f} TB/s effective (target >= 3.0): {verdict(gbs >= 3000)}")
     worst = max(
-        ((r["times"]["default"] / min(v for k, v in r["times"].items() if k != "default"), shape) for shape, r in results.items())
+        (
+            (r["times"]["default"] / min(v for k, v in r["times"].items() if k in VARIANTS and k != "default"), shape)
+            for shape, r in results.items()
+        )
     )
     lines.append(
         f"- default vs the fastest other variant, worst case B={worst[1][0]}, K={worst[1][1]}: "
         f"{worst[0]:.2f}x its time (target <= 1.10): {verdict(worst[0] <= 1.10)}"
+    )
+    t = results[(1, 640)]["times"]
+    lines.append(
+        f"- split-K with fused combine at B=1, K=640: {t[FUSED]:.1f} us vs the default's {t['default']:.1f} us "
+        f"({t['default'] / t[FUSED]:.2f}x), {t['head_batched'] / t[FUSED]:.1f}x faster than head-batched "
+        f"(targets <= 10 us and faster than the default; ideal <= {t['head_batched'] / 4:.1f} us = head-batched / 4): "
+        f"{verdict(t[FUSED] <= 10 and t[FUSED] < t['default'])}"
+        f"{', ideal met' if t[FUSED] <= t['head_batched'] / 4 else ''}"
     )
     return "\n".join(lines)
 
@@ -237,6 +288,46 @@ def run_tile_sweep(l2_bytes: int, num_sms: int) -> str:
     return markdown_table(header, rows)
 
 
+FUSED_SWEEP_TILES = (
+    smt.TileConfig(16, 32, 4, 2),  # the default at B <= 2
+    smt.TileConfig(16, 32, 4, 2, dv_split=2),  # twice the programs, so twice the combiners, each merging half the columns
+    smt.TileConfig(16, 64, 4, 3),
+)
+FUSED_SWEEP_SPLITS = {640: (4, 5, 7, 10, 20), 2048: (8, 11, 16, 22, 32, 64)}
+
+
+def run_fused_sweep(l2_bytes: int, num_sms: int) -> str:
+    """Split-K with the fused combine at batch 1 and 2 over tiles and split counts: the last
+    program of each block merges num_splits partials alone, so the best count may differ from
+    the two-kernel path's. Bold: the default split count for that tile."""
+    counts = sorted({s for per_k in FUSED_SWEEP_SPLITS.values() for s in per_k})
+    rows = []
+    for topk in TOPKS:
+        for batch in (1, 2):
+            case = Case(batch, topk, l2_bytes, seed=3 + batch)
+            for tiles in FUSED_SWEEP_TILES:
+                chosen = smt.choose_num_splits(batch, HEADS, topk, num_sms, tiles=tiles)
+                n_blocks = -(-topk // tiles.block_k)
+                cells = []
+                for splits in counts:
+                    if splits not in FUSED_SWEEP_SPLITS[topk] or splits > n_blocks:
+                        cells.append("")
+                        continue
+                    try:
+                        fn = FusedCombine(case, num_splits=splits, tiles=tiles)
+                        us = checked_time_us(f"fused {tile_name(tiles)} S={splits}", fn, case)
+                        cells.append(f"**{us:.1f}**" if splits == chosen else f"{us:.1f}")
+                    except AssertionError:
+                        raise
+                    except Exception as err:  # e.g. a tile that needs more shared memory than the SM has
+                        cells.append(type(err).__name__)
+                rows.append([batch, topk, tile_name(tiles), chosen] + cells)
+                print(f"sparse_mla fused sweep B={batch} K={topk} {tile_name(tiles)}: {cells}", flush=True)
+            del case
+    header = ["B", "K", "tile", "default S"] + [f"S={s}" for s in counts]
+    return markdown_table(header, rows)
+
+
 def run(copy_gbs: float) -> str:
     props = torch.cuda.get_device_properties(0)
     l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
@@ -249,8 +340,11 @@ def run(copy_gbs: float) -> str:
         "bytes / time. Variants: SIMT = one program per (sequence, head); head-batched = blocks of 64 heads (two "
         "programs per block, one per half of the output columns), no split; split-K = default tiles and split "
         "count, always with the combine; default = the op's CUDA path (head-batched alone when the plan has one "
-        "split). Tiles: heads x rows per program, warps, pipeline stages, dv2 = output columns split in two "
-        "programs. 'best other / default' < 0.91 means the default is over 10% slower than some variant.",
+        "split); split-K fused = split-K at the default tiles and split count with the combine done by the last "
+        "split program of each block (one launch; opt-in, the default never uses it). Tiles: heads x rows per "
+        "program, warps, pipeline stages, dv2 = output columns split in two programs. 'best other / default' "
+        "< 0.91 means the default is over 10% slower than some variant it could have picked (the fused one "
+        "excluded); 'default / fused' > 1 means the fused variant is faster than the default.",
         table,
         "### Acceptance",
         acceptance(results),
@@ -258,5 +352,7 @@ def run(copy_gbs: float) -> str:
         run_split_sweep(l2_bytes, num_sms),
         "### Tile sweep (head-batched with one split, split-K with each tile's default split count)",
         run_tile_sweep(l2_bytes, num_sms),
+        "### Split-K with fused combine: tiles x split counts at B=1, 2 (bold = the default split count)",
+        run_fused_sweep(l2_bytes, num_sms),
     ]
     return "\n\n".join(parts)

@@ -12,6 +12,10 @@ Three kernels compute the same thing:
   program writes its normalised partial output and base-2 LSE to fp32 scratch; a combine kernel
   merges the pieces with log-sum-exp and adds the sink. This fills the GPU when
   batch x head-blocks is far below the SM count.
+- split_k with fused_combine=True (opt-in): the same split programs, one launch. Each program
+  counts its arrival per (sequence, head block, column part) in an int32 counter in the
+  workspace; the last one to arrive merges the splits (same math as the combine kernel) and
+  resets the counter, so the next call and CUDA-graph replays start from zero.
 
 `sparse_mla_decode_triton` is the default: tiles and split count are pure functions of the shapes
 and the SM count (so one CUDA-graph capture per batch bucket stays valid), and it skips the
@@ -146,8 +150,74 @@ def _simt_kernel(
 
 
 @triton.jit
+def _combine_if_last(
+    counter_ptr, part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr,
+    b, part, offs_h, h_ok, H, D,
+    stride_sink, stride_ob, stride_oh, stride_lb,
+    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, DV_SPLIT: tl.constexpr,
+    BLOCK_DC: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
+):
+    """Run by every split program right after it wrote its partial: count the arrival at this
+    (sequence, head block, column part); the last of the num_splits programs merges all their
+    partials and sets the counter back to 0 for the next call.
+
+    The merge is _combine_kernel's (weights exp2(lse_s - max), the sink in the denominator only)
+    done in one pass: a running max seeded with the finite sink rescales the sums when a split
+    raises it, so an empty split (lse -inf) weighs exactly 0 and nothing becomes NaN. Every value
+    then lives in the row layout of the loaded tiles (no layout conversion, hence no barrier, in
+    the loop), and each step loads SPLITS_PER_STEP splits at once: the lone merging program is
+    bound by the bytes it keeps in flight. It reads its own partial back like the others, in split
+    order, so the result does not depend on which split arrives last. Columns go in chunks of
+    BLOCK_DC so the accumulator fits in registers; partials are read at L2 (.cg): other SMs wrote
+    them during this launch."""
+    num_splits = tl.num_programs(1)
+    # All threads' partial stores are issued before the one thread that does the atomic releases
+    # them; acquire on the last arrival orders the reads below after every other program's stores.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if arrived == num_splits - 1:
+        sink2 = tl.load(sink_ptr + offs_h * stride_sink, mask=h_ok, other=0.0).to(tl.float32) * LOG2E_C
+        # Defined before the loop so the LSE below can read them; every chunk restarts them and
+        # reaches the same values.
+        m_i = sink2
+        denom = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
+        for c in range(0, BLOCK_DV, BLOCK_DC):
+            offs_d = part * BLOCK_DV + c + tl.arange(0, BLOCK_DC)
+            mask = h_ok[:, None] & (offs_d < D)[None, :]
+            m_i = sink2
+            denom = tl.full([BLOCK_H], 1.0, dtype=tl.float32)  # the sink's own term, exp2(sink2 - m_i)
+            acc = tl.zeros([BLOCK_H, BLOCK_DC], dtype=tl.float32)
+            for s0 in range(0, num_splits, SPLITS_PER_STEP):
+                for j in tl.static_range(SPLITS_PER_STEP):
+                    # A vector, not a scalar: Triton's interpreter mishandles scalar & vector masks.
+                    row_ok = h_ok & (tl.full([BLOCK_H], s0 + j, tl.int32) < num_splits)
+                    row = (b * num_splits + s0 + j) * H + offs_h
+                    lse = tl.load(
+                        part_lse_ptr + row * DV_SPLIT + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
+                    )
+                    parts = tl.load(
+                        part_out_ptr + row[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & mask, other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    m_new = tl.maximum(m_i, lse)
+                    alpha = tl.exp2(m_i - m_new)
+                    w = tl.exp2(lse - m_new)
+                    acc = acc * alpha[:, None] + parts * w[:, None]
+                    denom = denom * alpha + w
+                    m_i = m_new
+            tl.store(
+                out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+                (acc / denom[:, None]).to(out_ptr.dtype.element_ty),
+                mask=mask,
+            )
+        if part == 0:
+            tl.store(lse_ptr + b * stride_lb + offs_h, (m_i + tl.log2(denom)) * LN2_C, mask=h_ok)
+        tl.atomic_xchg(counter_ptr, 0)
+
+
+@triton.jit
 def _head_batched_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
     H, K, D, rows_per_slot, blocks_per_split, scale_log2,
     stride_qb, stride_qh, stride_qd,
     stride_slot, stride_row, stride_d,
@@ -155,6 +225,7 @@ def _head_batched_kernel(
     stride_ob, stride_oh, stride_lb,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DV_SPLIT: tl.constexpr,
     FLAT_ROWS: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, BLOCK_DC: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
 ):
     """Program (head block x column part, split, sequence).
 
@@ -162,7 +233,9 @@ def _head_batched_kernel(
     half of the columns plus the other half) but P V only for its own half, which halves the
     accumulator and lets one warpgroup own a 64-head tile. SPLIT=False: the only split, writes out
     and lse. SPLIT=True: writes the partial output (normalised by its own sum, zeros when the split
-    has no valid index) and its base-2 LSE (-inf when empty) to the fp32 scratch."""
+    has no valid index) and its base-2 LSE (-inf when empty) to the fp32 scratch. FUSED_COMBINE
+    (with SPLIT): every column part writes its own LSE (its Q K^T sums in its own order), and the
+    last split program of the block merges the splits (_combine_if_last)."""
     BLOCK_DV: tl.constexpr = BLOCK_D // DV_SPLIT
     hb = tl.program_id(0) // DV_SPLIT
     part = tl.program_id(0) % DV_SPLIT
@@ -208,7 +281,16 @@ def _head_batched_kernel(
             part_out_ptr + row[:, None] * D + offs_dv[None, :], acc / l_safe[:, None],
             mask=h_ok[:, None] & dv_ok[None, :],
         )
-        if part == 0:
+        if FUSED_COMBINE:
+            tl.store(part_lse_ptr + row * DV_SPLIT + part, m_i + tl.log2(l_safe), mask=h_ok)
+            _combine_if_last(
+                counters_ptr + b * tl.num_programs(0) + tl.program_id(0),
+                part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr,
+                b, part, offs_h, h_ok, H, D,
+                stride_sink, stride_ob, stride_oh, stride_lb,
+                BLOCK_H, BLOCK_DV, DV_SPLIT, BLOCK_DC, SPLITS_PER_STEP,
+            )
+        elif part == 0:
             tl.store(part_lse_ptr + row, m_i + tl.log2(l_safe), mask=h_ok)
     else:
         sink2 = tl.load(sink_ptr + offs_h * stride_sink, mask=h_ok, other=0.0).to(tl.float32) * LOG2E_C
@@ -352,21 +434,54 @@ def choose_num_splits(
 
 
 
-def workspace_numel(batch: int, heads: int, head_dim: int, num_splits: int) -> int:
-    """fp32 elements of split-K scratch: partial outputs [B, S, H, D] then partial LSEs [B, S, H]."""
+# The fused combine keeps one LSE and one arrival counter per column part; a head block has at
+# most two parts (TileConfig.dv_split).
+MAX_DV_SPLIT = 2
+
+
+def num_fused_counters(batch: int, heads: int) -> int:
+    """int32 arrival counters at the front of a fused-combine workspace: one per (sequence, head
+    block, column part) needs at most batch x heads x MAX_DV_SPLIT whatever the tiles, so one
+    workspace serves any tiles and split count at this batch and head count. Rounded up to 32
+    (128 bytes) to keep the partials behind them aligned."""
+    return -(-batch * heads * MAX_DV_SPLIT // 32) * 32
+
+
+def workspace_numel(batch: int, heads: int, head_dim: int, num_splits: int, fused_combine: bool = False) -> int:
+    """fp32 elements of split-K scratch: partial outputs [B, S, H, D] then partial LSEs [B, S, H].
+    With fused_combine: the arrival counters (num_fused_counters, int32 bits), then the partial
+    outputs [B, S, H, D], then partial LSEs per column part [B, S, H, dv_split] (room for
+    MAX_DV_SPLIT parts)."""
+    if fused_combine:
+        return num_fused_counters(batch, heads) + batch * num_splits * heads * (head_dim + MAX_DV_SPLIT)
     return batch * num_splits * heads * (head_dim + 1)
 
 
 def sparse_mla_workspace(
-    batch: int, heads: int, head_dim: int, topk: int, device, dtype: torch.dtype = torch.bfloat16
+    batch: int, heads: int, head_dim: int, topk: int, device, dtype: torch.dtype = torch.bfloat16,
+    fused_combine: bool = False,
 ) -> torch.Tensor:
     """Scratch for the default path at these shapes (activation dtype `dtype`), to allocate before
-    a CUDA-graph capture and pass as `workspace`. May be empty when one split suffices."""
+    a CUDA-graph capture and pass as `workspace`. May be empty when one split suffices.
+
+    fused_combine=True: scratch for sparse_mla_decode_split_k(..., fused_combine=True) at the
+    default split count (sized even when that count is 1), zero-filled because the arrival
+    counters must start at 0; every call leaves them at 0 again. Use it for one batch and head
+    count (the per-bucket pattern) and only with fused_combine=True: the two-kernel path would
+    write partials over the counters."""
     device = torch.device(device)
     itemsize = dtype.itemsize
     splits = choose_num_splits(batch, heads, topk, device_sm_count(device), head_dim, itemsize)
+    if fused_combine:
+        numel = workspace_numel(batch, heads, head_dim, splits, fused_combine=True)
+        return torch.zeros(numel, dtype=torch.float32, device=device)
     numel = workspace_numel(batch, heads, head_dim, splits) if splits > 1 else 0
     return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+def fused_counters(workspace: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """The int32 arrival counters of a fused-combine workspace (all 0 between calls)."""
+    return workspace[: num_fused_counters(batch, heads)].view(torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,18 +532,42 @@ def sparse_mla_decode_simt(q, kv_cache, indices, sink, scale, block_k: int = 16,
     return out, lse
 
 
-def _launch_head_batched(q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse):
+# The fused combine loads this many splits' tiles per step: one program merges every partial of
+# its block, so its speed is the bytes it keeps in flight.
+COMBINE_SPLITS_PER_STEP = 2
+
+
+def _fused_combine_columns(tiles: TileConfig, head_dim: int) -> int:
+    """Output columns the fused combine merges per chunk, sized by registers (Triton 3.6, sm_90,
+    checked with ptxas). A column part of at most 64 fp32 per thread (the small head blocks of
+    batch 1-4, whose main loop leaves registers free) is one chunk: 16x32 tiles then use 248
+    registers without spilling. Larger parts (64-head blocks) go in chunks of 32 per thread,
+    which spill no more than the main loop does; bigger chunks spill."""
+    block_dv = _block_d(head_dim) // tiles.dv_split
+    per_thread = 32 * tiles.num_warps  # fp32 elements per register across the program's threads
+    if tiles.block_h * block_dv <= 64 * per_thread:
+        return block_dv
+    return max(16, 32 * per_thread // tiles.block_h)
+
+
+def _launch_head_batched(
+    q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse, counters=None
+):
+    """counters (int32) given: split-K with the combine fused into the split programs."""
     batch, heads, head_dim = q.shape
     rows_per_slot, *kv_strides = _kv_strides(kv_cache)
     grid = (triton.cdiv(heads, tiles.block_h) * tiles.dv_split, num_splits, batch)
+    fused = counters is not None
     _head_batched_kernel[grid](
-        q, kv_cache, indices, sink, out, lse, part_out, part_lse,
+        q, kv_cache, indices, sink, out, lse, part_out, part_lse, counters,
         heads, indices.shape[1], head_dim, rows_per_slot, blocks_per_split, float(scale) * LOG2E,
         *q.stride(), *kv_strides,
         *indices.stride(), sink.stride(0),
         out.stride(0), out.stride(1), lse.stride(0),
         BLOCK_H=tiles.block_h, BLOCK_K=tiles.block_k, BLOCK_D=_block_d(head_dim), DV_SPLIT=tiles.dv_split,
         FLAT_ROWS=_flat_rows(kv_cache), SPLIT=part_out is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FUSED_COMBINE=fused,
+        BLOCK_DC=_fused_combine_columns(tiles, head_dim) if fused else 1, SPLITS_PER_STEP=COMBINE_SPLITS_PER_STEP,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
@@ -446,29 +585,65 @@ def sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale, tiles: Til
     return out, lse
 
 
-def _split_scratch(workspace, batch, heads, head_dim, num_splits, device):
-    numel = workspace_numel(batch, heads, head_dim, num_splits)
-    if workspace is None:
-        workspace = torch.empty(numel, dtype=torch.float32, device=device)
-    elif workspace.dtype != torch.float32 or workspace.device != device or not workspace.is_contiguous():
+def _check_workspace(workspace, numel, batch, heads, head_dim, num_splits, device, fused_combine=False) -> None:
+    if workspace.dtype != torch.float32 or workspace.device != device or not workspace.is_contiguous():
         raise ValueError(
             f"sparse_mla_decode: workspace must be a contiguous fp32 tensor on {device}, got "
             f"{workspace.dtype} on {workspace.device}"
         )
-    elif workspace.numel() < numel:
+    if workspace.numel() < numel:
+        how = "sparse_mla_workspace(..., fused_combine=True)" if fused_combine else "sparse_mla_workspace"
         raise ValueError(
             f"sparse_mla_decode: workspace holds {workspace.numel()} fp32 elements, {num_splits} splits at "
-            f"B={batch}, H={heads}, D={head_dim} need {numel} (allocate it with sparse_mla_workspace)"
+            f"B={batch}, H={heads}, D={head_dim} need {numel} (allocate it with {how})"
         )
+
+
+def _split_scratch(workspace, batch, heads, head_dim, num_splits, device):
+    numel = workspace_numel(batch, heads, head_dim, num_splits)
+    if workspace is None:
+        workspace = torch.empty(numel, dtype=torch.float32, device=device)
+    else:
+        _check_workspace(workspace, numel, batch, heads, head_dim, num_splits, device)
     n_out = batch * num_splits * heads * head_dim
     return workspace[:n_out], workspace[n_out:numel]
 
 
+def _fused_scratch(workspace, batch, heads, head_dim, num_splits, device):
+    """(counters int32, partial outputs, partial LSEs) of a fused-combine workspace; a per-call
+    one when workspace is None (only its counters need zeroing)."""
+    numel = workspace_numel(batch, heads, head_dim, num_splits, fused_combine=True)
+    if workspace is None:
+        workspace = torch.empty(numel, dtype=torch.float32, device=device)
+        fused_counters(workspace, batch, heads).zero_()
+    else:
+        _check_workspace(workspace, numel, batch, heads, head_dim, num_splits, device, fused_combine=True)
+    n_counters = num_fused_counters(batch, heads)
+    n_out = batch * num_splits * heads * head_dim
+    return (
+        fused_counters(workspace, batch, heads),
+        workspace[n_counters : n_counters + n_out],
+        workspace[n_counters + n_out : numel],
+    )
+
+
 def sparse_mla_decode_split_k(
-    q, kv_cache, indices, sink, scale, num_splits: int | None = None, workspace=None, tiles: TileConfig | None = None
+    q,
+    kv_cache,
+    indices,
+    sink,
+    scale,
+    num_splits: int | None = None,
+    workspace=None,
+    tiles: TileConfig | None = None,
+    fused_combine: bool = False,
 ):
     """Split-K path: partial outputs per split into fp32 scratch, then the LSE combine, always
-    (even with one split). num_splits defaults to choose_num_splits. Returns (out, lse)."""
+    (even with one split). num_splits defaults to choose_num_splits. Returns (out, lse).
+
+    fused_combine=True: one launch, the last split program of each block does the combine. Its
+    workspace (sparse_mla_workspace(..., fused_combine=True), or one allocated per call when None)
+    holds arrival counters that must be 0 at the start; each call leaves them at 0."""
     _check(q, kv_cache, indices, sink)
     batch, heads, head_dim = q.shape
     topk = indices.shape[1]
@@ -481,9 +656,15 @@ def sparse_mla_decode_split_k(
     out, lse = _new_outputs(q)
     if batch == 0:
         return out, lse
-    part_out, part_lse = _split_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
     # Whole KV blocks per split; with more splits than blocks the trailing splits are empty.
     blocks_per_split = max(1, triton.cdiv(triton.cdiv(topk, tiles.block_k), num_splits))
+    if fused_combine:
+        counters, part_out, part_lse = _fused_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
+        _launch_head_batched(
+            q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse, counters
+        )
+        return out, lse
+    part_out, part_lse = _split_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
     _launch_head_batched(q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse)
     block_s = triton.next_power_of_2(num_splits)
     block_dc = max(16, min(_block_d(head_dim), 4096 // block_s))
