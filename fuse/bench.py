@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from fuse.launches import call_ms
+from fuse.report import relative_error, restore_point
 from fuse.runner import _dynamo_totals, compile_decode
 from model import Decoder, ModelConfig
 
@@ -180,7 +182,8 @@ def build_variant(name: str, decoder: Decoder, batches: tuple[int, ...], warm_in
             note = f"cudagraph skips: {skips}" if skips else ""
         else:
             raise ValueError(name)
-        _synchronize(decoder.device)
+        if decoder.device.type == "cuda":
+            torch.cuda.synchronize(decoder.device)
     seconds = time.perf_counter() - start
     compiles1, _ = _dynamo_totals()
     return Variant(
@@ -198,36 +201,16 @@ def step_inputs(batch: int, context: int, vocab: int, device, seed: int) -> tupl
     return tuple(t.to(device) for t in (tokens, positions, slots))
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_step_ms(run: Callable, inputs: tuple) -> float:
-    device = inputs[0].device
-    _synchronize(device)
-    start = time.perf_counter()
-    run(*inputs)
-    _synchronize(device)
-    return 1e3 * (time.perf_counter() - start)
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
-
-
 def check_against_eager(variants: dict[str, Variant], decoder: Decoder, inputs: tuple) -> dict[str, dict]:
     """One step of every variant from the same state, against the eager step: max relative logit
     error and the share of rows whose top token agrees."""
-    states = decoder.recurrent_state()
-    saved = {name: buf.clone() for name, buf in states.items()}
+    restore = restore_point(decoder)
     expected = decoder.step(*inputs).float()
     checks = {}
     for name, variant in variants.items():
         if name == "eager":
             continue
-        for key, buf in states.items():
-            buf.copy_(saved[key])
+        restore()
         actual = variant.run(*inputs).float()
         if not torch.isfinite(actual).all():
             raise AssertionError(f"{name}: non-finite logits")
@@ -336,7 +319,7 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
                 for name, variant in variants.items():
                     count = settings.eager_steps if name == "eager" else settings.steps
                     for _ in range(max(1, count // settings.repeats)):
-                        samples[name].append(time_step_ms(variant.run, inputs))
+                        samples[name].append(call_ms(variant.run, *inputs))
             floor = floor_bytes(decoder, batch, context)
             floor_ms = floor["total"] / (result["copy_gbs"] * 1e9) * 1e3
             row = {"context": context, "batch": batch, "floor_ms": floor_ms, "floor_bytes": floor, "checks": checks}
@@ -369,15 +352,14 @@ def compare_precision(settings: BenchSettings, log: Callable[[str], None] = prin
     rows = []
     for batch in batches:
         inputs = warm(batch)
-        saved = {name: buf.clone() for name, buf in exact.recurrent_state().items()}
+        restore = restore_point(exact)
         reference = runs["exact"].run(*inputs).float()
-        for name, buf in fast.recurrent_state().items():
-            buf.copy_(saved[name])
+        restore(fast)
         actual = runs["fast"].run(*inputs).float()
         samples = {name: [] for name in runs}
         for _ in range(settings.repeats):
-            for name, run in runs.items():
-                samples[name] += [time_step_ms(run.run, inputs) for _ in range(max(1, settings.steps // settings.repeats))]
+            for name, built in runs.items():
+                samples[name] += [call_ms(built.run, *inputs) for _ in range(max(1, settings.steps // settings.repeats))]
         row = {
             "batch": batch, "context": context,
             "exact_ms": statistics.median(samples["exact"]), "fast_ms": statistics.median(samples["fast"]),

@@ -8,6 +8,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 
@@ -37,6 +38,19 @@ class ReportSettings:
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+def restore_point(decoder: Decoder) -> Callable[..., None]:
+    """Copies of `decoder.recurrent_state()`; the returned function writes them back into
+    `decoder` or into another decoder of the same shape, so that the next step there starts
+    from this state (cache rows a repeated step rewrites need no copy)."""
+    saved = {name: buf.clone() for name, buf in decoder.recurrent_state().items()}
+
+    def restore(target: Decoder = decoder) -> None:
+        for name, buf in target.recurrent_state().items():
+            buf.copy_(saved[name])
+
+    return restore
 
 
 def run_report(settings: ReportSettings) -> dict:
@@ -105,13 +119,7 @@ def one_step_errors(eager, compiled_model, runner, tokens, positions, slots) -> 
     buffers = dict(compiled_model.named_buffers())
     for name, buf in eager.named_buffers():
         buffers[name].copy_(buf)
-    state = eager.recurrent_state()
-    saved = {name: buf.clone() for name, buf in state.items()}
-
-    def restore():
-        for name, buf in state.items():
-            buf.copy_(saved[name])
-
+    restore = restore_point(eager)
     expected = eager.step(tokens, positions, slots)
     restore()
     pad = lambda t, value: torch.cat([t, t.new_full((1,), value)])
