@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.hc_sinkhorn import check_hc_inputs
+
 # 256 matrix cells per program (16 tokens at hc=4) over 2 warps: a few cells per thread, so each
 # of the 2 * ITERS sums is a short in-register add plus warp shuffles, and B=128 fills 8 programs.
 CELLS_PER_PROGRAM = 256
@@ -93,11 +95,7 @@ def hc_split_sinkhorn_triton(
     to 8. Arguments as `hc_split_sinkhorn_reference` (fp32, any strides); one kernel launch."""
     if hc not in SUPPORTED_HC:
         raise ValueError(f"hc_split_sinkhorn (triton): hc must be one of {SUPPORTED_HC}, got {hc}")
-    if iters < 1:
-        raise ValueError(f"hc_split_sinkhorn (triton): iters must be >= 1, got {iters}")
-    for name, t in (("mixes", mixes), ("scale", scale), ("base", base)):
-        if t.dtype != torch.float32:
-            raise ValueError(f"hc_split_sinkhorn (triton): {name} dtype must be float32, got {t.dtype}")
+    check_hc_inputs(mixes, scale, base, hc, iters)  # also when the op is called directly
     batch = mixes.shape[0]
     pre = torch.empty((batch, hc), dtype=torch.float32, device=mixes.device)
     post = torch.empty((batch, hc), dtype=torch.float32, device=mixes.device)
