@@ -57,7 +57,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from fuse.runner import CompileOptions, DecodeRunner
+from fuse.runner import CompileOptions, DecodeRunner, compile_backend
 
 # Prefix of Triton kernel names (`triton_<category[:3]>_fused_...`) -> kernel kind.
 _TRITON_KINDS = {
@@ -147,7 +147,7 @@ def inspect(target, out_dir: str | os.PathLike, *, batch: int = 1, options: Comp
     if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= decoder.max_batch:
         raise ValueError(f"batch must be an int in [1, {decoder.max_batch}] (the decoder's max_batch), got {batch!r}")
     device = decoder.device
-    compile_kwargs = _compile_kwargs(options, device)
+    compile_kwargs = {"backend": compile_backend(options, device)}
     out = _prepare_out_dir(Path(out_dir))
 
     graph_layers: dict[str, list[int]] = collections.defaultdict(list)
@@ -226,18 +226,6 @@ def _fresh_function(fn: types.FunctionType) -> types.FunctionType:
     fresh.__kwdefaults__ = fn.__kwdefaults__
     fresh.__qualname__ = fn.__qualname__
     return fresh
-
-
-def _compile_kwargs(options: CompileOptions, device: torch.device) -> dict:
-    """torch.compile arguments as DecodeRunner._make_step builds them."""
-    if options.mode is not None and options.inductor_options:
-        raise ValueError("pass either mode or inductor_options, as torch.compile requires")
-    if options.mode is not None:
-        return {"mode": options.mode}
-    inductor = {"triton.cudagraphs": False, **(options.inductor_options or {})}
-    if device.type == "cpu":
-        inductor.setdefault("cpp.enable_kernel_profile", True)
-    return {"options": inductor}
 
 
 def _fresh_compiled_step(decoder, options: CompileOptions, kwargs: dict, batch: int, graph_layers: dict[str, list[int]]):

@@ -21,6 +21,9 @@ from typing import Callable, Mapping
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
+from torch._inductor.compile_fx import compile_fx
+
+from fuse.decompositions import CacheTag, skinny_product_table
 
 log = logging.getLogger("fuse")
 
@@ -40,6 +43,10 @@ class CompileOptions:
     # grows with the distinct layer kinds (window / ratio 4 / ratio 128, hash / score routing),
     # not with the layer count. False: the whole step as one graph (fuses across layers too).
     regional: bool = True
+    # Matrix products with at most this many output columns (the hyper-connection mixes, the
+    # gate) and 4-deep batched ones (hc_post) compile as Inductor reductions fused with their
+    # neighbours instead of library GEMM calls (fuse/decompositions.py). 0: all stay GEMMs.
+    skinny_product_columns: int = 64
     mode: str | None = None  # Inductor mode, e.g. "max-autotune-no-cudagraphs"
     inductor_options: Mapping[str, object] | None = None  # passed to torch.compile(options=...)
     cache_dir: str | None = None  # persistent Inductor/Triton caches: a second start is fast
@@ -52,6 +59,32 @@ class CompileOptions:
         object.__setattr__(self, "buckets", tuple(sorted({int(b) for b in self.buckets})))
         if self.mode and "reduce-overhead" in self.mode:
             raise ValueError("mode 'reduce-overhead' turns on PyTorch's cudagraph trees; compile_decode captures its own graphs")
+
+
+def compile_backend(options: CompileOptions, device: torch.device) -> Callable:
+    """The torch.compile backend of the step: Inductor with the options' mode and config
+    patches, cudagraph trees off, and skinny products as reductions (fuse/decompositions.py)."""
+    # Split reductions turn the mean of a narrow batch of wide rows (the hyper-connection norm
+    # over hc*dim values) into two kernels; at decode batch sizes one program per row is as fast.
+    config: dict[str, object] = {"triton.cudagraphs": False, "split_reductions": False}
+    if device.type == "cpu":
+        # Names the C++ kernels in profiler traces (fuse.count_launches); costs nothing unprofiled.
+        config["cpp.enable_kernel_profile"] = True
+    if options.mode is not None:
+        config.update(torch._inductor.list_mode_options(options.mode))
+    config.update(options.inductor_options or {})
+    if "post_grad_custom_pre_pass" in config:
+        raise ValueError(
+            "inductor_options sets post_grad_custom_pre_pass, which compile_decode uses to key its "
+            "decompositions in the compile caches"
+        )
+    config["post_grad_custom_pre_pass"] = CacheTag(options.skinny_product_columns)
+    decompositions = skinny_product_table(options.skinny_product_columns)
+
+    def backend(graph: torch.fx.GraphModule, example_inputs):
+        return compile_fx(graph, example_inputs, config_patches=dict(config), decompositions=decompositions)
+
+    return backend
 
 
 @dataclass
@@ -112,13 +145,7 @@ class DecodeRunner:
             # Inductor and Triton read their cache locations from the environment.
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(self.options.cache_dir, "inductor")
             os.environ["TRITON_CACHE_DIR"] = os.path.join(self.options.cache_dir, "triton")
-        options = {"triton.cudagraphs": False, **(self.options.inductor_options or {})}
-        if self.device.type == "cpu":
-            # Names the C++ kernels in profiler traces (fuse.count_launches); costs nothing unprofiled.
-            options.setdefault("cpp.enable_kernel_profile", True)
-        kwargs = {"options": options} if self.options.mode is None else {"mode": self.options.mode}
-        if self.options.mode is not None and self.options.inductor_options:
-            raise ValueError("pass either mode or inductor_options, as torch.compile requires")
+        kwargs = {"backend": compile_backend(self.options, self.device)}
         dynamic = None if self.options.dynamic_batch else False
         if self.options.regional:
             blocks = [torch.compile(layer, fullgraph=True, dynamic=dynamic, **kwargs) for layer in self.decoder.layers]

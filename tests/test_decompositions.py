@@ -1,0 +1,59 @@
+"""Skinny products compiled as reductions: the GEMM calls they replace disappear from the
+compiled function, wide products keep theirs, and the results stay the product."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fuse
+from fuse.launches import count_launches
+from fuse.runner import compile_backend
+
+CPU = torch.device("cpu")
+
+
+def products(x, skinny, wide, comb, streams, deep_a, deep_b):
+    """Two mm (24 and 96 output columns) and two bmm (contraction depth 4 and 32)."""
+    mixes = x @ skinny.t()
+    projected = x @ wide.t()
+    mixed = torch.einsum("bij,bid->bjd", comb, streams)
+    deep = torch.bmm(deep_a, deep_b)
+    return mixes, projected, mixed, deep
+
+
+def inputs(dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(5, 320), (24, 320), (96, 320), (5, 4, 4), (5, 4, 48), (5, 6, 32), (5, 32, 7)]
+    return [torch.randn(*s, generator=g).to(dtype) for s in shapes]
+
+
+def compiled(max_columns: int):
+    options = fuse.CompileOptions(skinny_product_columns=max_columns)
+    return torch.compile(products, backend=compile_backend(options, CPU), fullgraph=True)
+
+
+@pytest.mark.parametrize("max_columns, gemms", [(64, 2), (0, 4)])
+def test_skinny_products_leave_the_gemm_calls(max_columns, gemms):
+    torch._dynamo.reset()
+    args = inputs(torch.float32, seed=3)
+    fn = compiled(max_columns)
+    report = count_launches(fn, *args)
+    assert report.counts["gemm"] == gemms, report.kernels
+    for got, want in zip(fn(*args), products(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_products_accumulate_in_fp32():
+    torch._dynamo.reset()
+    args = inputs(torch.bfloat16, seed=4)
+    exact = products(*[a.double() for a in args])
+    for got, want in zip(compiled(64)(*args), exact):
+        assert got.dtype == torch.bfloat16
+        # One bf16 rounding of the result, not one per partial sum.
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_a_users_post_grad_pre_pass_is_refused():
+    options = fuse.CompileOptions(inductor_options={"post_grad_custom_pre_pass": lambda graph: None})
+    with pytest.raises(ValueError, match="post_grad_custom_pre_pass"):
+        compile_backend(options, CPU)
