@@ -36,7 +36,20 @@ def rope_table(max_seq_len: int, freqs: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the last rope_dim = 2 * cos_sin.shape[-2] channels of x; cos_sin is [B, rope_dim/2, 2]
-    and broadcasts over any dims between batch and channels. Math in fp32, result in x.dtype."""
+    and broadcasts over any dims between batch and channels. Math in fp32, result in x.dtype.
+    Pair (a, b) becomes (a cos - b sin, a sin + b cos).
+
+    Two forms with bitwise-equal results: eager rotates the tail and concatenates it (fewest
+    kernels one op at a time); under torch.compile the rotation is written over all channels
+    (cos 1, sin 0 outside the rope channels), which Inductor fuses with the norm before it into
+    one kernel per row, where a concatenation would split it into separately written pieces."""
+    if torch.compiler.is_compiling():
+        return _rope_full_width(x, cos_sin, inverse)
+    return _rope_tail(x, cos_sin, inverse)
+
+
+def _rope_tail(x: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Eager form: rotate the rope channels only and concatenate them to the untouched head."""
     rope_dim = 2 * cos_sin.shape[-2]
     head, tail = x[..., :-rope_dim], x[..., -rope_dim:]
     pairs = tail.float().unflatten(-1, (-1, 2))
@@ -48,3 +61,22 @@ def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False) ->
     real, imag = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1).flatten(-2)
     return torch.cat([head, rotated.to(x.dtype)], dim=-1)
+
+
+def _rope_full_width(x: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Compiled form: every channel is x * cos + partner * sin, partner = its pair's other channel."""
+    width, rope_dim = x.shape[-1], 2 * cos_sin.shape[-2]
+    channel = torch.arange(width, device=x.device)
+    rope = channel >= width - rope_dim
+    pair = ((channel - (width - rope_dim)) // 2).clamp(min=0)
+    # [B, width] -> [B, 1, ..., 1, width] to broadcast over head dims
+    shape = (cos_sin.shape[0],) + (1,) * (x.dim() - 2) + (width,)
+    cos = torch.where(rope, cos_sin[:, pair, 0], 1.0).reshape(shape)
+    sin = torch.where(rope, cos_sin[:, pair, 1], 0.0)
+    # Channel 2i takes -sin times its partner 2i+1; channel 2i+1 takes +sin times 2i.
+    sin = torch.where(channel % 2 == 0, -sin, sin).reshape(shape)
+    if inverse:
+        sin = -sin
+    x32 = x.float()
+    partner = x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (x32 * cos + partner * sin).to(x.dtype)

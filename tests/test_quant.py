@@ -60,3 +60,17 @@ def test_rope_is_a_rotation_of_interleaved_pairs():
     # YaRN slows the low frequencies by the factor and leaves the high ones
     plain = rope_frequencies(16, 160000.0)
     assert freqs[0] == plain[0] and math.isclose(freqs[-1].item(), plain[-1].item() / 16, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 96), (5, 3, 96), (5, 2, 64)])
+def test_rope_forms_are_bitwise_equal(dtype, shape):
+    """The eager (rotated tail + concatenation) and compiled (all channels) forms of apply_rope."""
+    from model.rope import _rope_full_width, _rope_tail
+
+    table = rope_table(300, rope_frequencies(32, 10000.0))
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (3 * torch.randn(*shape, generator=g)).to(dtype)
+    cos_sin = table[torch.randint(0, 300, (shape[0],), generator=g)]
+    for inverse in (False, True):
+        assert torch.equal(_rope_full_width(x, cos_sin, inverse), _rope_tail(x, cos_sin, inverse))
