@@ -23,7 +23,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx
 
-from fuse.decompositions import CacheTag, skinny_product_table
+from fuse.passes import SkinnyProducts
 
 log = logging.getLogger("fuse")
 
@@ -45,7 +45,7 @@ class CompileOptions:
     regional: bool = True
     # Matrix products with at most this many output columns (the hyper-connection mixes, the
     # gate) and 4-deep batched ones (hc_post) compile as Inductor reductions fused with their
-    # neighbours instead of library GEMM calls (fuse/decompositions.py). 0: all stay GEMMs.
+    # neighbours instead of library GEMM calls (fuse/passes.py). 0: all stay GEMMs.
     skinny_product_columns: int = 64
     mode: str | None = None  # Inductor mode, e.g. "max-autotune-no-cudagraphs"
     inductor_options: Mapping[str, object] | None = None  # passed to torch.compile(options=...)
@@ -63,7 +63,7 @@ class CompileOptions:
 
 def compile_backend(options: CompileOptions, device: torch.device) -> Callable:
     """The torch.compile backend of the step: Inductor with the options' mode and config
-    patches, cudagraph trees off, and skinny products as reductions (fuse/decompositions.py)."""
+    patches, cudagraph trees off, and skinny products as reductions (fuse/passes.py)."""
     # Split reductions turn the mean of a narrow batch of wide rows (the hyper-connection norm
     # over hc*dim values) into two kernels; at decode batch sizes one program per row is as fast.
     config: dict[str, object] = {"triton.cudagraphs": False, "split_reductions": False}
@@ -75,14 +75,13 @@ def compile_backend(options: CompileOptions, device: torch.device) -> Callable:
     config.update(options.inductor_options or {})
     if "post_grad_custom_pre_pass" in config:
         raise ValueError(
-            "inductor_options sets post_grad_custom_pre_pass, which compile_decode uses to key its "
-            "decompositions in the compile caches"
+            "inductor_options sets post_grad_custom_pre_pass, where compile_decode runs its own pass "
+            "(set skinny_product_columns=0 and compile the model yourself to use another)"
         )
-    config["post_grad_custom_pre_pass"] = CacheTag(options.skinny_product_columns)
-    decompositions = skinny_product_table(options.skinny_product_columns)
+    config["post_grad_custom_pre_pass"] = SkinnyProducts(options.skinny_product_columns)
 
     def backend(graph: torch.fx.GraphModule, example_inputs):
-        return compile_fx(graph, example_inputs, config_patches=dict(config), decompositions=decompositions)
+        return compile_fx(graph, example_inputs, config_patches=dict(config))
 
     return backend
 

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import fuse
+from torch._dynamo.utils import counters
+
 from fuse.launches import count_launches
 from fuse.runner import compile_backend
 
@@ -57,3 +59,14 @@ def test_a_users_post_grad_pre_pass_is_refused():
     options = fuse.CompileOptions(inductor_options={"post_grad_custom_pre_pass": lambda graph: None})
     with pytest.raises(ValueError, match="post_grad_custom_pre_pass"):
         compile_backend(options, CPU)
+
+
+def test_the_pass_keeps_the_fx_graph_cache_on():
+    """The pass is keyed by its uuid; nothing of compile_decode's backend makes Inductor bypass
+    its FX graph cache (a second start would compile everything again)."""
+    torch._dynamo.reset()
+    counters.clear()
+    args = inputs(torch.float32, seed=5)
+    compiled(64)(*args)
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0, dict(counters["inductor"])
+    assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"] >= 1

@@ -1,0 +1,86 @@
+"""Graph passes compile_decode adds to Inductor's.
+
+SkinnyProducts: a decode step has a few matrix products with very few output columns: the
+hyper-connection mixes (24 columns, 16384 deep), the MoE gate (one column per expert) and,
+inside hc_post, a batch of 4x4 by 4xD products. cuBLAS runs the skinny ones as a CUDA-core GEMM
+followed by a split-K reduce kernel, and the tiny batched one as a GEMM of its own; none of them
+can fuse with the norms and casts around them. Rewritten as multiply-and-sum, Inductor makes each
+one a reduction (or, for a 4-deep sum, plain pointwise code) fused with its neighbours. Wide
+products keep the library GEMM. The result is the same product in fp32 arithmetic, summed in
+another order.
+
+It runs as Inductor's post-grad pre-pass, whose uuid is part of the compile-cache keys (a
+decomposition table would not be, and passing one turns Inductor's FX graph cache off)."""
+from __future__ import annotations
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+aten, prims = torch.ops.aten, torch.ops.prims
+
+# A batched product this shallow is cheaper unrolled into pointwise code than as a GEMM call.
+MAX_UNROLLED_DEPTH = 16
+
+
+class SkinnyProducts(CustomGraphPass):
+    """mm(a [M, K], b [K, N]) with N <= max_columns, and bmm with a contraction depth <=
+    MAX_UNROLLED_DEPTH, become multiply-and-sum in fp32 (the dtype of a GEMM's accumulator),
+    cast back to the product's dtype. max_columns = 0 leaves every product alone."""
+
+    def __init__(self, max_columns: int):
+        self.max_columns = max_columns
+
+    def uuid(self) -> str:
+        return f"fuse.passes.SkinnyProducts(max_columns={self.max_columns}, depth={MAX_UNROLLED_DEPTH}) v1"
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.max_columns <= 0:
+            return
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in (aten.mm.default, aten.bmm.default):
+                continue
+            a, b = node.args
+            va, vb = a.meta.get("val"), b.meta.get("val")
+            if va is None or vb is None or va.dtype != vb.dtype:
+                continue
+            if node.target is aten.mm.default and statically_known_true(vb.shape[1] <= self.max_columns):
+                # [M, 1, K] * [1, N, K], summed over K
+                _replace(graph, node, (a, [1]), (b, [1, 0], [0]), sum_dim=-1)
+            elif node.target is aten.bmm.default and statically_known_true(va.shape[2] <= MAX_UNROLLED_DEPTH):
+                # [B, M, K, 1] * [B, 1, K, N], summed over K
+                _replace(graph, node, (a, [-1]), (b, None, [1]), sum_dim=2)
+        graph.lint()
+
+
+def _replace(graph: torch.fx.Graph, node: torch.fx.Node, a_spec, b_spec, sum_dim: int) -> None:
+    """Replace a product node by sum(a' * b') over sum_dim, where a' = unsqueeze(a, *a_spec[1])
+    and b' = unsqueeze(permute(b, b_spec[1]) if given, *b_spec[2]), all in fp32."""
+    dtype = node.meta["val"].dtype
+    fake_mode = node.meta["val"].fake_mode
+
+    def emit(target, *args):
+        with fake_mode:
+            value = target(*[arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg for arg in args])
+        new = graph.call_function(target, args)
+        new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
+        new.meta["val"] = value
+        return new
+
+    with graph.inserting_before(node):
+        a, dims = a_spec
+        for d in dims:
+            a = emit(aten.unsqueeze.default, a, d)
+        b, order, dims = b_spec
+        if order is not None:
+            b = emit(aten.permute.default, b, order)
+        for d in dims:
+            b = emit(aten.unsqueeze.default, b, d)
+        if dtype != torch.float32:
+            a = emit(prims.convert_element_type.default, a, torch.float32)
+            b = emit(prims.convert_element_type.default, b, torch.float32)
+        out = emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, a, b), [sum_dim])
+        if dtype != torch.float32:
+            out = emit(prims.convert_element_type.default, out, dtype)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
