@@ -57,7 +57,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from fuse.runner import CompileOptions, DecodeRunner, compile_backend
+from fuse.runner import CompileOptions, DecodeRunner, batch_symbolic_block, batch_symbolic_step, compile_backend
 
 # Prefix of Triton kernel names (`triton_<category[:3]>_fused_...`) -> kernel kind.
 _TRITON_KINDS = {
@@ -232,21 +232,15 @@ def _fresh_compiled_step(decoder, options: CompileOptions, kwargs: dict, batch: 
     """(step(tokens, positions, slots), code objects Dynamo compiles). Regional: every block
     compiled from one shared code copy, as the runner shares Block.forward, and after each block
     call the graph it ran is recorded in `graph_layers`."""
-    # dynamic_batch: the runner's graphs become batch-symbolic at its second bucket (automatic
-    # dynamic); batch 1 is always specialised. Marking the batch dimension gets that graph at once.
-    symbolic = options.dynamic_batch and batch > 1
+    # dynamic_batch: batch 1 runs a graph of its own (Dynamo specialises sizes 0 and 1); any
+    # other batch, the batch-symbolic graph the runner's buckets share.
+    symbolic = options.dynamic_batch
     dynamic = None if options.dynamic_batch else False
     compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=dynamic, **kwargs)
     if not options.regional:
         fresh = _fresh_function(type(decoder).step)
         compiled = compile_(types.MethodType(fresh, decoder))
-
-        def whole_step(tokens, positions, slots):
-            if symbolic:
-                _mark_batch_dynamic(tokens, positions, slots)
-            return compiled(tokens, positions, slots)
-
-        return whole_step, [fresh.__code__]
+        return (batch_symbolic_step(compiled) if symbolic else compiled), [fresh.__code__]
 
     copies: dict[types.FunctionType, types.FunctionType] = {}
     blocks = []
@@ -255,14 +249,13 @@ def _fresh_compiled_step(decoder, options: CompileOptions, kwargs: dict, batch: 
         if forward is None or layer.forward.__self__ is not layer:
             raise ValueError(f"layer {index} has no forward method to compile")
         fresh = copies.setdefault(forward, _fresh_function(forward))
-        blocks.append(_recording_block(index, compile_(types.MethodType(fresh, layer)), fresh.__code__, symbolic, graph_layers))
+        compiled = compile_(types.MethodType(fresh, layer))
+        blocks.append(_recording_block(index, batch_symbolic_block(compiled) if symbolic else compiled, fresh.__code__, graph_layers))
     return (lambda tokens, positions, slots: decoder.step(tokens, positions, slots, layers=blocks)), [f.__code__ for f in copies.values()]
 
 
-def _recording_block(index: int, compiled: Callable, code: types.CodeType, symbolic: bool, graph_layers) -> Callable:
+def _recording_block(index: int, compiled: Callable, code: types.CodeType, graph_layers) -> Callable:
     def block(streams, step, hadamard):
-        if symbolic:
-            _mark_batch_dynamic(streams, *(t for name, t in zip(step._fields, step) if name != "rope_compress_table"))
         out = compiled(streams, step, hadamard)
         # Dynamo moves the cache entry that ran (or was just compiled) to the front of the
         # code object's list, so the first entry names the graph this layer ran.
@@ -273,11 +266,6 @@ def _recording_block(index: int, compiled: Callable, code: types.CodeType, symbo
         return out
 
     return block
-
-
-def _mark_batch_dynamic(*tensors: torch.Tensor) -> None:
-    for t in tensors:
-        torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def _graphs_of_frame(code: types.CodeType, first_only: bool = False) -> list[str]:

@@ -35,9 +35,10 @@ class CompileOptions:
     buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     compile: bool = True  # False: the eager step (inside the bucket graphs, unless cuda_graphs=False)
     cuda_graphs: bool = True  # False: no capture (for A/B checks); ignored on the CPU
-    # One compile with a symbolic batch size (3 shapes per layer kind: the first bucket, the
-    # symbolic one, batch 1) instead of one per bucket: start-up stays flat as buckets are added,
-    # for steps ~2-3% slower than per-bucket graphs (docs/compile_decode.md).
+    # One compile with a symbolic batch size instead of one per bucket (2 shapes per layer kind:
+    # the batch dimension is marked symbolic from the first compile on, and batch 1 gets its own
+    # graph, as Dynamo specialises sizes 0 and 1): start-up stays flat as buckets are added, for
+    # steps ~2-3% slower than per-bucket graphs (docs/compile_decode.md).
     dynamic_batch: bool = True
     # Compile each block on its own: identical layers share one compiled graph, so compile time
     # grows with the distinct layer kinds (window / ratio 4 / ratio 128, hash / score routing),
@@ -84,6 +85,36 @@ def compile_backend(options: CompileOptions, device: torch.device) -> Callable:
         return compile_fx(graph, example_inputs, config_patches=dict(config))
 
     return backend
+
+
+def mark_batch_dynamic(*tensors: torch.Tensor) -> None:
+    """Dim 0 (the batch) symbolic in the graph Dynamo compiles next. Without the mark the first
+    bucket compiles a static graph and only the second one a symbolic graph (automatic dynamic):
+    one more graph per layer kind, which the largest bucket alone would use."""
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def batch_symbolic_block(block: Callable) -> Callable:
+    """A compiled block whose batch is marked symbolic on every call but batch 1's."""
+
+    def run(streams: torch.Tensor, step, hadamard: torch.Tensor) -> torch.Tensor:
+        if streams.shape[0] > 1:
+            mark_batch_dynamic(streams, *(t for name, t in zip(step._fields, step) if name != "rope_compress_table"))
+        return block(streams, step, hadamard)
+
+    return run
+
+
+def batch_symbolic_step(step: Callable) -> Callable:
+    """A compiled whole step whose batch is marked symbolic on every call but batch 1's."""
+
+    def run(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[0] > 1:
+            mark_batch_dynamic(tokens, positions, slots)
+        return step(tokens, positions, slots)
+
+    return run
 
 
 @dataclass
@@ -148,9 +179,12 @@ class DecodeRunner:
         dynamic = None if self.options.dynamic_batch else False
         if self.options.regional:
             blocks = [torch.compile(layer, fullgraph=True, dynamic=dynamic, **kwargs) for layer in self.decoder.layers]
+            if self.options.dynamic_batch:
+                blocks = [batch_symbolic_block(block) for block in blocks]
             decoder = self.decoder
             return lambda tokens, positions, slots: decoder.step(tokens, positions, slots, layers=blocks)
-        return torch.compile(self.decoder.step, fullgraph=True, dynamic=dynamic, **kwargs)
+        step = torch.compile(self.decoder.step, fullgraph=True, dynamic=dynamic, **kwargs)
+        return batch_symbolic_step(step) if self.options.dynamic_batch else step
 
     def _static_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inputs of a bucket, filled with padding rows: token 0 at position 0 in the scratch slot."""
