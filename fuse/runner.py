@@ -49,7 +49,7 @@ class CompileOptions:
     # neighbours instead of library GEMM calls (fuse/passes.py). 0: all stay GEMMs.
     skinny_product_columns: int = 64
     mode: str | None = None  # Inductor mode, e.g. "max-autotune-no-cudagraphs"
-    inductor_options: Mapping[str, object] | None = None  # passed to torch.compile(options=...)
+    inductor_options: Mapping[str, object] | None = None  # Inductor config patches, applied last
     cache_dir: str | None = None  # persistent Inductor/Triton caches: a second start is fast
     strict: bool = True  # a recompile after warm-up raises; False: it warns and is counted
     progress: bool = True  # one line per bucket with its warm-up/capture time
@@ -65,14 +65,15 @@ class CompileOptions:
 def compile_backend(options: CompileOptions, device: torch.device) -> Callable:
     """The torch.compile backend of the step: Inductor with the options' mode and config
     patches, cudagraph trees off, and skinny products as reductions (fuse/passes.py)."""
+    config: dict[str, object] = dict(torch._inductor.list_mode_options(options.mode)) if options.mode else {}
+    # The runner captures its own graphs: cudagraph trees stay off whatever the mode says.
+    config["triton.cudagraphs"] = False
     # Split reductions turn the mean of a narrow batch of wide rows (the hyper-connection norm
     # over hc*dim values) into two kernels; at decode batch sizes one program per row is as fast.
-    config: dict[str, object] = {"triton.cudagraphs": False, "split_reductions": False}
+    config["split_reductions"] = False
     if device.type == "cpu":
         # Names the C++ kernels in profiler traces (fuse.count_launches); costs nothing unprofiled.
         config["cpp.enable_kernel_profile"] = True
-    if options.mode is not None:
-        config.update(torch._inductor.list_mode_options(options.mode))
     config.update(options.inductor_options or {})
     if "post_grad_custom_pre_pass" in config:
         raise ValueError(
@@ -84,6 +85,7 @@ def compile_backend(options: CompileOptions, device: torch.device) -> Callable:
     def backend(graph: torch.fx.GraphModule, example_inputs):
         return compile_fx(graph, example_inputs, config_patches=dict(config))
 
+    backend.config_patches = config  # for reading: what the step compiles with
     return backend
 
 

@@ -70,3 +70,11 @@ def test_the_pass_keeps_the_fx_graph_cache_on():
     compiled(64)(*args)
     assert counters["inductor"]["fxgraph_cache_bypass"] == 0, dict(counters["inductor"])
     assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"] >= 1
+
+
+@pytest.mark.parametrize("mode", ["max-autotune", "max-autotune-no-cudagraphs", None])
+def test_cudagraph_trees_stay_off_in_every_mode(mode):
+    patches = compile_backend(fuse.CompileOptions(mode=mode), CPU).config_patches
+    assert patches["triton.cudagraphs"] is False
+    if mode:
+        assert patches["max_autotune"] is True  # the mode's own settings still apply
