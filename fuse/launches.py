@@ -128,6 +128,8 @@ class LaunchReport:
     time_us: dict[str, float] = field(default_factory=dict)
     layers: int | None = None
     kernels: dict[str, float] = field(default_factory=dict)  # per-name counts, for reading
+    # per-name time per call in us: device time on CUDA, the op's CPU time on the CPU
+    kernel_time_us: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -159,7 +161,23 @@ class LaunchReport:
             "label": self.label, "device": self.device, "calls": self.calls, "layers": self.layers,
             "counts": self.counts, "glue": self.glue, "total": self.total, "time_us": self.time_us,
             "glue_time_share": self.glue_time_share(), "kernels": self.kernels,
+            "kernel_time_us": self.kernel_time_us,
         }
+
+    def top_kernels_markdown(self, count: int = 15) -> str:
+        """The `count` kernels that take the most time per call: name, category, launches per
+        call, time per call and share of the total, as a markdown table."""
+        total = sum(self.kernel_time_us.values())
+        unit = "device" if self.device == "cuda" else "CPU"
+        custom = _custom_kernel_names() if self.device == "cuda" else ()
+        lines = [f"| kernel | category | per call | {unit} us per call | share |", "|---|---|---|---|---|"]
+        ranked = sorted(self.kernel_time_us.items(), key=lambda kv: -kv[1])[:count]
+        for name, us in ranked:
+            category = classify_kernel(name, custom) if self.device == "cuda" else classify_op(name)
+            short = name if len(name) <= 90 else name[:87] + "..."
+            share = f"{100 * us / total:.1f}%" if total else ""
+            lines.append(f"| `{short}` | {category} | {self.kernels.get(name, 0):g} | {us:.1f} | {share} |")
+        return "\n".join(lines)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -241,20 +259,24 @@ def count_launches(
             if on_cuda:
                 torch.cuda.synchronize()
     names: Counter[str] = Counter()
+    name_us: Counter[str] = Counter()
     time_us: Counter[str] = Counter()
     if on_cuda:
         custom = _custom_kernel_names()
         for e in prof.events():
             # Host<->device transfers are not kernels; device-side memcpy/memset count as copies.
             if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy HtoD", "Memcpy DtoH")):
+                us = getattr(e, "device_time", None) or e.cuda_time
                 names[e.name] += 1
-                time_us[classify_kernel(e.name, custom)] += getattr(e, "device_time", None) or e.cuda_time
+                name_us[e.name] += us
+                time_us[classify_kernel(e.name, custom)] += us
         counts = Counter()
         for name, n in names.items():
             counts[classify_kernel(name, custom)] += n
     else:
         for e in _cpu_kernel_events(prof.events()):
             names[e.name] += 1
+            name_us[e.name] += e.cpu_time_total
         counts = Counter()
         for name, n in names.items():
             counts[classify_op(name)] += n
@@ -266,6 +288,7 @@ def count_launches(
         time_us={c: time_us.get(c, 0.0) / calls for c in CATEGORIES} if on_cuda else {},
         layers=layers,
         kernels={k: v / calls for k, v in sorted(names.items(), key=lambda kv: -kv[1])},
+        kernel_time_us={k: v / calls for k, v in sorted(name_us.items(), key=lambda kv: -kv[1])},
     )
 
 

@@ -162,6 +162,10 @@ def summary_markdown(result: dict, eager: LaunchReport, compiled: LaunchReport) 
         "## Kernels per decode step",
         "",
         diff_markdown(eager, compiled),
+        "",
+        "## Compiled step: the kernels that take the most time",
+        "",
+        compiled.top_kernels_markdown(),
     ]
     return "\n".join(lines) + "\n"
 

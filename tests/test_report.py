@@ -87,3 +87,18 @@ def test_report_json_and_markdown_agree(report):
         assert table[category] == (count, data["compiled"]["counts"][category])
     assert table["glue"] == (data["eager"]["glue"], data["compiled"]["glue"])
     assert table["total"] == (data["eager"]["total"], data["compiled"]["total"])
+
+
+def test_per_kernel_counts_add_up_and_the_top_table_lists_the_slowest(report):
+    folder, _ = report
+    data = json.loads((folder / "report.json").read_text())
+    compiled = data["compiled"]
+    assert sum(compiled["kernels"].values()) == compiled["total"]
+    assert set(compiled["kernel_time_us"]) == set(compiled["kernels"])
+    md = (folder / "report.md").read_text().split("## Compiled step: the kernels that take the most time")[1]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines() if line.startswith("| `")]
+    slowest = sorted(compiled["kernel_time_us"].items(), key=lambda kv: -kv[1])[: len(rows)]
+    assert len(rows) == min(15, len(compiled["kernels"])) > 0
+    for (name, us), row in zip(slowest, rows):
+        assert row[0].strip("`").rstrip(".") in name
+        assert float(row[2]) == compiled["kernels"][name] and abs(float(row[3]) - us) < 0.06
