@@ -152,7 +152,7 @@ def inspect(target, out_dir: str | os.PathLike, *, batch: int = 1, options: Comp
 
     graph_layers: dict[str, list[int]] = collections.defaultdict(list)
     with _preserved_dynamo_state(), _recompile_limit(len(decoder.layers) + 1), _depyf_dump(out):
-        step, frame_codes = _fresh_compiled_step(decoder, options, compile_kwargs, batch, graph_layers)
+        step, frame_codes = _fresh_compiled_step(decoder, options, compile_kwargs, graph_layers)
         tokens = torch.zeros(batch, dtype=torch.int64, device=device)
         positions = torch.zeros(batch, dtype=torch.int64, device=device)
         slots = torch.full((batch,), decoder.pad_slot, dtype=torch.int64, device=device)
@@ -228,19 +228,18 @@ def _fresh_function(fn: types.FunctionType) -> types.FunctionType:
     return fresh
 
 
-def _fresh_compiled_step(decoder, options: CompileOptions, kwargs: dict, batch: int, graph_layers: dict[str, list[int]]):
+def _fresh_compiled_step(decoder, options: CompileOptions, kwargs: dict, graph_layers: dict[str, list[int]]):
     """(step(tokens, positions, slots), code objects Dynamo compiles). Regional: every block
     compiled from one shared code copy, as the runner shares Block.forward, and after each block
     call the graph it ran is recorded in `graph_layers`."""
     # dynamic_batch: batch 1 runs a graph of its own (Dynamo specialises sizes 0 and 1); any
     # other batch, the batch-symbolic graph the runner's buckets share.
-    symbolic = options.dynamic_batch
     dynamic = None if options.dynamic_batch else False
     compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=dynamic, **kwargs)
     if not options.regional:
         fresh = _fresh_function(type(decoder).step)
         compiled = compile_(types.MethodType(fresh, decoder))
-        return (batch_symbolic_step(compiled) if symbolic else compiled), [fresh.__code__]
+        return (batch_symbolic_step(compiled) if options.dynamic_batch else compiled), [fresh.__code__]
 
     copies: dict[types.FunctionType, types.FunctionType] = {}
     blocks = []
@@ -250,7 +249,7 @@ def _fresh_compiled_step(decoder, options: CompileOptions, kwargs: dict, batch: 
             raise ValueError(f"layer {index} has no forward method to compile")
         fresh = copies.setdefault(forward, _fresh_function(forward))
         compiled = compile_(types.MethodType(fresh, layer))
-        blocks.append(_recording_block(index, batch_symbolic_block(compiled) if symbolic else compiled, fresh.__code__, graph_layers))
+        blocks.append(_recording_block(index, batch_symbolic_block(compiled) if options.dynamic_batch else compiled, fresh.__code__, graph_layers))
     return (lambda tokens, positions, slots: decoder.step(tokens, positions, slots, layers=blocks)), [f.__code__ for f in copies.values()]
 
 
