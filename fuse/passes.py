@@ -45,17 +45,18 @@ class SkinnyProducts(CustomGraphPass):
             if va is None or vb is None or va.dtype != vb.dtype:
                 continue
             if node.target is aten.mm.default and statically_known_true(vb.shape[1] <= self.max_columns):
-                # [M, 1, K] * [1, N, K], summed over K
-                _replace(graph, node, (a, [1]), (b, [1, 0], [0]), sum_dim=-1)
+                # [M, 1, K] * [1, N, K] (b transposed), summed over K
+                _replace_by_sum(graph, node, a_dim=1, b_transpose=True, b_dim=0, sum_dim=-1)
             elif node.target is aten.bmm.default and statically_known_true(va.shape[2] <= MAX_UNROLLED_DEPTH):
                 # [B, M, K, 1] * [B, 1, K, N], summed over K
-                _replace(graph, node, (a, [-1]), (b, None, [1]), sum_dim=2)
+                _replace_by_sum(graph, node, a_dim=-1, b_transpose=False, b_dim=1, sum_dim=2)
         graph.lint()
 
 
-def _replace(graph: torch.fx.Graph, node: torch.fx.Node, a_spec, b_spec, sum_dim: int) -> None:
-    """Replace a product node by sum(a' * b') over sum_dim, where a' = unsqueeze(a, *a_spec[1])
-    and b' = unsqueeze(permute(b, b_spec[1]) if given, *b_spec[2]), all in fp32."""
+def _replace_by_sum(graph: torch.fx.Graph, node: torch.fx.Node, a_dim: int, b_transpose: bool, b_dim: int, sum_dim: int) -> None:
+    """Replace the product node(a, b) by sum(unsqueeze(a, a_dim) * unsqueeze(b', b_dim), sum_dim)
+    in fp32, b' = b transposed if b_transpose else b, cast back to the product's dtype."""
+    a, b = node.args
     dtype = node.meta["val"].dtype
     fake_mode = node.meta["val"].fake_mode
 
@@ -68,14 +69,9 @@ def _replace(graph: torch.fx.Graph, node: torch.fx.Node, a_spec, b_spec, sum_dim
         return new
 
     with graph.inserting_before(node):
-        a, dims = a_spec
-        for d in dims:
-            a = emit(aten.unsqueeze.default, a, d)
-        b, order, dims = b_spec
-        if order is not None:
-            b = emit(aten.permute.default, b, order)
-        for d in dims:
-            b = emit(aten.unsqueeze.default, b, d)
+        if b_transpose:
+            b = emit(aten.permute.default, b, [1, 0])
+        a, b = emit(aten.unsqueeze.default, a, a_dim), emit(aten.unsqueeze.default, b, b_dim)
         if dtype != torch.float32:
             a = emit(prims.convert_element_type.default, a, torch.float32)
             b = emit(prims.convert_element_type.default, b, torch.float32)
