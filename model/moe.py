@@ -34,7 +34,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # The official code upcasts the weight each call; "fast" multiplies in the model dtype.
-        logits = F.linear(x.float(), self.weight.float()) if self.exact else fp32_linear(x, self.weight)
+        logits = fp32_linear(x, self.weight.float() if self.exact else self.weight)
         scores = F.softplus(logits).sqrt()
         if self.hashed:
             ids = self.tid2eid[tokens].long()
