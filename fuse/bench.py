@@ -201,6 +201,16 @@ def step_inputs(batch: int, context: int, vocab: int, device, seed: int) -> tupl
     return tuple(t.to(device) for t in (tokens, positions, slots))
 
 
+def interleaved_ms(runs: dict[str, Callable], inputs: tuple, steps: dict[str, int], repeats: int) -> dict[str, list[float]]:
+    """Step times in ms of each run on `inputs`: steps[name] samples each, taken in `repeats`
+    interleaved rounds, so that drift on a shared GPU hits every run alike."""
+    samples = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            samples[name] += [call_ms(run, *inputs) for _ in range(max(1, steps[name] // repeats))]
+    return samples
+
+
 def check_against_eager(variants: dict[str, Variant], decoder: Decoder, inputs: tuple) -> dict[str, dict]:
     """One step of every variant from the same state, against the eager step: max relative logit
     error and the share of rows whose top token agrees."""
@@ -314,12 +324,9 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
             checks = check_against_eager(variants, decoder, inputs)
             for variant in variants.values():  # warm-up at this shape
                 variant.run(*inputs)
-            samples = {name: [] for name in variants}
-            for _ in range(settings.repeats):  # interleaved rounds: drift on a shared GPU hits all alike
-                for name, variant in variants.items():
-                    count = settings.eager_steps if name == "eager" else settings.steps
-                    for _ in range(max(1, count // settings.repeats)):
-                        samples[name].append(call_ms(variant.run, *inputs))
+            runs = {name: variant.run for name, variant in variants.items()}
+            steps = {name: settings.eager_steps if name == "eager" else settings.steps for name in variants}
+            samples = interleaved_ms(runs, inputs, steps, settings.repeats)
             floor = floor_bytes(decoder, batch, context)
             floor_ms = floor["total"] / (result["copy_gbs"] * 1e9) * 1e3
             row = {"context": context, "batch": batch, "floor_ms": floor_ms, "floor_bytes": floor, "checks": checks}
@@ -356,10 +363,7 @@ def compare_precision(settings: BenchSettings, log: Callable[[str], None] = prin
         reference = runs["exact"].run(*inputs).float()
         restore(fast)
         actual = runs["fast"].run(*inputs).float()
-        samples = {name: [] for name in runs}
-        for _ in range(settings.repeats):
-            for name, built in runs.items():
-                samples[name] += [call_ms(built.run, *inputs) for _ in range(max(1, settings.steps // settings.repeats))]
+        samples = interleaved_ms({name: built.run for name, built in runs.items()}, inputs, dict.fromkeys(runs, settings.steps), settings.repeats)
         row = {
             "batch": batch, "context": context,
             "exact_ms": statistics.median(samples["exact"]), "fast_ms": statistics.median(samples["fast"]),
