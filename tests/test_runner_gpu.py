@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fuse
+from fuse.report import one_step_errors, relative_error
 from model import Decoder, ModelConfig
 
 pytestmark = [
@@ -24,27 +25,13 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 STEPS = int(os.environ.get("FUSE_GPU_STEPS", "1000"))
 
 
-def relative_error(actual, expected) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
-
-
 def compare_one_step(decoder, runner, tokens, positions, slots) -> tuple[float, float]:
     """From one cache state: (compiled vs eager, eager vs eager-with-a-padding-row) relative errors
     of the logits. The second is the bf16 noise floor: the same function whose matrix products
-    see one more row, so the libraries pick other kernels and reduction orders."""
-    state = {k: v.clone() for k, v in decoder.named_buffers()}
-
-    def restore():
-        for k, v in decoder.named_buffers():
-            v.copy_(state[k])
-
-    expected = decoder(tokens, positions, slots)
-    restore()
-    pad = lambda t, value: torch.cat([t.cuda(), torch.tensor([value], device="cuda")])
-    padded = decoder.step(pad(tokens, 0), pad(positions, 0), pad(slots, decoder.pad_slot))[:-1]
-    restore()
-    compiled = runner(tokens, positions, slots)
-    return relative_error(compiled, expected), relative_error(padded, expected)
+    see one more row, so the libraries pick other kernels and reduction orders. The runner's
+    decoder is the eager one, so the compiled step is the one that advances the state."""
+    errors = one_step_errors(decoder, decoder, runner, *decoder.check_inputs(tokens, positions, slots))
+    return errors["compiled_vs_eager"], errors["eager_padding_noise"]
 
 
 @pytest.fixture(scope="module")
