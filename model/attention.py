@@ -62,25 +62,24 @@ class Compressor(nn.Module):
         write the sequence's current entry to cache[slot, first_row + pos // ratio]."""
         r, d = self.ratio, self.head_dim
         pos, slots = step.positions, step.slots
-        kv = kv.float()
-        score = score.float() + self.ape[pos % r]
-        row = pos % r + (r if self.overlap else 0)
-        self.kv_state[slots, row] = kv
-        self.score_state[slots, row] = score
-        kv_state, score_state = self.kv_state[slots], self.score_state[slots]
+        # The state is a ring over the last `rows` positions (position p in row p % rows): a
+        # step writes one row and moves nothing, so it compiles to one small scatter.
+        rows = self.kv_state.shape[1]
+        self.kv_state[slots, pos % rows] = kv.float()
+        self.score_state[slots, pos % rows] = score.float() + self.ape[pos % r]
         if self.overlap:
+            # The window is the 2r positions ending with the current window, oldest first: the
+            # previous window's first d channels, then the current window's last d channels.
             # A sequence's first window has no previous window: mask it (its rows are stale).
-            no_previous = (pos < r)[:, None, None]
-            window_kv = torch.cat([kv_state[:, :r, :d], kv_state[:, r:, d:]], dim=1)
-            window_score = torch.cat(
-                [score_state[:, :r, :d].masked_fill(no_previous, float("-inf")), score_state[:, r:, d:]], dim=1
-            )
-            # Once the window is complete it becomes the previous window of the next entry.
-            complete = ((pos + 1) % r == 0)[:, None, None]
-            self.kv_state[slots, :r] = torch.where(complete, kv_state[:, r:], kv_state[:, :r])
-            self.score_state[slots, :r] = torch.where(complete, score_state[:, r:], score_state[:, :r])
+            j = torch.arange(2 * r, device=pos.device)
+            first = pos - pos % r + r  # the previous window's start, mod 2r
+            ring = ((first[:, None] + j) % rows)[:, :, None]
+            channel = torch.arange(d, device=pos.device) + (j[:, None] >= r) * d
+            window_kv = self.kv_state[slots[:, None, None], ring, channel]
+            no_previous = (j[None, :] < r) & (pos[:, None] < r)
+            window_score = self.score_state[slots[:, None, None], ring, channel].masked_fill(no_previous[:, :, None], float("-inf"))
         else:
-            window_kv, window_score = kv_state, score_state
+            window_kv, window_score = self.kv_state[slots], self.score_state[slots]
         pooled = (window_kv * window_score.softmax(dim=1)).sum(dim=1)
         entry = self.norm(pooled.to(cache.dtype))
         entry = apply_rope(entry, step.rope_compress_table[(pos // r) * r])

@@ -132,9 +132,8 @@ class Decoder(nn.Module):
 
     def recurrent_state(self) -> dict[str, torch.Tensor]:
         """The buffers a step reads back besides the cache rows it rewrites: the compressors'
-        pooling windows (a ratio-4 compressor shifts its window when one completes). Restoring
-        them (and nothing else) makes a repeated step at the same positions start from the
-        same state."""
+        pooling windows (rings over the last positions). Restoring them (and nothing else) makes
+        a repeated step at the same positions start from the same state."""
         return {name: buf for name, buf in self.named_buffers() if name.endswith(("kv_state", "score_state"))}
 
     # -- input checks -------------------------------------------------------------------------
