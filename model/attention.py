@@ -28,7 +28,7 @@ def compressed_capacity(max_seq_len: int, ratio: int) -> int:
 
 def kv_fp8_qdq(kv: torch.Tensor, rope_dim: int, pow2_scale: bool) -> torch.Tensor:
     """The KV cache stores the non-rope channels as fp8 (blocks of 64); rope channels stay exact."""
-    return torch.cat([fp8_qdq(kv[..., :-rope_dim], 64, pow2_scale), kv[..., -rope_dim:]], dim=-1)
+    return fp8_qdq(kv, 64, pow2_scale, keep_last=rope_dim)
 
 
 class Compressor(nn.Module):

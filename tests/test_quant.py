@@ -74,3 +74,24 @@ def test_rope_forms_are_bitwise_equal(dtype, shape):
     cos_sin = table[torch.randint(0, 300, (shape[0],), generator=g)]
     for inverse in (False, True):
         assert torch.equal(_rope_full_width(x, cos_sin, inverse), _rope_tail(x, cos_sin, inverse))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-linear-scale", "fp8-rope-tail", "fp4"])
+def test_block_qdq_forms_are_bitwise_equal(dtype, fmt):
+    """The eager (blocked amax) and compiled (one masked row reduction per block) forms."""
+    from model.quant import FP4_MAX, FP8_MAX, _block_qdq, _to_e4m3
+
+    g = torch.Generator().manual_seed(len(fmt))
+    x = (torch.randn(6, 3, 224, generator=g) * torch.logspace(-4, 3, 6)[:, None, None]).to(dtype)
+    x[0, 0, :32] = 0  # an all-zero block: its scale comes from the amax floor
+    if fmt == "fp4":
+        args = (32, FP4_MAX, FP4_MAX * 2.0**-126, True, round_to_e2m1, 0)
+    else:
+        pow2, keep_last = fmt != "fp8-linear-scale", 32 if fmt == "fp8-rope-tail" else 0
+        args = (64 if keep_last else 32, FP8_MAX, 1e-4, pow2, _to_e4m3, keep_last)
+    blocked, rowwise = _block_qdq(x, *args, rowwise=False), _block_qdq(x, *args, rowwise=True)
+    assert torch.equal(blocked, rowwise)
+    assert not torch.equal(blocked, x)
+    if fmt == "fp8-rope-tail":
+        assert torch.equal(rowwise[..., -32:], x[..., -32:])
