@@ -187,18 +187,20 @@ class Attention(nn.Module):
 
     def attended_rows(self, step: DecodeStep, compressed_entries: torch.Tensor | None) -> torch.Tensor:
         """Global row numbers [B, K] into kv_cache viewed as [slots * rows, head_dim]; -1 = masked."""
+        # int32 from the start (the kernel's index type), so that each piece is written straight
+        # into its columns of the result, with no int64 copy to convert.
         pos, rows_per_slot = step.positions, self.kv_cache.shape[1]
-        base = (step.slots * rows_per_slot)[:, None]
-        ring = torch.arange(self.window, device=pos.device)
+        base = (step.slots * rows_per_slot).to(torch.int32)[:, None]
+        ring = torch.arange(self.window, dtype=torch.int32, device=pos.device)
         # Ring slot j holds position j + k*window; it is this sequence's once the sequence reached it.
         parts = [torch.where(ring[None, :] <= pos[:, None], base + ring, -1)]
         if self.ratio == 128:
-            entry = torch.arange(self.n_compressed, device=pos.device)
+            entry = torch.arange(self.n_compressed, dtype=torch.int32, device=pos.device)
             visible = (pos + 1) // self.ratio
             parts.append(torch.where(entry[None, :] < visible[:, None], base + self.window + entry, -1))
         elif self.ratio == 4:
             parts.append(torch.where(compressed_entries >= 0, base + self.window + compressed_entries, -1))
-        return torch.cat(parts, dim=1).to(torch.int32)
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def forward(self, x: torch.Tensor, step: DecodeStep, hadamard: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]

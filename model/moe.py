@@ -13,6 +13,22 @@ from model.config import ModelConfig
 from model.layers import FusedLinear, Linear, LinearView, fp32_linear
 
 
+def top_k_by_rounds(keys: torch.Tensor, values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices of the k largest keys along the last dim, largest first; values at them), as k
+    rounds of argmax that each mask the pick. The compiled gate's form of topk + gather: over a
+    row of experts Inductor fuses all rounds into one kernel, where ATen's top-k is a select and a
+    sort kernel of their own. Ties go to the lower index (topk leaves their order open)."""
+    column = torch.arange(keys.shape[-1], device=keys.device)
+    ids, picked = [], []
+    for _ in range(k):
+        best = keys.argmax(-1, keepdim=True)
+        hit = column == best
+        ids.append(best)
+        picked.append(torch.where(hit, values, 0.0).sum(-1, keepdim=True))  # exact: one nonzero term
+        keys = torch.where(hit, float("-inf"), keys)
+    return torch.cat(ids, -1), torch.cat(picked, -1)
+
+
 class Gate(nn.Module):
     """Routing weights: sqrt(softplus(x W^T)) in fp32. Hash layers take the experts from a
     token -> experts table; the others pick the top-k of the scores plus a selection-only bias.
@@ -38,9 +54,12 @@ class Gate(nn.Module):
         scores = F.softplus(logits).sqrt()
         if self.hashed:
             ids = self.tid2eid[tokens].long()
+            weights = scores.gather(1, ids)
+        elif torch.compiler.is_compiling():
+            ids, weights = top_k_by_rounds(scores + self.bias, scores, self.topk)
         else:
             ids = (scores + self.bias).topk(self.topk, dim=-1).indices
-        weights = scores.gather(1, ids)
+            weights = scores.gather(1, ids)
         weights = weights / weights.sum(-1, keepdim=True) * self.route_scale
         return weights, ids
 

@@ -55,6 +55,12 @@ def _block_qdq(x: torch.Tensor, block: int, qmax: float, amax_floor: float, pow2
     return torch.cat([y, x[..., quantised:]], dim=-1) if keep_last else y
 
 
+def _rowwise(x: torch.Tensor) -> bool:
+    """The row-wise form where it pays: compiled for CUDA. Inductor's C++ backend gains nothing
+    from it, and in torch 2.13 miscompiled its pass-through tail in whole-step CPU graphs."""
+    return torch.compiler.is_compiling() and x.is_cuda
+
+
 def _to_e4m3(y: torch.Tensor) -> torch.Tensor:
     return y.to(torch.float8_e4m3fn).float()
 
@@ -62,8 +68,7 @@ def _to_e4m3(y: torch.Tensor) -> torch.Tensor:
 def fp8_qdq(x: torch.Tensor, block: int = 64, pow2_scale: bool = True, keep_last: int = 0) -> torch.Tensor:
     """Round x to e4m3 with one scale per `block` values along the last dim, and back; the last
     `keep_last` values of each row (the KV cache's rope channels) stay as they are."""
-    rowwise = torch.compiler.is_compiling()
-    return _block_qdq(x, block, FP8_MAX, 1e-4, pow2_scale, _to_e4m3, keep_last, rowwise)
+    return _block_qdq(x, block, FP8_MAX, 1e-4, pow2_scale, _to_e4m3, keep_last, _rowwise(x))
 
 
 def round_to_e2m1(y: torch.Tensor) -> torch.Tensor:
@@ -77,8 +82,7 @@ def round_to_e2m1(y: torch.Tensor) -> torch.Tensor:
 
 def fp4_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Round x to e2m1 with one power-of-two scale per `block` values, and back."""
-    rowwise = torch.compiler.is_compiling()
-    return _block_qdq(x, block, FP4_MAX, FP4_MAX * 2.0**-126, True, round_to_e2m1, 0, rowwise)
+    return _block_qdq(x, block, FP4_MAX, FP4_MAX * 2.0**-126, True, round_to_e2m1, 0, _rowwise(x))
 
 
 def hadamard_matrix(n: int, device=None) -> torch.Tensor:
