@@ -9,8 +9,10 @@ How kernels are counted:
   `cpp.enable_kernel_profile`) and every extern call the generated code makes (mm, custom ops).
 
 Categories: gemm, custom (the opaque decode kernels), elementwise, copy, reduce, other. Names
-are classified by the ops they come from (for fused kernels: the ops in their names), so a
-fused kernel that contains a reduction counts as reduce."""
+are classified by the ops they come from (for fused kernels: the ops in their names): a fused
+kernel that computes a matrix product (`mm`/`bmm` in its name, as compile_decode's skinny
+products keep it) counts as gemm, with the norms and casts it fused, as a library GEMM with an
+epilogue would; otherwise one that contains a reduction counts as reduce."""
 from __future__ import annotations
 
 import json
@@ -99,7 +101,7 @@ def classify_kernel(name: str, custom: Iterable[str] = ()) -> str:
     inductor = re.match(r"(?:graph_\d+_)?(?:cpp_fused|triton_(poi|red|per|tem)(?:_fused)?)_?(.*?)(?:_\d+)?$", name)
     if inductor:
         kind, ops = inductor.group(1), [t for t in inductor.group(2).split("_") if t]
-        if kind == "tem":
+        if kind == "tem" or any(t in _GEMM for t in ops):
             return "gemm"
         if kind in ("red", "per") or any(t in _REDUCE for t in ops):
             return "reduce"

@@ -3,6 +3,8 @@ clamped SwiGLU. Routed experts are stored stacked ([E, out, in]) for the grouped
 appear in state_dict() under the official per-expert names."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,11 +15,12 @@ from model.config import ModelConfig
 from model.layers import FusedLinear, Linear, LinearView, fp32_linear
 
 
-def top_k_by_rounds(keys: torch.Tensor, values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indices of the k largest keys along the last dim, largest first; values at them), as k
-    rounds of argmax that each mask the pick. The compiled gate's form of topk + gather: over a
-    row of experts Inductor fuses all rounds into one kernel, where ATen's top-k is a select and a
-    sort kernel of their own. Ties go to the lower index (topk leaves their order open)."""
+def top_k_by_rounds(keys: torch.Tensor, values: torch.Tensor, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The indices [B, 1] of the k largest keys along the last dim, largest first, and the values
+    [B, 1] at them, as k rounds of argmax that each mask the pick: the compiled gate's form of
+    topk + gather. Inductor fuses all rounds over a row of experts into one kernel, where ATen's
+    top-k is a select and a sort kernel of their own. Ties go to the lower index (topk leaves
+    their order open)."""
     column = torch.arange(keys.shape[-1], device=keys.device)
     ids, picked = [], []
     for _ in range(k):
@@ -26,7 +29,7 @@ def top_k_by_rounds(keys: torch.Tensor, values: torch.Tensor, k: int) -> tuple[t
         ids.append(best)
         picked.append(torch.where(hit, values, 0.0).sum(-1, keepdim=True))  # exact: one nonzero term
         keys = torch.where(hit, float("-inf"), keys)
-    return torch.cat(ids, -1), torch.cat(picked, -1)
+    return ids, picked
 
 
 class Gate(nn.Module):
@@ -52,14 +55,17 @@ class Gate(nn.Module):
         # The official code upcasts the weight each call; "fast" multiplies in the model dtype.
         logits = fp32_linear(x, self.weight.float() if self.exact else self.weight)
         scores = F.softplus(logits).sqrt()
+        if not self.hashed and torch.compiler.is_compiling():
+            ids, picked = top_k_by_rounds(scores + self.bias, scores, self.topk)
+            # Renormalised pick by pick before concatenating, so that the sum and the scaling
+            # join the rounds' kernel instead of a kernel over the concatenated weights.
+            total = functools.reduce(torch.add, picked)
+            return torch.cat([p / total * self.route_scale for p in picked], -1), torch.cat(ids, -1)
         if self.hashed:
             ids = self.tid2eid[tokens].long()
-            weights = scores.gather(1, ids)
-        elif torch.compiler.is_compiling():
-            ids, weights = top_k_by_rounds(scores + self.bias, scores, self.topk)
         else:
             ids = (scores + self.bias).topk(self.topk, dim=-1).indices
-            weights = scores.gather(1, ids)
+        weights = scores.gather(1, ids)
         weights = weights / weights.sum(-1, keepdim=True) * self.route_scale
         return weights, ids
 

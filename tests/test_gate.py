@@ -12,7 +12,7 @@ def test_top_k_by_rounds_matches_topk(batch, experts, k):
     g = torch.Generator().manual_seed(experts)
     values = torch.rand(batch, experts, generator=g) + 0.1
     keys = values + torch.randn(experts, generator=g)  # selection-only bias, as the gate adds
-    ids, picked = top_k_by_rounds(keys, values, k)
+    ids, picked = (torch.cat(t, -1) for t in top_k_by_rounds(keys, values, k))
     expected = keys.topk(k, dim=-1).indices
     assert torch.equal(ids, expected)
     assert torch.equal(picked, values.gather(1, expected))
@@ -20,6 +20,24 @@ def test_top_k_by_rounds_matches_topk(batch, experts, k):
 
 def test_ties_go_to_the_lower_index():
     keys = torch.tensor([[1.0, 3.0, 2.0, 3.0, 2.0]])
-    ids, picked = top_k_by_rounds(keys, keys * 10, 4)
+    ids, picked = (torch.cat(t, -1) for t in top_k_by_rounds(keys, keys * 10, 4))
     assert ids.tolist() == [[1, 3, 2, 4]]
     assert picked.tolist() == [[30.0, 30.0, 20.0, 20.0]]
+
+
+def test_compiled_gate_matches_eager_gate():
+    """The gate compiled (rounds, renormalised pick by pick) against the gate run eagerly."""
+    from model import ModelConfig
+    from model.moe import Gate
+
+    cfg = ModelConfig.preset("tiny")
+    gate = Gate(cfg, hashed=False, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(gate.weight.shape, generator=g) * 0.1)
+        gate.bias.copy_(torch.randn(gate.bias.shape, generator=g) * 0.1)
+    x = torch.randn(5, cfg.dim, generator=g)
+    weights, ids = gate(x, None)
+    compiled_weights, compiled_ids = torch.compile(gate, fullgraph=True)(x, None)
+    assert torch.equal(compiled_ids, ids)
+    torch.testing.assert_close(compiled_weights, weights, rtol=1e-6, atol=0)

@@ -43,6 +43,9 @@ def test_compiled_count_sees_generated_kernels_and_fusion():
 
 def test_kernel_names_are_classified():
     assert classify_kernel("triton_red_fused_add_mean_3") == "reduce"
+    # a product rewritten as a reduction (skinny products) stays a product, with what it fused
+    assert classify_kernel("triton_red_fused__to_copy_add_mean_mm_mul_pow_rsqrt_t_view_1") == "gemm"
+    assert classify_kernel("triton_poi_fused__to_copy_add_bmm_mul_permute_unsqueeze_view_24") == "gemm"
     assert classify_kernel("triton_per_fused__softmax_1") == "reduce"
     assert classify_kernel("triton_poi_fused_add_mul_sin_0") == "elementwise"
     assert classify_kernel("triton_poi_fused_cat_index_put_2") == "copy"
