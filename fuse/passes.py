@@ -1,8 +1,8 @@
 """Graph passes compile_decode adds to Inductor's.
 
 SkinnyProducts: a decode step has a few matrix products with very few output columns: the
-hyper-connection mixes (24 columns, 16384 deep), the MoE gate (one column per expert), the
-indexer's 128 x 128 Hadamard rotation and, inside hc_post, a batch of 4x4 by 4xD products. cuBLAS runs the skinny ones as a CUDA-core GEMM
+hyper-connection mixes (24 columns, 16384 deep), the MoE gate (one column per expert) and,
+inside hc_post, a batch of 4x4 by 4xD products. cuBLAS runs the skinny ones as a CUDA-core GEMM
 followed by a split-K reduce kernel, and the tiny batched one as a GEMM of its own; none of them
 can fuse with the norms and casts around them. Rewritten as multiply-and-sum, Inductor makes each
 one a reduction (or, for a 4-deep sum, plain pointwise code) fused with its neighbours. Wide

@@ -45,10 +45,11 @@ class CompileOptions:
     # not with the layer count. False: the whole step as one graph (fuses across layers too).
     regional: bool = True
     # Matrix products with at most this many output columns (the hyper-connection mixes, the
-    # gate, the indexer's 128-wide Hadamard rotation) and 4-deep batched ones (hc_post) compile
-    # as Inductor reductions fused with their neighbours instead of library GEMM calls
-    # (fuse/passes.py). 0: all stay GEMMs.
-    skinny_product_columns: int = 128
+    # gate) and 4-deep batched ones (hc_post) compile as Inductor reductions fused with their
+    # neighbours instead of library GEMM calls (fuse/passes.py). 0: all stay GEMMs. Not 128:
+    # the indexer's 128 x 128 Hadamard rotation as a reduction saves a kernel but took 32 us
+    # per call on the H200 where the GEMM and the rotary kernel before it take 10.
+    skinny_product_columns: int = 64
     mode: str | None = None  # Inductor mode, e.g. "max-autotune-no-cudagraphs"
     inductor_options: Mapping[str, object] | None = None  # Inductor config patches, applied last
     cache_dir: str | None = None  # persistent Inductor/Triton caches: a second start is fast
