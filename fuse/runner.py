@@ -47,8 +47,9 @@ class CompileOptions:
     # Matrix products with at most this many output columns (the hyper-connection mixes, the
     # gate) and 4-deep batched ones (hc_post) compile as Inductor reductions fused with their
     # neighbours instead of library GEMM calls (fuse/passes.py). 0: all stay GEMMs. Not 128:
-    # the indexer's 128 x 128 Hadamard rotation as a reduction saves a kernel but took 32 us
-    # per call on the H200 where the GEMM and the rotary kernel before it take 10.
+    # the indexer query's 128 x 128 Hadamard rotation as a reduction (rotary embedding fused
+    # in) saves a kernel but took 23-32 us per call on the H200, against 7 us for the fp32 GEMM
+    # plus 3 us for the rotary kernel before it.
     skinny_product_columns: int = 64
     mode: str | None = None  # Inductor mode, e.g. "max-autotune-no-cudagraphs"
     inductor_options: Mapping[str, object] | None = None  # Inductor config patches, applied last
