@@ -64,16 +64,16 @@ class Compressor(nn.Module):
         pos, slots = step.positions, step.slots
         # The state is a ring over the last `rows` positions (position p in row p % rows): a
         # step writes one row and moves nothing, so it compiles to one small scatter.
-        rows = self.kv_state.shape[1]
-        self.kv_state[slots, pos % rows] = kv.float()
-        self.score_state[slots, pos % rows] = score.float() + self.ape[pos % r]
+        row = pos % self.kv_state.shape[1]
+        self.kv_state[slots, row] = kv.float()
+        self.score_state[slots, row] = score.float() + self.ape[pos % r]
         if self.overlap:
             # The window is the 2r positions ending with the current window, oldest first: the
             # previous window's first d channels, then the current window's last d channels.
             # A sequence's first window has no previous window: mask it (its rows are stale).
             j = torch.arange(2 * r, device=pos.device)
             first = pos - pos % r + r  # the previous window's start, mod 2r
-            ring = ((first[:, None] + j) % rows)[:, :, None]
+            ring = ((first[:, None] + j) % (2 * r))[:, :, None]
             channel = torch.arange(d, device=pos.device) + (j[:, None] >= r) * d
             window_kv = self.kv_state[slots[:, None, None], ring, channel]
             no_previous = (j[None, :] < r) & (pos[:, None] < r)
