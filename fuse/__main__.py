@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--seed", type=int, default=0)
     report.add_argument("--out", default=None, help="output folder (default fuse-out/report-<preset>-<device>)")
     report.add_argument("--no-inspect", action="store_true", help="skip the depyf dump of the generated code")
+    report.add_argument("--layers", type=int, default=None, help="use the first N layers of the preset (default: all)")
     bench = commands.add_parser("bench", help="GPU: eager, eager in CUDA graphs, reduce-overhead and compile_decode, side by side")
     bench.add_argument("--preset", default="bench", choices=["tiny", "bench", "flash"])
     bench.add_argument("--layers", type=int, default=None, help="use the first N layers of the preset (default: all)")
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = ReportSettings(
             preset=args.preset, device=args.device, batch=args.batch, steps=args.steps,
             timing_steps=args.timing_steps, seed=args.seed, out_dir=args.out, inspect=not args.no_inspect,
+            layers=args.layers,
         )
         result = run_report(settings)
         print(format_console(result, result["eager"], result["compiled"]))

@@ -27,6 +27,7 @@ class ReportSettings:
     seed: int = 0
     out_dir: str | None = None
     inspect: bool = True
+    layers: int | None = None  # the first N layers of the preset (default: all)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -55,6 +56,10 @@ def restore_point(decoder: Decoder) -> Callable[..., None]:
 
 def run_report(settings: ReportSettings) -> dict:
     cfg = ModelConfig.preset(settings.preset)
+    if settings.layers is not None:
+        if not 1 <= settings.layers <= cfg.n_layers:
+            raise ValueError(f"layers must be in [1, {cfg.n_layers}] for the {settings.preset} preset, got {settings.layers}")
+        cfg = cfg.replace(n_layers=settings.layers)
     folder = settings.folder()
     os.makedirs(folder, exist_ok=True)
     shape = dict(max_batch=settings.batch, max_seq_len=max(64, settings.steps + 8), dtype=settings.dtype, device=settings.device)
@@ -147,7 +152,8 @@ def summary_markdown(result: dict, eager: LaunchReport, compiled: LaunchReport) 
     lines = [
         f"# fuse report: {s['preset']} preset on {result['device_name']}",
         "",
-        f"`python -m fuse report --preset {s['preset']} --device {s['device']} --batch {s['batch']}`, "
+        f"`python -m fuse report --preset {s['preset']} --device {s['device']} --batch {s['batch']}"
+        + (f" --layers {s['layers']}" if s.get("layers") else "") + "`, "
         f"torch {result['torch']}, {result['date']}, {s['dtype']}, batch {s['batch']}, {result['layers']} layers.",
         "",
         f"- compiled vs eager over {s['steps']} steps: max relative logit error {result['max_relative_error']:.2e}",

@@ -105,3 +105,11 @@ def test_per_kernel_counts_add_up_and_the_top_table_lists_the_slowest(report):
     for (name, us), row in zip(slowest, rows):
         assert row[0].strip("`").rstrip(".") in name
         assert float(row[2]) == compiled["kernels"][name] and abs(float(row[3]) - us) < 0.06
+
+
+@pytest.mark.parametrize("layers", [0, 7])
+def test_report_rejects_a_layer_count_the_preset_does_not_have(layers, tmp_path):
+    settings = ReportSettings(layers=layers, out_dir=str(tmp_path / "out"))
+    with pytest.raises(ValueError, match=r"layers must be in \[1, 6\] for the tiny preset"):
+        run_report(settings)
+    assert not (tmp_path / "out").exists()  # nothing written for a rejected run
