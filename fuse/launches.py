@@ -15,6 +15,7 @@ products keep it) counts as gemm, with the norms and casts it fused, as a librar
 epilogue would; otherwise one that contains a reduction counts as reduce."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 import statistics
@@ -60,18 +61,28 @@ _REDUCE_KERNEL = re.compile(r"reduce|softmax|topk|sort|scan|radix|bitonic|argmax
 _COPY_KERNEL = re.compile(r"copy|CatArray|cat_|index|gather|scatter|fill|embedding|memset|memcpy", re.I)
 
 
-def _custom_kernel_names() -> set[str]:
-    """Names of the Triton kernels behind the opaque custom ops (defined in kernels/)."""
+def _triton_kernel_names(modules: Iterable[str]) -> set[str]:
     names: set[str] = set()
     try:
         import importlib
 
-        for module in ("kernels.sparse_mla_triton", "kernels.indexer_triton", "kernels.moe_triton", "kernels.hc_sinkhorn_triton"):
+        for module in modules:
             mod = importlib.import_module(module)
-            names |= {n for n, obj in vars(mod).items() if type(obj).__name__ in ("JITFunction", "Autotuner", "Heuristics")}
+            names |= {n for n, obj in vars(mod).items() if type(obj).__name__ in ("JITFunction", "InterpretedFunction", "Autotuner", "Heuristics")}
     except Exception:  # no Triton here: no Triton kernel can run either
         pass
     return names
+
+
+def _custom_kernel_names() -> set[str]:
+    """Names of the Triton kernels behind the opaque custom ops (defined in kernels/)."""
+    return _triton_kernel_names(("kernels.sparse_mla_triton", "kernels.indexer_triton", "kernels.moe_triton", "kernels.hc_sinkhorn_triton"))
+
+
+@functools.cache
+def _gemm_kernel_names() -> frozenset[str]:
+    """Names of kernels/' own matrix-product kernels (`v4::linear`): gemm, as cuBLAS's would be."""
+    return frozenset(_triton_kernel_names(("kernels.linear_triton",)))
 
 
 def classify_op(name: str) -> str:
@@ -79,6 +90,8 @@ def classify_op(name: str) -> str:
     if "::" in name:
         namespace, op = name.split("::", 1)
         op = op.split(".")[0]
+        if namespace == "v4" and op == "linear":
+            return "gemm"  # a matrix product, whoever runs it
         if namespace not in ("aten", "prims"):
             return "custom"
         if op in _GEMM:
@@ -96,6 +109,8 @@ def classify_kernel(name: str, custom: Iterable[str] = ()) -> str:
     ops (`triton_red_fused_add_sum_3`, `cpp_fused_mul_sin_0`): any reduction makes it reduce,
     only data-movement ops make it copy."""
     base = name.rsplit("_cpp_fused_", 1)[-1] if "cpp_fused_" in name else name
+    if name in _gemm_kernel_names():
+        return "gemm"
     if name in custom or any(name.startswith(c) for c in custom if c):
         return "custom"
     inductor = re.match(r"(?:graph_\d+_)?(?:cpp_fused|triton_(poi|red|per|tem)(?:_fused)?)_?(.*?)(?:_\d+)?$", name)

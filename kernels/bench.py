@@ -1,6 +1,6 @@
 """GPU benchmark of the decode kernels: checks each variant against its reference, then times it.
 
-    python -m kernels.bench [--only sparse_mla,indexer,moe] [--out docs/kernels.md]
+    python -m kernels.bench [--only sparse_mla,indexer,moe,linear] [--out docs/kernels.md]
 
 Each section is a module `kernels.bench_<name>` with `run(copy_gbs) -> str` returning markdown."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from kernels.benchutil import copy_bandwidth_gbs
 
-SECTIONS = ("sparse_mla", "indexer", "moe")
+SECTIONS = ("sparse_mla", "indexer", "moe", "linear")
 
 
 def main(argv: list[str] | None = None) -> None:

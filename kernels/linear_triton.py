@@ -1,0 +1,84 @@
+"""Triton y = x W^T for at most 64 rows of x (semantics: kernels/linear.py), one launch.
+
+Program p owns output columns [p * BLOCK_N, (p + 1) * BLOCK_N) for every row: it loops over K in
+BLOCK_K steps, loading the rows' [BLOCK_M, BLOCK_K] tile (L2-resident, shared by all programs)
+and its own [BLOCK_N, BLOCK_K] strip of the weight (read once from memory, the bytes that
+matter), and accumulates their product in fp32 with tl.dot. BLOCK_N is small (16 or 32) so that
+even N = 1600 gives ~100 programs; a deep software pipeline (num_stages) keeps enough weight
+bytes in flight per program to run near copy bandwidth without splitting K.
+
+The tile sizes come from a short autotune keyed by (row tile, N, K): it runs when a shape is
+first seen, which under `compile_decode` is warm-up, before any graph capture. Under the
+interpreter (TRITON_INTERPRET=1, tests on a CPU) one fixed configuration runs instead.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_util import dot_precision
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr, w_ptr, out_ptr,
+    rows, N, K,
+    stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    col_ok = cols < N
+    row_ok = row < rows
+    x_tile = x_ptr + row[:, None] * stride_xm + ks[None, :]
+    w_tile = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        x = tl.load(x_tile + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_tile + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    out = out_ptr + row[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# Strips of 16 or 32 columns, 128 or 256 values of K per step, 3-5 steps in flight.
+_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+    for n, k, w, s in [
+        (16, 256, 4, 4), (16, 256, 4, 5), (16, 128, 4, 5), (32, 256, 4, 4), (32, 128, 4, 5), (32, 256, 8, 3),
+    ]
+]
+_linear_autotuned = triton.autotune(configs=_CONFIGS, key=["BLOCK_M", "N", "K"], warmup=5, rep=20)(_linear_kernel)
+_INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32}
+
+
+def row_tile(rows: int) -> int:
+    """Rows per program: the power of two >= rows, at least 16 (tl.dot's smallest tile)."""
+    return max(16, triton.next_power_of_2(rows))
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (M <= 64) @ weight [N, K]^T -> [M, N] in x's dtype, fp32 accumulation. The last
+    dimension of both must be contiguous. Allocates only the output (CUDA-graph safe)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if rows > 64:
+        raise ValueError(f"linear (triton): at most 64 rows, got {rows}")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("linear (triton): x and weight must be contiguous along K")
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return out
+    args = (x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0))
+    meta = dict(BLOCK_M=row_tile(rows), PRECISION=dot_precision(x.dtype))
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        grid = (triton.cdiv(n, _INTERPRETER_CONFIG["BLOCK_N"]),)
+        _linear_kernel[grid](*args, **meta, **_INTERPRETER_CONFIG)
+    else:
+        _linear_autotuned[lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]),)](*args, **meta)
+    return out

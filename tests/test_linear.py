@@ -1,0 +1,144 @@
+"""linear: the one-launch Triton product for decode batches against F.linear on fresh random
+inputs (ragged row counts, N and K that are not multiples of the tiles), the routing rule that
+keeps batch sizes out of it, and its failure paths.
+
+CPU tests run the kernel in the interpreter (TRITON_INTERPRET=1, fp32/fp16: the interpreter's
+bf16 dot is wrong). GPU tests run it compiled at the model's projection shapes in bf16, through
+opcheck, and replayed in CUDA graphs for several batch buckets with new inputs."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+import pytest  # noqa: E402
+
+from kernels.linear import linear, linear_op, takes_kernel  # noqa: E402
+from cuda_graphs import capture  # noqa: E402
+
+interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (without the interpreter)")
+
+
+def operands(rows, n, k, dtype, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(rows, k, generator=g, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=device) * k**-0.5).to(dtype)
+    return x, w
+
+
+def expected(x, w):
+    return (x.double() @ w.double().t()).float()
+
+
+@interpreter
+@pytest.mark.parametrize("rows", [1, 5, 16, 33])
+@pytest.mark.parametrize("n,k", [(24, 96), (40, 70)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_matches_the_reference(rows, n, k, dtype):
+    x, w = operands(rows, n, k, dtype, seed=rows * 1000 + n)
+    out = linear(x, w, impl="triton")
+    assert out.shape == (rows, n) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    ref = expected(x, w)
+    assert (out.float() - ref).abs().max() <= tol * ref.abs().max() + tol
+
+
+@interpreter
+def test_triton_reads_a_column_slice_of_a_wider_input():
+    x, w = operands(3, 24, 128, torch.float32, seed=7)
+    wide = torch.randn(3, 200)
+    wide[:, 40:168] = x
+    out = linear(wide[:, 40:168], w, impl="triton")
+    torch.testing.assert_close(out, expected(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_routing_depends_on_weight_and_device_only():
+    x, w = operands(4, 32, 64, torch.bfloat16)
+    assert not takes_kernel(x, w)  # CPU: F.linear
+    if torch.cuda.is_available():
+        xc, wc = x.cuda(), w.cuda()
+        assert takes_kernel(xc, wc)  # K >= N, bf16
+        assert takes_kernel(xc[:1], wc) == takes_kernel(xc, wc)  # the batch never decides
+        assert not takes_kernel(xc[:, :32], torch.randn(64, 32, device="cuda", dtype=torch.bfloat16))  # K < N
+        assert not takes_kernel(xc.float(), wc.float())  # fp32 products keep cuBLAS
+
+
+def test_auto_on_cpu_equals_f_linear_exactly():
+    x, w = operands(6, 48, 32, torch.float32, seed=3)
+    assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.parametrize(
+    "x_shape,w_shape,dtype_w,match",
+    [
+        ((4, 64), (32, 48), torch.float32, "agree on K"),
+        ((4, 64), (32, 64), torch.float16, "one dtype"),
+        ((4, 64), (32, 64, 1), torch.float32, "agree on K"),
+    ],
+)
+def test_bad_operands_are_named(x_shape, w_shape, dtype_w, match):
+    with pytest.raises(ValueError, match=match):
+        linear(torch.randn(x_shape), torch.randn(w_shape).to(dtype_w))
+
+
+def test_unknown_impl_is_named():
+    with pytest.raises(ValueError, match="impl must be one of"):
+        linear(torch.randn(2, 8), torch.randn(4, 8), impl="cublas")
+
+
+@interpreter
+def test_triton_refuses_more_than_64_rows():
+    x, w = operands(65, 16, 32, torch.float32)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        linear(x, w, impl="triton")
+
+
+def test_fake_gives_the_output_shape_under_compile():
+    x, w = operands(5, 24, 40, torch.float32, seed=9)
+    compiled = torch.compile(lambda a, b: linear_op(a, b) * 2, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, w), torch.nn.functional.linear(x, w) * 2)
+
+
+# The model's projections that cuBLAS splits over K at decode batches (bench widths): the fused
+# x projection, wo_b, the shared expert's w1/w3; plus K == N and a ragged N.
+GPU_SHAPES = [(1600, 4096), (4096, 8192), (4096, 4096), (1000, 1000)]
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 32, 64])
+@pytest.mark.parametrize("n,k", GPU_SHAPES)
+def test_gpu_matches_the_reference_in_bf16(rows, n, k):
+    x, w = operands(rows, n, k, torch.bfloat16, device="cuda", seed=rows + n)
+    out = linear(x, w)
+    ref = expected(x, w)
+    # bf16 output rounding (2^-8 relative) on top of fp32 accumulation in another order
+    assert (out.float() - ref).abs().max() <= 8e-3 * ref.abs().max()
+
+
+@on_gpu
+@pytest.mark.gpu
+def test_gpu_opcheck():
+    x, w = operands(8, 256, 512, torch.bfloat16, device="cuda", seed=1)
+    torch.library.opcheck(linear_op, (x, w))
+
+
+@on_gpu
+@pytest.mark.gpu
+def test_gpu_captured_per_bucket_and_replayed_with_new_inputs():
+    n, k = 1600, 4096
+    w = operands(1, n, k, torch.bfloat16, device="cuda", seed=11)[1]
+    for bucket in (1, 4, 32, 64):
+        x = torch.zeros(bucket, k, dtype=torch.bfloat16, device="cuda")
+        graph, out = capture(lambda: linear(x, w))
+        for seed in (1, 2):
+            fresh = operands(bucket, n, k, torch.bfloat16, device="cuda", seed=100 * bucket + seed)[0]
+            x.copy_(fresh)
+            graph.replay()
+            ref = expected(fresh, w)
+            assert (out.float() - ref).abs().max() <= 8e-3 * ref.abs().max(), f"bucket {bucket}"
