@@ -81,7 +81,7 @@ def _custom_kernel_names() -> set[str]:
 
 @functools.cache
 def _gemm_kernel_names() -> frozenset[str]:
-    """Names of kernels/' own matrix-product kernels (`v4::linear`): gemm, as cuBLAS's would be."""
+    """Names of kernels/' own matrix-product kernels (`v4::grouped_linear`): gemm, as cuBLAS's are."""
     return frozenset(_triton_kernel_names(("kernels.linear_triton",)))
 
 
@@ -90,7 +90,7 @@ def classify_op(name: str) -> str:
     if "::" in name:
         namespace, op = name.split("::", 1)
         op = op.split(".")[0]
-        if namespace == "v4" and op == "linear":
+        if namespace == "v4" and op == "grouped_linear":
             return "gemm"  # a matrix product, whoever runs it
         if namespace not in ("aten", "prims"):
             return "custom"

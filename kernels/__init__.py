@@ -3,7 +3,7 @@
 Each op has a plain-torch reference (the CPU path) beside its fast path."""
 from kernels.hc_sinkhorn import hc_split_sinkhorn, hc_split_sinkhorn_reference
 from kernels.indexer import indexer_topk, indexer_topk_reference
-from kernels.linear import linear, linear_reference
+from kernels.linear import grouped_linear, grouped_linear_reference, linear, linear_reference
 from kernels.moe import moe_experts, moe_experts_reference
 from kernels.sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
 
@@ -11,6 +11,8 @@ __all__ = [
     "hc_split_sinkhorn", "hc_split_sinkhorn_reference",
     "indexer_topk",
     "indexer_topk_reference",
+    "grouped_linear",
+    "grouped_linear_reference",
     "linear",
     "linear_reference",
     "moe_experts",

@@ -1,6 +1,7 @@
-"""Triton y = x W^T for at most 64 rows of x (semantics: kernels/linear.py), one launch.
+"""Triton y[:, g] = x[:, g] W[g]^T for at most 64 rows of x (semantics: kernels/linear.py), one
+launch for every group g.
 
-Program p owns output columns [p * BLOCK_N, (p + 1) * BLOCK_N) for every row: it loops over K in
+Program (p, g) owns output columns [p * BLOCK_N, (p + 1) * BLOCK_N) of group g for every row: it loops over K in
 BLOCK_K steps, loading the rows' [BLOCK_M, BLOCK_K] tile (L2-resident, shared by all programs)
 and its own [BLOCK_N, BLOCK_K] strip of the weight (read once from memory, the bytes that
 matter), and accumulates their product in fp32 with tl.dot. BLOCK_N is small (16 or 32) so that
@@ -26,9 +27,13 @@ from kernels.triton_util import dot_precision
 def _linear_kernel(
     x_ptr, w_ptr, out_ptr,
     rows, N, K,
-    stride_xm, stride_wn, stride_om,
+    stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    group = tl.program_id(1).to(tl.int64)
+    x_ptr += group * stride_xg
+    w_ptr += group * stride_wg
+    out_ptr += group * stride_og
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
@@ -63,22 +68,23 @@ def row_tile(rows: int) -> int:
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (M <= 64) @ weight [N, K]^T -> [M, N] in x's dtype, fp32 accumulation. The last
-    dimension of both must be contiguous. Allocates only the output (CUDA-graph safe)."""
-    rows, k = x.shape
-    n = weight.shape[0]
+    """x [M, G, K] (M <= 64) and weight [G, N, K] -> [M, G, N] in x's dtype, fp32 accumulation:
+    out[:, g] = x[:, g] @ weight[g]^T. K must be contiguous in both. Allocates only the output
+    (CUDA-graph safe)."""
+    rows, groups, k = x.shape
+    n = weight.shape[1]
     if rows > 64:
         raise ValueError(f"linear (triton): at most 64 rows, got {rows}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("linear (triton): x and weight must be contiguous along K")
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    if rows == 0 or n == 0:
+    out = torch.empty((rows, groups, n), dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0 or groups == 0:
         return out
-    args = (x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0))
+    args = (x, weight, out, rows, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1))
     meta = dict(BLOCK_M=row_tile(rows), PRECISION=dot_precision(x.dtype))
     if os.environ.get("TRITON_INTERPRET") == "1":
-        grid = (triton.cdiv(n, _INTERPRETER_CONFIG["BLOCK_N"]),)
+        grid = (triton.cdiv(n, _INTERPRETER_CONFIG["BLOCK_N"]), groups)
         _linear_kernel[grid](*args, **meta, **_INTERPRETER_CONFIG)
     else:
-        _linear_autotuned[lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]),)](*args, **meta)
+        _linear_autotuned[lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), groups)](*args, **meta)
     return out

@@ -1,6 +1,6 @@
-"""linear: the one-launch Triton product for decode batches against F.linear on fresh random
-inputs (ragged row counts, N and K that are not multiples of the tiles), the routing rule that
-keeps batch sizes out of it, and its failure paths.
+"""linear / grouped_linear: the one-launch Triton product for decode batches against F.linear
+and einsum on fresh random inputs (ragged row counts, N and K that are not multiples of the
+tiles, several groups), the routing rule that keeps batch sizes out of it, and failure paths.
 
 CPU tests run the kernel in the interpreter (TRITON_INTERPRET=1, fp32/fp16: the interpreter's
 bf16 dot is wrong). GPU tests run it compiled at the model's projection shapes in bf16, through
@@ -17,7 +17,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
 
-from kernels.linear import linear, linear_op, takes_kernel  # noqa: E402
+from kernels.linear import grouped_linear, grouped_linear_op, linear, takes_kernel  # noqa: E402
 from cuda_graphs import capture  # noqa: E402
 
 interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
@@ -46,6 +46,17 @@ def test_triton_matches_the_reference(rows, n, k, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     ref = expected(x, w)
     assert (out.float() - ref).abs().max() <= tol * ref.abs().max() + tol
+
+
+@interpreter
+@pytest.mark.parametrize("rows,groups", [(1, 3), (6, 2)])
+def test_grouped_triton_matches_einsum(rows, groups):
+    g = torch.Generator().manual_seed(rows + 10 * groups)
+    x = torch.randn(rows, groups, 80, generator=g)
+    w = torch.randn(groups, 24, 80, generator=g) * 80**-0.5
+    out = grouped_linear(x, w, impl="triton")
+    assert out.shape == (rows, groups, 24)
+    torch.testing.assert_close(out, torch.einsum("mgk,gnk->mgn", x.double(), w.double()).float(), rtol=1e-5, atol=1e-5)
 
 
 @interpreter
@@ -91,6 +102,11 @@ def test_unknown_impl_is_named():
         linear(torch.randn(2, 8), torch.randn(4, 8), impl="cublas")
 
 
+def test_grouped_operands_must_agree_on_groups():
+    with pytest.raises(ValueError, match="agree on G and K"):
+        grouped_linear(torch.randn(2, 3, 8), torch.randn(4, 5, 8))
+
+
 @interpreter
 def test_triton_refuses_more_than_64_rows():
     x, w = operands(65, 16, 32, torch.float32)
@@ -100,8 +116,8 @@ def test_triton_refuses_more_than_64_rows():
 
 def test_fake_gives_the_output_shape_under_compile():
     x, w = operands(5, 24, 40, torch.float32, seed=9)
-    compiled = torch.compile(lambda a, b: linear_op(a, b) * 2, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(x, w), torch.nn.functional.linear(x, w) * 2)
+    compiled = torch.compile(lambda a, b: grouped_linear_op(a[:, None], b[None]) * 2, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, w), torch.nn.functional.linear(x, w)[:, None] * 2)
 
 
 # The model's projections that cuBLAS splits over K at decode batches (bench widths): the fused
@@ -117,6 +133,7 @@ def test_gpu_matches_the_reference_in_bf16(rows, n, k):
     x, w = operands(rows, n, k, torch.bfloat16, device="cuda", seed=rows + n)
     out = linear(x, w)
     ref = expected(x, w)
+    assert takes_kernel(x, w)
     # bf16 output rounding (2^-8 relative) on top of fp32 accumulation in another order
     assert (out.float() - ref).abs().max() <= 8e-3 * ref.abs().max()
 
@@ -125,7 +142,7 @@ def test_gpu_matches_the_reference_in_bf16(rows, n, k):
 @pytest.mark.gpu
 def test_gpu_opcheck():
     x, w = operands(8, 256, 512, torch.bfloat16, device="cuda", seed=1)
-    torch.library.opcheck(linear_op, (x, w))
+    torch.library.opcheck(grouped_linear_op, (x.view(8, 2, 256), w.view(2, 128, 256)))
 
 
 @on_gpu
@@ -142,3 +159,16 @@ def test_gpu_captured_per_bucket_and_replayed_with_new_inputs():
             graph.replay()
             ref = expected(fresh, w)
             assert (out.float() - ref).abs().max() <= 8e-3 * ref.abs().max(), f"bucket {bucket}"
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 32, 64])
+def test_gpu_grouped_output_projection_shape(rows):
+    # wo_a of the bench preset: 8 groups of [1024, 4096]
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 8, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(8, 1024, 4096, generator=g, device="cuda") * 4096**-0.5).to(torch.bfloat16)
+    out = grouped_linear(x, w)
+    ref = torch.einsum("mgk,gnk->mgn", x.double(), w.double()).float()
+    assert (out.float() - ref).abs().max() <= 8e-3 * ref.abs().max()

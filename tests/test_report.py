@@ -55,8 +55,8 @@ def test_kernel_names_are_classified():
     assert classify_kernel("void at::native::reduce_kernel<512, 1, ...>") == "reduce"
     assert classify_kernel("_sparse_mla_split_kernel", custom={"_sparse_mla_split_kernel"}) == "custom"
     assert classify_op("v4::moe_experts") == "custom" and classify_op("aten::index_put_") == "copy"
-    # the decode-shaped projection kernel (v4::linear) is a matrix product, not an opaque custom op
-    assert classify_kernel("_linear_kernel") == "gemm" and classify_op("v4::linear") == "gemm"
+    # the decode-shaped projection kernel (v4::grouped_linear) is a matrix product, not an opaque custom op
+    assert classify_kernel("_linear_kernel") == "gemm" and classify_op("v4::grouped_linear") == "gemm"
 
 
 @pytest.fixture(scope="module")
