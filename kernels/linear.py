@@ -10,6 +10,9 @@ is a batched GEMM whose [G, M, N] result needs a transposing copy before the nex
 every program owns a strip of one group's output columns for all rows, streams its strip of the
 weight once over the whole of K, and writes [M, G, N] directly; no split, no second launch, no
 copy. Larger batches, other shapes and the CPU use the references (F.linear, einsum).
+
+The model does not route its projections through these ops yet: that waits for the H200
+comparison against cuBLAS at the model's shapes (`python -m kernels.bench --only linear`).
 """
 from __future__ import annotations
 
