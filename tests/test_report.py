@@ -115,3 +115,15 @@ def test_report_rejects_a_layer_count_the_preset_does_not_have(layers, tmp_path)
     with pytest.raises(ValueError, match=r"layers must be in \[1, 6\] for the tiny preset"):
         run_report(settings)
     assert not (tmp_path / "out").exists()  # nothing written for a rejected run
+
+
+def test_report_on_the_first_layers_counts_fewer_kernels(report, tmp_path):
+    _, full = report
+    settings = ReportSettings(preset="tiny", batch=4, steps=1, timing_steps=1, out_dir=str(tmp_path), inspect=False, layers=2)
+    result = run_report(settings)
+    assert result["layers"] == 2 and result["compiled"]["layers"] == 2
+    assert result["max_relative_error"] <= 1e-4
+    # the first two layers (window only) run a subset of the full step's kernels
+    assert 0 < result["compiled"]["total"] < full["compiled"]["total"]
+    assert 0 < result["eager"]["total"] < full["eager"]["total"]
+    assert "--layers 2" in (tmp_path / "report.md").read_text()
