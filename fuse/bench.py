@@ -69,8 +69,7 @@ class BenchSettings:
         return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
 
     def config(self) -> ModelConfig:
-        cfg = ModelConfig.preset(self.preset).replace(fp32_products=self.fp32_products)
-        return cfg if self.layers is None else cfg.replace(n_layers=self.layers)
+        return ModelConfig.preset(self.preset, layers=self.layers).replace(fp32_products=self.fp32_products)
 
 
 # -- what a step must read ----------------------------------------------------------------------

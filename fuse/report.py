@@ -55,11 +55,7 @@ def restore_point(decoder: Decoder) -> Callable[..., None]:
 
 
 def run_report(settings: ReportSettings) -> dict:
-    cfg = ModelConfig.preset(settings.preset)
-    if settings.layers is not None:
-        if not 1 <= settings.layers <= cfg.n_layers:
-            raise ValueError(f"layers must be in [1, {cfg.n_layers}] for the {settings.preset} preset, got {settings.layers}")
-        cfg = cfg.replace(n_layers=settings.layers)
+    cfg = ModelConfig.preset(settings.preset, layers=settings.layers)
     folder = settings.folder()
     os.makedirs(folder, exist_ok=True)
     shape = dict(max_batch=settings.batch, max_seq_len=max(64, settings.steps + 8), dtype=settings.dtype, device=settings.device)

@@ -95,8 +95,18 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def preset(cls, name: str) -> "ModelConfig":
-        """`tiny` (CPU tests), `flash` (exactly V4-Flash), `bench` (V4-Flash widths, 16 experts)."""
+    def preset(cls, name: str, layers: int | None = None) -> "ModelConfig":
+        """`tiny` (CPU tests), `flash` (exactly V4-Flash), `bench` (V4-Flash widths, 16 experts);
+        `layers`: only the first that many of its layers (default: all)."""
+        cfg = cls._full_preset(name)
+        if layers is None:
+            return cfg
+        if not 1 <= layers <= cfg.n_layers:
+            raise ValueError(f"layers must be in [1, {cfg.n_layers}] for the {name} preset, got {layers}")
+        return cfg.replace(n_layers=layers)
+
+    @classmethod
+    def _full_preset(cls, name: str) -> "ModelConfig":
         if name == "flash":
             return cls()
         if name == "bench":
