@@ -24,6 +24,7 @@ import torch.nn.functional as F
 # cuBLAS, which is compute-efficient there and has no reason to split K.
 MAX_ROWS = 64
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+IMPLS = ("auto", "triton", "reference")
 
 
 def grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -42,13 +43,22 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and weight.dtype in HALF_DTYPES and weight.shape[-1] >= weight.shape[-2]
 
 
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"linear: impl must be one of {IMPLS}, got {impl!r}")
+
+
+def check_same_dtype(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dtype != weight.dtype:
+        raise ValueError(f"linear: x and weight must have one dtype, got {x.dtype} and {weight.dtype}")
+
+
 def check_grouped_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.dim() != 3 or x.dim() != 3 or x.shape[1:] != (weight.shape[0], weight.shape[2]):
         raise ValueError(
             f"linear: x [M, G, K] and weight [G, N, K] must agree on G and K; got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
-    if x.dtype != weight.dtype:
-        raise ValueError(f"linear: x and weight must have one dtype, got {x.dtype} and {weight.dtype}")
+    check_same_dtype(x, weight)
 
 
 @torch.library.custom_op("v4::grouped_linear", mutates_args=())
@@ -64,23 +74,23 @@ def _(x, weight):
 @grouped_linear_op.register_kernel("cuda")
 def _(x, weight):
     strided_k = x.stride(-1) != 1 or weight.stride(-1) != 1
-    if x.shape[0] == 0 or x.shape[0] > MAX_ROWS or x.dtype not in HALF_DTYPES or strided_k:
+    if x.shape[0] > MAX_ROWS or x.dtype not in HALF_DTYPES or strided_k:
         return grouped_linear_reference(x, weight)
     from kernels.linear_triton import linear_triton  # triton only where the kernel runs
 
     return linear_triton(x, weight)
 
 
-IMPLS = ("auto", "triton", "reference")
-
-
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """x [M, G, K] and weight [G, N, K] -> [M, G, N], each group its own product. impl: "auto"
     (the custom op where `takes_kernel` says so, else the einsum reference), "triton" (the
     Triton kernel directly, e.g. on CPU under TRITON_INTERPRET=1) or "reference"."""
-    if impl not in IMPLS:
-        raise ValueError(f"linear: impl must be one of {IMPLS}, got {impl!r}")
+    check_impl(impl)
     check_grouped_inputs(x, weight)
+    return _grouped_linear_checked(x, weight, impl)
+
+
+def _grouped_linear_checked(x: torch.Tensor, weight: torch.Tensor, impl: str) -> torch.Tensor:
     if impl == "triton":
         from kernels.linear_triton import linear_triton
 
@@ -93,13 +103,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, impl: str = "auto") ->
 def linear(x: torch.Tensor, weight: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T: F.linear, or the one-group case of `grouped_linear` where
     `takes_kernel` says so (impl as there)."""
-    if impl not in IMPLS:
-        raise ValueError(f"linear: impl must be one of {IMPLS}, got {impl!r}")
+    check_impl(impl)
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: x [..., K] and weight [N, K] must agree on K; got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"linear: x and weight must have one dtype, got {x.dtype} and {weight.dtype}")
+    check_same_dtype(x, weight)
     if impl == "reference" or (impl == "auto" and not takes_kernel(x, weight)):
         return linear_reference(x, weight)
-    rows = x.reshape(-1, 1, x.shape[-1])
-    return grouped_linear(rows, weight.unsqueeze(0), impl).view(*x.shape[:-1], weight.shape[0])
+    rows = x.reshape(-1, 1, x.shape[-1])  # one group: already checked, as [M, 1, K] and [1, N, K]
+    return _grouped_linear_checked(rows, weight.unsqueeze(0), impl).view(*x.shape[:-1], weight.shape[0])

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.linear import MAX_ROWS
 from kernels.triton_util import dot_precision
 
 
@@ -68,13 +69,13 @@ def row_tile(rows: int) -> int:
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, G, K] (M <= 64) and weight [G, N, K] -> [M, G, N] in x's dtype, fp32 accumulation:
+    """x [M, G, K] (M <= MAX_ROWS) and weight [G, N, K] -> [M, G, N] in x's dtype, fp32 accumulation:
     out[:, g] = x[:, g] @ weight[g]^T. K must be contiguous in both. Allocates only the output
     (CUDA-graph safe)."""
     rows, groups, k = x.shape
     n = weight.shape[1]
-    if rows > 64:
-        raise ValueError(f"linear (triton): at most 64 rows, got {rows}")
+    if rows > MAX_ROWS:
+        raise ValueError(f"linear (triton): at most {MAX_ROWS} rows, got {rows}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("linear (triton): x and weight must be contiguous along K")
     out = torch.empty((rows, groups, n), dtype=x.dtype, device=x.device)
