@@ -12,8 +12,8 @@ weight once over the whole of K, and writes [M, G, N] directly; no split, no sec
 copy. Larger batches, other shapes and the CPU use the references (F.linear, einsum).
 
 On the H200 it runs at 0.89x-1.12x of cuBLAS's time at the model's shapes (docs/kernels.md,
-`python -m kernels.bench --only linear`). The model does not route its projections through it
-yet: that waits for the runner's GPU suite to run with it (docs/report-bench.md).
+`python -m kernels.bench --only linear`). The model's projections (Linear, FusedLinear,
+the grouped wo_a) go through it.
 """
 from __future__ import annotations
 

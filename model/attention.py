@@ -233,6 +233,5 @@ class Attention(nn.Module):
         # Grouped low-rank output: each group of heads has its own [o_lora_rank, heads*head_dim/groups] map.
         o = o.reshape(batch, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        o = torch.einsum("bgd,grd->bgr", o, wo_a)
-        return self.wo_b(o.flatten(1))
+        return self.wo_b(kernels.grouped_linear(o, wo_a).flatten(1))
 
