@@ -26,9 +26,9 @@ STEPS = int(os.environ.get("FUSE_GPU_STEPS", "1000"))
 
 
 def compare_one_step(decoder, runner, tokens, positions, slots) -> tuple[float, float]:
-    """From one cache state: (compiled vs eager, eager vs eager-with-a-padding-row) relative errors
+    """From one cache state: (compiled vs eager, eager vs eager-with-padding-rows) relative errors
     of the logits. The second is the bf16 noise floor: the same function whose matrix products
-    see one more row, so the libraries pick other kernels and reduction orders. The runner's
+    see more rows, so they run on other kernels with other reduction orders. The runner's
     decoder is the eager one, so the compiled step is the one that advances the state."""
     errors = one_step_errors(decoder, decoder, runner, *decoder.check_inputs(tokens, positions, slots))
     return errors["compiled_vs_eager"], errors["eager_padding_noise"]
@@ -81,7 +81,7 @@ def test_random_batches_match_eager_without_recompiles_or_memory_growth(bench_ru
     assert torch.cuda.memory_allocated() == memory, "memory grew after warm-up"
     assert runner.stats.recompiles == 0
     print(f"\ncompiled vs eager, relative error per check: {[f'{e:.3f}' for e in compiled_err]}")
-    print(f"eager vs eager + padding row (bf16 noise): {[f'{e:.3f}' for e in noise]}")
+    print(f"eager vs eager + padding rows (bf16 noise): {[f'{e:.3f}' for e in noise]}")
     # A random-weight 43-layer model is chaotic in bf16: any change of reduction order moves the
     # logits by tens of percent (measured: 0.28-0.43 where the padded eager run picked other
     # kernels, 0 where it did not). So the compiled step must stay within that spread; the
