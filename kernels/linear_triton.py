@@ -9,7 +9,9 @@ even N = 1600 gives ~100 programs; a deep software pipeline (num_stages) keeps e
 bytes in flight per program to run near copy bandwidth without splitting K.
 
 The tile sizes come from a short autotune keyed by (row tile, N, K): it runs when a shape is
-first seen, which under `compile_decode` is warm-up, before any graph capture. Under the
+first seen, which under `compile_decode` is warm-up, before any graph capture. Its choices are
+kept in Triton's on-disk cache, so a later process (a warm start) loads them instead of timing
+the configurations again. Under the
 interpreter (TRITON_INTERPRET=1, tests on a CPU) one fixed configuration runs instead.
 """
 from __future__ import annotations
@@ -59,7 +61,9 @@ _CONFIGS = [
         (16, 256, 4, 4), (16, 256, 4, 5), (16, 128, 4, 5), (32, 256, 4, 4), (32, 128, 4, 5), (32, 256, 8, 3),
     ]
 ]
-_linear_autotuned = triton.autotune(configs=_CONFIGS, key=["BLOCK_M", "N", "K"], warmup=5, rep=20)(_linear_kernel)
+_linear_autotuned = triton.autotune(
+    configs=_CONFIGS, key=["BLOCK_M", "N", "K"], warmup=5, rep=20, cache_results=True
+)(_linear_kernel)
 _INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32}
 
 
