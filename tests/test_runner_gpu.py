@@ -82,13 +82,15 @@ def test_random_batches_match_eager_without_recompiles_or_memory_growth(bench_ru
     assert runner.stats.recompiles == 0
     print(f"\ncompiled vs eager, relative error per check: {[f'{e:.3f}' for e in compiled_err]}")
     print(f"eager vs eager + padding rows (bf16 noise): {[f'{e:.3f}' for e in noise]}")
-    # A random-weight 43-layer model is chaotic in bf16: any change of reduction order moves the
-    # logits by tens of percent (measured: 0.28-0.43 where the padded eager run picked other
-    # kernels, 0 where it did not). So the compiled step must stay within that spread; the
-    # exactness of the compiled graph itself is checked in fp32 by tests/test_runner.py.
-    floor = max(noise)
-    assert floor > 0, "no reduction-order change was seen: the noise floor is uncalibrated"
-    assert max(compiled_err) <= 1.25 * floor, (compiled_err, noise)
+    # A random-weight 43-layer model is chaotic in bf16: any change of summation order moves the
+    # logits by tens of percent (measured: 0.28-0.43 from eager with other kernels). So the
+    # compiled step must err no more than such a change does, on average over the checks (the
+    # mean is steadier than the largest of ten); an unrelated answer would sit near sqrt(2).
+    # The exactness of the compiled graph itself is checked in fp32 by tests/test_runner.py.
+    assert min(noise) > 0, "the padded eager step ran the same kernels: the noise floor is uncalibrated"
+    mean = lambda values: sum(values) / len(values)
+    assert mean(compiled_err) <= 1.25 * mean(noise), (compiled_err, noise)
+    assert max(compiled_err) < 1.0, compiled_err
 
 
 def test_warm_start_is_faster(bench_runner):
