@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -83,13 +84,12 @@ def test_random_batches_match_eager_without_recompiles_or_memory_growth(bench_ru
     print(f"\ncompiled vs eager, relative error per check: {[f'{e:.3f}' for e in compiled_err]}")
     print(f"eager vs eager + padding rows (bf16 noise): {[f'{e:.3f}' for e in noise]}")
     # A random-weight 43-layer model is chaotic in bf16: any change of summation order moves the
-    # logits by tens of percent (measured: 0.28-0.43 from eager with other kernels). So the
+    # logits by tens of percent (measured on the H200: 0.24-0.46 from eager on other kernels). So the
     # compiled step must err no more than such a change does, on average over the checks (the
     # mean is steadier than the largest of ten); an unrelated answer would sit near sqrt(2).
     # The exactness of the compiled graph itself is checked in fp32 by tests/test_runner.py.
     assert min(noise) > 0, "the padded eager step ran the same kernels: the noise floor is uncalibrated"
-    mean = lambda values: sum(values) / len(values)
-    assert mean(compiled_err) <= 1.25 * mean(noise), (compiled_err, noise)
+    assert statistics.fmean(compiled_err) <= 1.25 * statistics.fmean(noise), (compiled_err, noise)
     assert max(compiled_err) < 1.0, compiled_err
 
 
