@@ -254,7 +254,10 @@ def start_time_child(settings: BenchSettings, buckets: tuple[int, ...]) -> dict:
     start = time.perf_counter()
     runner = compile_decode(decoder, buckets=buckets, dynamic_batch=True, progress=False)  # caches: see measure_start_times
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "compiles": runner.stats.compiles, "captured": len(runner.stats.captured)}
+    return {
+        "seconds": seconds, "compiles": runner.stats.compiles, "captured": len(runner.stats.captured),
+        "phases": runner.stats.start_seconds,
+    }
 
 
 def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = START_BUCKETS) -> dict:

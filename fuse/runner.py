@@ -130,6 +130,10 @@ class RunnerStats:
     captured: list[int] = field(default_factory=list)  # buckets replayed from a CUDA graph
     fallbacks: dict[int, str] = field(default_factory=dict)  # bucket -> why it runs without a graph
     warmup_seconds: dict[int, float] = field(default_factory=dict)
+    # Where the start went, summed over buckets (seconds): "first calls" (compile or compile-cache
+    # load, Triton loading and autotuning, one run), of which Dynamo's tracing and the backend
+    # (AOTAutograd + Inductor, cache hits included) as torch times them; "warm-up runs"; "captures".
+    start_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def _decode_mode():
@@ -144,6 +148,20 @@ def _decode_mode():
 
 def _dynamo_totals() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+# Parts of a start, from torch's own compile timers (torch._dynamo.utils.compilation_time_metrics):
+# a frame's compile (`_compile.compile_inner`) is Dynamo's tracing and guards plus the backend
+# (`OutputGraph.call_user_compiler`: AOTAutograd and Inductor, compile-cache hits included).
+_COMPILE_TIMERS = ("dynamo", "backend compile or cache load")
+
+
+def _compile_timer_totals() -> dict[str, float]:
+    from torch._dynamo.utils import compilation_time_metrics
+
+    total = lambda key: sum(compilation_time_metrics.get(key, ()))
+    backend = total("OutputGraph.call_user_compiler")
+    return {"dynamo": total("_compile.compile_inner") - backend, "backend compile or cache load": backend}
 
 
 @dataclass
@@ -201,6 +219,7 @@ class DecodeRunner:
 
     def _warm_up(self) -> None:
         compiles0, breaks0 = _dynamo_totals()
+        timers0 = _compile_timer_totals()
         pool = torch.cuda.graph_pool_handle() if self.use_graphs and self.device.type == "cuda" else None
         # Dynamo keeps one cache entry per (layer kind, bucket) on the shared code object.
         limit = 8 * (len(self.buckets) + 1)
@@ -215,6 +234,8 @@ class DecodeRunner:
                     how = "graph" if size in self.stats.captured else self.stats.fallbacks.get(size, "no graph")
                     log.warning("fuse: bucket %3d ready in %6.1f s (%s)", size, self.stats.warmup_seconds[size], how)
         compiles1, breaks1 = _dynamo_totals()
+        for name, total in _compile_timer_totals().items():
+            self.stats.start_seconds[name] = total - timers0[name]
         self.stats.compiles = compiles1 - compiles0
         self.stats.graph_breaks = breaks1 - breaks0
 
@@ -222,7 +243,8 @@ class DecodeRunner:
         inputs = self._static_inputs(size)
         step = self._step
         if not self.use_graphs:
-            step(*inputs)  # compile (or check the eager path) now, not on the first request
+            with self._phase("first calls"):
+                step(*inputs)  # compile (or check the eager path) now, not on the first request
             return _Bucket(size, *inputs, run=lambda: step(*inputs))
         try:
             run = self._capture(step, inputs, pool)
@@ -243,18 +265,30 @@ class DecodeRunner:
                 self.stats.fallbacks[size] = reason + f"; compiled run failed too ({type(second).__name__}); runs eager"
                 return _Bucket(size, *inputs, run=lambda: eager(*inputs))
 
-    @staticmethod
-    def _capture(step: Callable, inputs: tuple, pool) -> Callable[[], torch.Tensor]:
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """Adds the block's wall time, its GPU work finished, to stats.start_seconds[name]."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.stats.start_seconds[name] = self.stats.start_seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def _capture(self, step: Callable, inputs: tuple, pool) -> Callable[[], torch.Tensor]:
         """Warm up off the capture stream (compile, Triton JIT, autotune), then capture one graph."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):
+            with self._phase("first calls"):
+                step(*inputs)
+            with self._phase("warm-up runs"):
                 step(*inputs)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with self._phase("captures"), torch.cuda.graph(graph, pool=pool):
             output = step(*inputs)
 
         def replay() -> torch.Tensor:
@@ -326,6 +360,15 @@ class DecodeRunner:
             f"graphs={self.use_graphs} dynamic_batch={self.options.dynamic_batch}",
             f"compiles {s.compiles}, graph breaks {s.graph_breaks}, recompiles after warm-up {s.recompiles}",
         ]
+        if s.start_seconds:
+            t = s.start_seconds
+            compile_part = ", ".join(f"{name} {t[name]:.1f} s" for name in _COMPILE_TIMERS if name in t)
+            phases = [
+                f"{name} {t[name]:.1f} s" + (f" (of which {compile_part})" if name == "first calls" else "")
+                for name in ("first calls", "warm-up runs", "captures")
+                if name in t
+            ]
+            lines.append("start: " + ", ".join(phases))
         lines += [f"bucket {b}: {reason}" for b, reason in sorted(s.fallbacks.items())]
         return "\n".join(lines)
 

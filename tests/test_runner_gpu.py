@@ -50,6 +50,8 @@ def test_every_bucket_captures(bench_runner):
     _, runner, _ = bench_runner
     assert sorted(runner.stats.captured) == list(BUCKETS), runner.stats.fallbacks
     assert runner.stats.graph_breaks == 0
+    phases = runner.stats.start_seconds
+    assert all(phases[name] > 0 for name in ("first calls", "warm-up runs", "captures")), phases
 
 
 def test_random_batches_match_eager_without_recompiles_or_memory_growth(bench_runner):
