@@ -92,6 +92,24 @@ def compile_backend(options: CompileOptions, device: torch.device) -> Callable:
     return backend
 
 
+def pin_triton_toolchain() -> None:
+    """Point Triton at the ptxas (and libdevice) Inductor uses, before anything compiles.
+
+    Inductor sets them in this process only when it compiles a kernel here itself, which a warm
+    start (every graph from the cache) never does. Triton's cache keys include the ptxas version,
+    so the custom-op kernels and their autotune results that a cold start stored after Inductor
+    had set them were all missed by the warm start, which compiled and tuned them again
+    (17 s of a 50 s warm start on the H200, docs/bench.md). Set up front, both starts agree."""
+    try:
+        from torch._inductor.runtime import compile_tasks
+    except ImportError:
+        return
+    for name in ("_set_triton_ptxas_path", "_set_triton_libdevice_path"):
+        setter = getattr(compile_tasks, name, None)  # private helpers; absent in some versions
+        if setter is not None:
+            setter()
+
+
 def mark_batch_dynamic(*tensors: torch.Tensor) -> None:
     """Dim 0 (the batch) symbolic in the graph Dynamo compiles next. Without the mark the first
     bucket compiles a static graph and only the second one a symbolic graph (automatic dynamic):
@@ -194,6 +212,8 @@ class DecodeRunner:
     def _make_step(self) -> Callable:
         if not self.options.compile:
             return self.decoder.step
+        if self.device.type == "cuda":
+            pin_triton_toolchain()
         if self.options.cache_dir:
             # Inductor and Triton read their cache locations from the environment.
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(self.options.cache_dir, "inductor")

@@ -194,3 +194,16 @@ def test_failed_capture_falls_back_for_that_bucket_only(pair):
     fresh = Decoder(eager.config, max_batch=MAX_BATCH, max_seq_len=96, dtype=torch.float32)
     fresh.load_state_dict(eager.state_dict())
     torch.testing.assert_close(runner(tokens, positions, slots), fresh(tokens, positions, slots), rtol=1e-4, atol=1e-4)
+
+
+def test_triton_toolchain_is_pinned_the_way_inductor_pins_it(monkeypatch):
+    """A warm start must compile custom kernels with the ptxas a cold start used (the one Inductor
+    selects); the runner asks Inductor's own helpers for it before compiling anything."""
+    from torch._inductor.runtime import compile_tasks
+
+    calls = []
+    for name in ("_set_triton_ptxas_path", "_set_triton_libdevice_path"):
+        if hasattr(compile_tasks, name):
+            monkeypatch.setattr(compile_tasks, name, lambda name=name: calls.append(name))
+    fuse.runner.pin_triton_toolchain()
+    assert calls and calls[0] == "_set_triton_ptxas_path", calls
