@@ -379,25 +379,40 @@ def choose_tiles(batch: int, heads: int, topk: int, num_sms: int, head_dim: int 
     return tiles
 
 
-# Rough costs on an H100/H200-class GPU, used only to rank split counts against each other.
-_ROW_US = 0.03  # one program consuming one gathered row (Q K^T and P V for 64 heads at D=512)
-_PROGRAM_US = 1.5  # a program's fixed cost: Q load, first gather latency, epilogue
-_COMBINE_US = 2.0  # the extra combine launch and its latency
+# Rough costs on an H100/H200-class GPU, used only to rank split counts against each other, fitted
+# to the split-count sweep in docs/kernels.md (H200, rotating inputs larger than L2). At decode
+# sizes a program's loop is latency-bound: each KV block waits for its indices, then for the rows
+# they name, whatever the tile; the software pipeline issues the first num_stages blocks' loads
+# together, so those cost one wait.
+_ITER_US = 2.1  # the wait for one KV block: index load, then the dependent gather
+_ROW_US = 0.025  # the products for one gathered row and 64 heads (Q K^T and P V at D=512)
+_PROGRAM_US = 6.0  # a program's fixed cost: Q load, the first wait, epilogue
+_COMBINE_US = 3.5  # the combine launch and its latency
 _BYTES_PER_US = 4.0e6  # HBM bandwidth, 4 TB/s
+_SMEM_BYTES = 228 * 1024  # shared memory per SM (sm_90)
+
+
+def _programs_per_sm(tiles: TileConfig, head_dim: int, itemsize: int) -> int:
+    """How many programs of these tiles share an SM, by shared memory: the Q tile plus the
+    pipelined KV tiles (whole rows: a DV-split program loads both halves for Q K^T)."""
+    width = _block_d(head_dim) * itemsize
+    smem = tiles.block_h * width + tiles.num_stages * tiles.block_k * width
+    return max(1, _SMEM_BYTES // smem)
 
 
 def _estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles: TileConfig, splits: int) -> float:
-    """Waves of programs x per-program work, bounded below by HBM traffic; splitting adds the
+    """Waves of programs x per-program latency, bounded below by HBM traffic; splitting adds the
     fp32 partials (written, then read by the combine) and a launch."""
     n_blocks = triton.cdiv(max(topk, 1), tiles.block_k)
     blocks_per_split = triton.cdiv(n_blocks, splits)
     splits = triton.cdiv(n_blocks, blocks_per_split)
     head_blocks = triton.cdiv(heads, tiles.block_h)
     programs = batch * head_blocks * tiles.dv_split * splits
-    waves = triton.cdiv(programs, num_sms)
+    waves = triton.cdiv(programs, num_sms * _programs_per_sm(tiles, head_dim, itemsize))
     # A DV-split program does all of Q K^T but half of P V.
-    row_us = _ROW_US * tiles.block_h / 64 * (0.5 + 0.5 / tiles.dv_split)
-    compute = waves * (_PROGRAM_US + blocks_per_split * tiles.block_k * row_us)
+    block_work_us = tiles.block_k * _ROW_US * tiles.block_h / 64 * (0.5 + 0.5 / tiles.dv_split)
+    waits = max(blocks_per_split - (tiles.num_stages - 1), 1) - 1  # beyond the one in _PROGRAM_US
+    compute = waves * (_PROGRAM_US + waits * _ITER_US + blocks_per_split * block_work_us)
     kv_bytes = batch * topk * head_dim * itemsize
     partial_bytes = batch * head_blocks * splits * tiles.block_h * (head_dim + 1) * 4 if splits > 1 else 0
     time = max(compute, (kv_bytes + partial_bytes) / _BYTES_PER_US)
