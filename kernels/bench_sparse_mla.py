@@ -30,6 +30,9 @@ HEADS, DIM, DTYPE = 64, 512, torch.bfloat16
 WINDOW, COMPRESSED = 128, 16384
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 TOPKS = (640, 2048)
+# The model's other layers at small batch: window-only (128 indices) and ratio-128 at 4K context
+# (128 + 4096 / 128); the split sweep covers them too.
+SHORT_TOPKS, SHORT_BATCHES = (128, 160), (1, 2, 4)
 MAX_SETS = 256
 TILE_SWEEP = (
     smt.TileConfig(64, 32, 4, 3, dv_split=2),  # the default at full occupancy
@@ -238,25 +241,25 @@ def run_split_sweep(l2_bytes: int, num_sms: int) -> str:
     """Default tiles at every split count: where the split model is off, this shows by how much."""
     counts = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
     rows = []
-    for topk in TOPKS:
-        for batch in BATCHES:
-            case = Case(batch, topk, l2_bytes, seed=1 + batch)
-            tiles = smt.choose_tiles(batch, HEADS, topk, num_sms)
-            chosen = smt.choose_num_splits(batch, HEADS, topk, num_sms)
-            n_blocks = -(-topk // tiles.block_k)
-            cells = []
-            for splits in counts:
-                if splits > n_blocks:
-                    cells.append("")
-                    continue
-                if splits == 1:
-                    fn = lambda *a: smt.sparse_mla_decode_head_batched(*a, tiles=tiles)  # noqa: E731
-                else:
-                    fn = lambda *a, s=splits: smt.sparse_mla_decode_split_k(*a, num_splits=s, tiles=tiles)  # noqa: E731
-                us, _ = time_per_call_us(fn, case)
-                cells.append(f"**{us:.1f}**" if splits == chosen else f"{us:.1f}")
-            rows.append([batch, topk, tile_name(tiles)] + cells)
-            del case
+    shapes = [(b, k) for k in TOPKS for b in BATCHES] + [(b, k) for k in SHORT_TOPKS for b in SHORT_BATCHES]
+    for batch, topk in shapes:
+        case = Case(batch, topk, l2_bytes, seed=1 + batch)
+        tiles = smt.choose_tiles(batch, HEADS, topk, num_sms)
+        chosen = smt.choose_num_splits(batch, HEADS, topk, num_sms)
+        n_blocks = -(-topk // tiles.block_k)
+        cells = []
+        for splits in counts:
+            if splits > n_blocks:
+                cells.append("")
+                continue
+            if splits == 1:
+                fn = lambda *a: smt.sparse_mla_decode_head_batched(*a, tiles=tiles)  # noqa: E731
+            else:
+                fn = lambda *a, s=splits: smt.sparse_mla_decode_split_k(*a, num_splits=s, tiles=tiles)  # noqa: E731
+            us, _ = time_per_call_us(fn, case)
+            cells.append(f"**{us:.1f}**" if splits == chosen else f"{us:.1f}")
+        rows.append([batch, topk, tile_name(tiles)] + cells)
+        del case
     header = ["B", "K", "tile"] + [f"S={s}" for s in counts]
     return markdown_table(header, rows)
 
