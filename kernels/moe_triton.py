@@ -35,6 +35,12 @@ MAX_PAIRS_ONE_PROGRAM = 4096
 PROGRAMS_PER_SM = 4
 # Shared memory per pipeline stage that still lets two programs share an SM at 4 stages.
 STAGE_BYTES = 24 * 1024
+# The gate/up product streams two weight strips per program. Strips twice as wide as the rule
+# above gives (two programs per SM, 40 KB stages: 160 KB at 4 stages, sized for sm_90's 227 KB)
+# were faster or even at every batch in the H200 tile sweep (docs/kernels.md, "up_block_n x2":
+# 7.6% at batch 1, 3.6% at 64, within 1% at 16 and 32).
+UP_PROGRAMS_PER_SM = 2
+UP_STAGE_BYTES = 40 * 1024
 
 
 @dataclass(frozen=True)
@@ -77,17 +83,17 @@ def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, triton.next_power_of_2(max(1, n)))
 
 
-def _widest_tile(n: int, active_experts: int, num_sms: int, choices: tuple[int, ...]) -> int:
-    """The widest N tile that still gives every SM PROGRAMS_PER_SM programs, else the narrowest."""
+def _widest_tile(n: int, active_experts: int, num_sms: int, choices: tuple[int, ...], per_sm: int) -> int:
+    """The widest N tile that still gives every SM per_sm programs, else the narrowest."""
     for block_n in choices:
-        if active_experts * triton.cdiv(n, block_n) >= PROGRAMS_PER_SM * num_sms:
+        if active_experts * triton.cdiv(n, block_n) >= per_sm * num_sms:
             return block_n
     return choices[-1]
 
 
-def _deepest_k(rows: int, elem_bytes: int, k: int) -> int:
+def _deepest_k(rows: int, elem_bytes: int, k: int, stage_bytes: int) -> int:
     for block_k in (256, 128, 64, 32):
-        if rows * block_k * elem_bytes <= STAGE_BYTES and block_k <= max(32, triton.next_power_of_2(k)):
+        if rows * block_k * elem_bytes <= stage_bytes and block_k <= max(32, triton.next_power_of_2(k)):
             return block_k
     return 16
 
@@ -97,14 +103,14 @@ def choose_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, elem_by
     are as wide as the SM count allows, the K tiles as deep as the per-stage budget allows."""
     active = max(1, min(num_pairs, num_experts))
     block_m = min(64, _pow2_at_least(triton.cdiv(num_pairs, active), 16))
-    up_n = _widest_tile(inter, active, num_sms, (64, 32, 16))
-    down_n = _widest_tile(dim, active, num_sms, (128, 64, 32, 16))
+    up_n = _widest_tile(inter, active, num_sms, (64, 32, 16), UP_PROGRAMS_PER_SM)
+    down_n = _widest_tile(dim, active, num_sms, (128, 64, 32, 16), PROGRAMS_PER_SM)
     return MoeTiles(
         block_m=block_m,
         up_block_n=up_n,
-        up_block_k=_deepest_k(block_m + 2 * up_n, elem_bytes, dim),
+        up_block_k=_deepest_k(block_m + 2 * up_n, elem_bytes, dim, UP_STAGE_BYTES),
         down_block_n=down_n,
-        down_block_k=_deepest_k(block_m + down_n, elem_bytes, inter),
+        down_block_k=_deepest_k(block_m + down_n, elem_bytes, inter, STAGE_BYTES),
     )
 
 
