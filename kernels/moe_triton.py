@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_util import dot_precision, num_sms
+from kernels.triton_util import dot_precision, num_sms, shared_memory_per_block
 
 # The interpreter has no SMs; a small count keeps its grids small.
 # Largest B*k routed by the single-program kernel (it holds every pair in registers).
@@ -36,9 +36,9 @@ PROGRAMS_PER_SM = 4
 # Shared memory per pipeline stage that still lets two programs share an SM at 4 stages.
 STAGE_BYTES = 24 * 1024
 # The gate/up product streams two weight strips per program. Strips twice as wide as the rule
-# above gives (two programs per SM, 40 KB stages: 160 KB at 4 stages, sized for sm_90's 227 KB)
-# were faster or even at every batch in the H200 tile sweep (docs/kernels.md, "up_block_n x2":
-# 7.6% at batch 1, 3.6% at 64, within 1% at 16 and 32).
+# above gives (two programs per SM, 40 KB stages: 160 KB at 4 stages) were faster or even at
+# every batch in the H200 tile sweep (docs/kernels.md, "up_block_n x2": 7.6% at batch 1, 3.6% at
+# 64, within 1% at 16 and 32). GPUs with less shared memory per program keep the rule above.
 UP_PROGRAMS_PER_SM = 2
 UP_STAGE_BYTES = 40 * 1024
 
@@ -98,17 +98,24 @@ def _deepest_k(rows: int, elem_bytes: int, k: int, stage_bytes: int) -> int:
     return 16
 
 
-def choose_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, elem_bytes: int, num_sms: int) -> MoeTiles:
+def choose_tiles(
+    num_pairs: int, num_experts: int, dim: int, inter: int, elem_bytes: int, num_sms: int,
+    shared_memory: int = 227 * 1024,
+) -> MoeTiles:
     """Tiles from static shapes: block_m fits the expected pairs per expert (16..64), the N tiles
-    are as wide as the SM count allows, the K tiles as deep as the per-stage budget allows."""
+    are as wide as the SM count allows, the K tiles as deep as the per-stage budget allows.
+    shared_memory: bytes one program may use, which decides whether the wide gate/up tiles fit."""
     active = max(1, min(num_pairs, num_experts))
     block_m = min(64, _pow2_at_least(triton.cdiv(num_pairs, active), 16))
-    up_n = _widest_tile(inter, active, num_sms, (64, 32, 16), UP_PROGRAMS_PER_SM)
+    stages = MoeTiles.__dataclass_fields__["num_stages"].default
+    wide_up = stages * UP_STAGE_BYTES + 32 * 1024 <= shared_memory  # 32 KB for the epilogue's scratch
+    up_per_sm, up_stage = (UP_PROGRAMS_PER_SM, UP_STAGE_BYTES) if wide_up else (PROGRAMS_PER_SM, STAGE_BYTES)
+    up_n = _widest_tile(inter, active, num_sms, (64, 32, 16), up_per_sm)
     down_n = _widest_tile(dim, active, num_sms, (128, 64, 32, 16), PROGRAMS_PER_SM)
     return MoeTiles(
         block_m=block_m,
         up_block_n=up_n,
-        up_block_k=_deepest_k(block_m + 2 * up_n, elem_bytes, dim, UP_STAGE_BYTES),
+        up_block_k=_deepest_k(block_m + 2 * up_n, elem_bytes, dim, up_stage),
         down_block_n=down_n,
         down_block_k=_deepest_k(block_m + down_n, elem_bytes, inter, STAGE_BYTES),
     )
@@ -398,7 +405,9 @@ def moe_experts_triton(
         return out.zero_()
     num_pairs = batch * picks
     if tiles is None:
-        tiles = choose_tiles(num_pairs, num_experts, dim, inter, x.element_size(), num_sms(x.device))
+        tiles = choose_tiles(
+            num_pairs, num_experts, dim, inter, x.element_size(), num_sms(x.device), shared_memory_per_block(x.device)
+        )
 
     ids = expert_ids.contiguous()
     route_w = expert_weights.reshape(-1).to(torch.float32).contiguous()

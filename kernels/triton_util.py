@@ -13,6 +13,14 @@ def num_sms(device: torch.device) -> int:
     return INTERPRETER_NUM_SMS
 
 
+def shared_memory_per_block(device: torch.device) -> int:
+    """Bytes of shared memory one program may use (opt-in maximum); sm_90's under the interpreter."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return getattr(props, "shared_memory_per_block_optin", 0) or 227 * 1024
+    return 227 * 1024
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs would default to TF32 on tensor cores; keep them exact like the reference.
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -262,3 +262,17 @@ def test_no_host_sync_and_opcheck_cuda(flash_weights, batch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.library.opcheck(torch.ops.v4.moe_experts.default, (x, ids, weights, w1, w2, w3, LIMIT))
+
+
+@pytest.mark.parametrize("shared_memory_kib", [227, 163, 99])
+def test_gate_up_tiles_fit_the_shared_memory_they_are_planned_for(shared_memory_kib):
+    """Wide gate/up tiles (two programs per SM) only where their pipeline fits one program's
+    shared memory; the down tiles do not depend on it."""
+    smem = shared_memory_kib * 1024
+    for batch in (1, 16, 64):
+        tiles = moe_triton.choose_tiles(batch * 6, 16, 4096, 2048, 2, 132, smem)
+        narrow = moe_triton.choose_tiles(batch * 6, 16, 4096, 2048, 2, 132, 99 * 1024)
+        stage = (tiles.block_m + 2 * tiles.up_block_n) * tiles.up_block_k * 2
+        assert tiles.num_stages * stage <= smem, (shared_memory_kib, batch, tiles)
+        assert (tiles.down_block_n, tiles.down_block_k) == (narrow.down_block_n, narrow.down_block_k)
+        assert (tiles.up_block_n > narrow.up_block_n) == (shared_memory_kib == 227), (shared_memory_kib, batch, tiles)
