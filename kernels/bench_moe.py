@@ -15,6 +15,7 @@ from triton.runtime.errors import OutOfResources
 from kernels.benchutil import graph_time_us, markdown_table, median_time_us
 from kernels.moe import moe_experts, swiglu
 from kernels.moe_triton import MoeTiles, choose_tiles, moe_experts_triton
+from kernels.triton_util import shared_memory_per_block
 
 DIM, INTER, EXPERTS, PICKS, LIMIT = 4096, 2048, 16, 6, 10.0
 BATCHES = (1, 16, 32, 64)
@@ -121,7 +122,7 @@ def run(copy_gbs: float) -> str:
             met = "meets" if replay <= DENSE_TARGET * dense else "MISSES"
             verdicts.append(f"B=1: {replay / dense:.2f} of the dense time (target <= {DENSE_TARGET}: {met})")
 
-        chosen = choose_tiles(batch * PICKS, EXPERTS, DIM, INTER, 2, num_sms)
+        chosen = choose_tiles(batch * PICKS, EXPERTS, DIM, INTER, 2, num_sms, shared_memory_per_block(torch.device("cuda")))
         for name, tiles in tile_variants(chosen):
             def tiled(*args, tiles=tiles):
                 return moe_experts_triton(*args, tiles=tiles)
