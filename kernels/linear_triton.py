@@ -11,8 +11,9 @@ bytes in flight per program to run near copy bandwidth without splitting K.
 The tile sizes come from a short autotune keyed by (row tile, N, K): it runs when a shape is
 first seen, which under `compile_decode` is warm-up, before any graph capture. Its choices are
 kept in Triton's on-disk cache, so a later process (a warm start) loads them instead of timing
-the configurations again, provided it compiles with the same toolchain (the cache key includes
-the ptxas version; `compile_decode` pins it, see fuse/runner.py). Under the
+the configurations again, provided it compiles with the same toolchain: the cache key includes
+the ptxas version, which Inductor switches to torch's own the first time it compiles a kernel in
+the process, so a caller that also uses Inductor should make that switch before the first call. Under the
 interpreter (TRITON_INTERPRET=1, tests on a CPU) one fixed configuration runs instead.
 """
 from __future__ import annotations
