@@ -15,7 +15,10 @@ uses fp32 scores in both (exact products of the inputs, only the summation order
 it gets 1e-4 (2e-3 on the GPU, where the tensor cores sum 512 products in their own order).
 A wrong mask, sink or split merge moves values by O(0.1) or more.
 """
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -565,3 +568,29 @@ def test_gpu_fused_combine_in_cuda_graph(batch, topk, preallocated):
         assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
         if preallocated:
             assert_counters_reset(workspace, batch, heads)
+
+
+def test_offline_resource_usage_of_two_tiles():
+    """kernels.resource_usage compiles for sm_90 without a GPU and reads the cubin: the 64-head
+    tile runs on Hopper's warpgroup MMA and needs more shared memory than the 16-head one, which
+    uses warp-level MMA. (A fresh process: this module runs Triton's interpreter, which cannot
+    compile.)"""
+    from kernels.resource_usage import _cuobjdump
+
+    if not os.path.exists(_cuobjdump()):
+        pytest.skip("this Triton ships no cuobjdump")
+    code = (
+        "import dataclasses, json\n"
+        "from kernels import sparse_mla_triton as smt\n"
+        "from kernels.resource_usage import head_batched_usage\n"
+        "tiles = [smt.TileConfig(16, 32, 4, 2), smt.head_batched_tiles(64)]\n"
+        "print(json.dumps([dataclasses.asdict(head_batched_usage(t)) for t in tiles]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    small, big = json.loads(done.stdout.strip().splitlines()[-1])
+    for usage in (small, big):
+        assert 0 < usage["registers"] <= 255 and usage["spill_bytes"] >= 0
+    assert small["mma_sync"] > 0 and small["wgmma"] == 0
+    assert big["wgmma"] > 0 and big["shared_bytes"] > small["shared_bytes"]

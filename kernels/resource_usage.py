@@ -1,0 +1,101 @@
+"""Registers, spilled bytes and shared memory of the sparse-MLA head-batched kernel per tile
+shape, from an offline compile (no GPU needed):
+
+    python -m kernels.resource_usage [--arch 90]
+
+A tile's cost is not only its shared memory: when a program's accumulator, Q tile, scores and
+gather addresses need more than 255 registers per thread, the compiler spills to local memory
+and the inner loop pays round trips through L1 for them. Triton compiles for the given
+architecture on any machine; the cubin's resource usage comes from the cuobjdump that ships
+with Triton's NVIDIA backend.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import sparse_mla_triton as smt
+
+# The argument types of _head_batched_kernel at the model's dtypes (bf16 activations and cache).
+_POINTERS = {
+    "q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+    "lse_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32",
+}
+_FLOATS = {"scale_log2": "fp32"}
+
+
+@dataclass(frozen=True)
+class Usage:
+    registers: int
+    spill_bytes: int  # per thread, the stack that holds spilled registers
+    shared_bytes: int
+    wgmma: int  # warpgroup MMA instructions in the PTX (Hopper tensor cores)
+    mma_sync: int  # warp-level MMA instructions
+
+
+def _cuobjdump() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def head_batched_usage(tiles: smt.TileConfig, head_dim: int = 512, split: bool = False, arch: int = 90) -> Usage:
+    """Compile the head-batched kernel at these tiles for sm_`arch` and read its resource usage."""
+    fn = smt._head_batched_kernel
+    constants = dict(
+        BLOCK_H=tiles.block_h, BLOCK_K=tiles.block_k, BLOCK_D=smt._block_d(head_dim), DV_SPLIT=tiles.dv_split,
+        FLAT_ROWS=True, SPLIT=split, DOT_PRECISION="tf32", FUSED_COMBINE=False, BLOCK_DC=1,
+        SPLITS_PER_STEP=smt.COMBINE_SPLITS_PER_STEP,
+        D=head_dim, stride_qd=1, stride_d=1,  # contiguous head dim, as the runtime specialises it
+    )
+    signature = {
+        name: "constexpr" if name in constants else _POINTERS.get(name) or _FLOATS.get(name) or "i32"
+        for name in fn.arg_names
+    }
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constants),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages},
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        report = subprocess.run([_cuobjdump(), "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", report)
+    if found is None:
+        raise RuntimeError(f"no resource usage in cuobjdump's report:\n{report}")
+    ptx = compiled.asm["ptx"]
+    return Usage(
+        registers=int(found.group(1)), spill_bytes=int(found.group(2)), shared_bytes=compiled.metadata.shared,
+        wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from kernels.bench_sparse_mla import TILE_SWEEP, tile_name
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
+    args = parser.parse_args(argv)
+    default = smt.head_batched_tiles(64)
+    print(f"sparse MLA head-batched kernel, H=64 blocks, D=512, bf16, sm_{args.arch}, triton {triton.__version__}\n")
+    print("| tiles | registers | spilled bytes per thread | shared KiB | wgmma | mma.sync |")
+    print("|---|---|---|---|---|---|")
+    for tiles in dict.fromkeys((default,) + TILE_SWEEP):
+        usage = head_batched_usage(tiles, arch=args.arch)
+        label = tile_name(tiles) + (" (default, full occupancy)" if tiles == default else "")
+        print(
+            f"| {label} | {usage.registers} | {usage.spill_bytes} | {usage.shared_bytes / 1024:.1f} | "
+            f"{usage.wgmma} | {usage.mma_sync} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
