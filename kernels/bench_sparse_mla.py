@@ -35,9 +35,15 @@ TOPKS = (640, 2048)
 SHORT_TOPKS, SHORT_BATCHES = (128, 160), (1, 2, 4)
 MAX_SETS = 256
 TILE_SWEEP = (
-    smt.TileConfig(64, 32, 4, 3, dv_split=2),  # the default at full occupancy
+    smt.TileConfig(64, 32, 4, 3, dv_split=2),
     smt.TileConfig(64, 32, 4, 1, dv_split=2),  # no software pipelining, but two programs fit per SM
-    smt.TileConfig(64, 64, 4, 2, dv_split=2),
+    smt.TileConfig(64, 64, 4, 2, dv_split=2),  # the default at full occupancy
+    # Two warpgroups per 64-head program: whole rows without the DV split's second gather, or
+    # with it and no spills (kernels.resource_usage); and a deep pipeline of small tiles.
+    smt.TileConfig(64, 64, 8, 2),
+    smt.TileConfig(64, 64, 8, 2, dv_split=2),
+    smt.TileConfig(64, 32, 8, 3),
+    smt.TileConfig(64, 16, 4, 6, dv_split=2),
     smt.TileConfig(64, 16, 4, 2, dv_split=2),
     smt.TileConfig(64, 32, 8, 2),  # one program per head block: Q K^T is duplicated across its two warpgroups
     smt.TileConfig(64, 16, 8, 2),
