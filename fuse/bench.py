@@ -8,6 +8,8 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
                    symbolic batch size, one CUDA graph per bucket);
   fuse-static      `fuse.compile_decode(dynamic_batch=False)`: one compile per bucket (not run by
                    default; for the compile-time / step-time trade-off).
+  fuse-pdl         `fuse.compile_decode(pdl=True)`: fuse with programmatic dependent launch of
+                   Inductor's kernels (Hopper and later; not run by default).
 Caches are filled with random rows as if every sequence were `context` tokens in (decode cost
 depends on the positions, not on the values). The floor is the bytes a step must read (weights
 it touches, attended KV rows, the indexer cache) over a copy bandwidth measured in the same run.
@@ -35,7 +37,9 @@ from fuse.report import relative_error, restore_point
 from fuse.runner import _dynamo_totals, compile_decode
 from model import Decoder, ModelConfig
 
-VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static")
+VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-pdl")
+# Variants that compile the same blocks: Dynamo would share their cache entries in one process.
+COMPILE_DECODE_VARIANTS = ("fuse", "fuse-static", "fuse-pdl")
 DEFAULT_VARIANTS = VARIANTS[:4]
 START_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -59,8 +63,11 @@ class BenchSettings:
         unknown = sorted(set(self.variants) - set(VARIANTS))
         if unknown:
             raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
-        if {"fuse", "fuse-static"} <= set(self.variants):
-            raise ValueError("fuse and fuse-static would share Dynamo's cache of the same blocks; run them in separate invocations")
+        compiled = [v for v in self.variants if v in COMPILE_DECODE_VARIANTS]
+        if len(compiled) > 1:
+            raise ValueError(
+                f"{' and '.join(compiled)} would share Dynamo's cache of the same blocks; run them in separate invocations"
+            )
         if not self.batches or min(self.batches) < 1 or not self.contexts or min(self.contexts) < 1:
             raise ValueError(f"batches and contexts must be positive, got {self.batches} and {self.contexts}")
 
@@ -164,9 +171,10 @@ def build_variant(name: str, decoder: Decoder, batches: tuple[int, ...], warm_in
     with counting_graph_captures() as counter:
         if name == "eager":
             run = decoder.step
-        elif name in ("eager-graphs", "fuse", "fuse-static"):
+        elif name in ("eager-graphs",) + COMPILE_DECODE_VARIANTS:
             runner = compile_decode(
-                decoder, buckets=batches, compile=name != "eager-graphs", dynamic_batch=name == "fuse", progress=False
+                decoder, buckets=batches, compile=name != "eager-graphs", dynamic_batch=name != "fuse-static",
+                pdl=name == "fuse-pdl", progress=False,
             )
             run = runner.run_checked
             note = runner.describe().replace("\n", "; ")
@@ -286,7 +294,7 @@ def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = STAR
 def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> dict:
     if settings.device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("fuse bench --device cuda: no CUDA device here")
-    cuda_only = {"eager-graphs", "reduce-overhead"}
+    cuda_only = {"eager-graphs", "reduce-overhead", "fuse-pdl"}
     if not settings.device.startswith("cuda") and cuda_only & set(settings.variants):
         settings = dataclasses.replace(settings, variants=tuple(v for v in settings.variants if v not in cuda_only))
         log(f"on {settings.device}: no CUDA graphs, running {list(settings.variants)} only")
@@ -310,9 +318,9 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
 
     warm = lambda batch: step_inputs(batch, min(settings.contexts), cfg.vocab_size, decoder.device, settings.seed)
     variants: dict[str, Variant] = {}
-    # fuse first: nothing compiled in this process yet, so its start time is as cold as the
-    # process's compile cache (new processes with an empty one: --start-times).
-    for name in sorted(settings.variants, key=lambda v: (v != "fuse", VARIANTS.index(v))):
+    # compile_decode first: nothing compiled in this process yet, so its start time is as cold as
+    # the process's compile cache (new processes with an empty one: --start-times).
+    for name in sorted(settings.variants, key=lambda v: (v not in COMPILE_DECODE_VARIANTS, VARIANTS.index(v))):
         log(f"building {name} ...")
         variants[name] = build_variant(name, decoder, batches, warm)
         v = variants[name]
@@ -403,10 +411,12 @@ def ratio(row: dict, a: str, b: str) -> str:
 def to_markdown(result: dict) -> str:
     s = result["settings"]
     names = [v for v in VARIANTS if v in result["variants"]]
+    ours = next((v for v in names if v in COMPILE_DECODE_VARIANTS), "fuse")  # the compile_decode variant run
     command = (
         f"python -m fuse bench --preset {s['preset']}" + (f" --layers {s['layers']}" if s["layers"] else "")
         + f" --contexts {','.join(map(str, s['contexts']))} --batches {','.join(map(str, s['batches']))}"
         + (f" --fp32-products {s['fp32_products']}" if s["fp32_products"] != "exact" else "")
+        + (f" --variants {','.join(s['variants'])}" if tuple(s["variants"]) != DEFAULT_VARIANTS else "")
     )
     lines = [
         f"# Decode step benchmark: {s['preset']} preset, {result['layers']} layers",
@@ -416,14 +426,15 @@ def to_markdown(result: dict) -> str:
         f"Step time = median wall time of one synchronised step ({s['steps']} samples, {s['eager_steps']} for eager, "
         f"in {s['repeats']} interleaved rounds). Floor = bytes the step must read / copy bandwidth.",
         "",
-        "| context | batch | " + " | ".join(f"{n} ms" for n in names) + " | floor ms | fuse vs eager-graphs | fuse vs reduce-overhead | fuse / floor | fuse tokens/s |",
+        "| context | batch | " + " | ".join(f"{n} ms" for n in names)
+        + f" | floor ms | {ours} vs eager-graphs | {ours} vs reduce-overhead | {ours} / floor | {ours} tokens/s |",
         "|---|---|" + "---|" * (len(names) + 5),
     ]
     for row in result["rows"]:
         cells = [str(row["context"]), str(row["batch"])] + [f"{row[n]['ms']:.2f}" for n in names]
-        cells += [f"{row['floor_ms']:.2f}", ratio(row, "fuse", "eager-graphs"), ratio(row, "fuse", "reduce-overhead")]
-        cells += [f"{row['fuse']['ms'] / row['floor_ms']:.2f}x" if "fuse" in row else "-"]
-        cells += [f"{row['fuse']['tokens_per_s']:.0f}" if "fuse" in row else "-"]
+        cells += [f"{row['floor_ms']:.2f}", ratio(row, ours, "eager-graphs"), ratio(row, ours, "reduce-overhead")]
+        cells += [f"{row[ours]['ms'] / row['floor_ms']:.2f}x" if ours in row else "-"]
+        cells += [f"{row[ours]['tokens_per_s']:.0f}" if ours in row else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Start-up, for the batch sizes above", "",
               "| variant | start s | compiles | graph captures | GiB held by graphs | note |", "|---|---|---|---|---|---|"]

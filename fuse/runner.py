@@ -51,6 +51,10 @@ class CompileOptions:
     # in) saves a kernel but took 23-32 us per call on the H200, against 7 us for the fp32 GEMM
     # plus 3 us for the rotary kernel before it.
     skinny_product_columns: int = 64
+    # Programmatic dependent launch for Inductor's kernels (Hopper and later): inside the captured
+    # graph each kernel is launched while the one before it finishes and waits on the device for
+    # its results, hiding the launch gap between the step's many short kernels.
+    pdl: bool = False
     mode: str | None = None  # Inductor mode, e.g. "max-autotune-no-cudagraphs"
     inductor_options: Mapping[str, object] | None = None  # Inductor config patches, applied last
     cache_dir: str | None = None  # persistent Inductor/Triton caches: a second start is fast
@@ -61,6 +65,8 @@ class CompileOptions:
         if not self.buckets or any(int(b) < 1 for b in self.buckets):
             raise ValueError(f"buckets must be positive batch sizes, got {self.buckets}")
         object.__setattr__(self, "buckets", tuple(sorted({int(b) for b in self.buckets})))
+        if self.pdl and not self.compile:
+            raise ValueError("pdl=True launches Inductor's kernels; with compile=False there are none")
         if self.mode and "reduce-overhead" in self.mode:
             raise ValueError("mode 'reduce-overhead' turns on PyTorch's cudagraph trees; compile_decode captures its own graphs")
 
@@ -77,6 +83,8 @@ def compile_backend(options: CompileOptions, device: torch.device) -> Callable:
     if device.type == "cpu":
         # Names the C++ kernels in profiler traces (fuse.count_launches); costs nothing unprofiled.
         config["cpp.enable_kernel_profile"] = True
+    if options.pdl:
+        config["triton.enable_pdl"] = True
     config.update(options.inductor_options or {})
     if "post_grad_custom_pre_pass" in config:
         raise ValueError(
@@ -90,6 +98,19 @@ def compile_backend(options: CompileOptions, device: torch.device) -> Callable:
 
     backend.config_patches = config  # for reading: what the step compiles with
     return backend
+
+
+def check_pdl_support(device: torch.device) -> None:
+    """Raise ValueError unless Inductor can launch this device's kernels with programmatic
+    dependent launch: a CUDA GPU of compute capability 9.0 or later and a torch whose Inductor has
+    the switch (`triton.enable_pdl`)."""
+    if device.type != "cuda":
+        raise ValueError(f"pdl=True needs a CUDA device (Hopper or later); the decoder is on {device}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        raise ValueError(f"pdl=True needs compute capability 9.0 or later; {device} has {major}.{minor}")
+    if not hasattr(torch._inductor.config.triton, "enable_pdl"):
+        raise ValueError(f"pdl=True needs Inductor's triton.enable_pdl, which torch {torch.__version__} lacks")
 
 
 def pin_triton_toolchain() -> None:
@@ -210,6 +231,8 @@ class DecodeRunner:
 
     # -- building -------------------------------------------------------------------------------
     def _make_step(self) -> Callable:
+        if self.options.pdl:
+            check_pdl_support(self.device)
         if not self.options.compile:
             return self.decoder.step
         if self.device.type == "cuda":

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fuse
+from fuse.report import restore_point
 from model import Decoder, ModelConfig
 
 MAX_BATCH = 4
@@ -167,6 +168,28 @@ def test_options_are_checked():
         fuse.CompileOptions(mode="reduce-overhead")
     with pytest.raises(ValueError, match="positive"):
         fuse.CompileOptions(buckets=(0, 2))
+    with pytest.raises(ValueError, match="pdl=True launches Inductor's kernels"):
+        fuse.CompileOptions(pdl=True, compile=False)
+
+
+def test_pdl_reaches_inductor_and_is_refused_off_hopper(pair):
+    """pdl=True turns on Inductor's programmatic dependent launch; where it cannot work (here: a
+    CPU decoder) compile_decode refuses before compiling anything, and the decoder still runs."""
+    from fuse.runner import compile_backend
+
+    cuda = torch.device("cuda")
+    assert compile_backend(fuse.CompileOptions(pdl=True), cuda).config_patches["triton.enable_pdl"] is True
+    assert "triton.enable_pdl" not in compile_backend(fuse.CompileOptions(), cuda).config_patches
+    eager, _ = pair
+    compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    inputs = eager.check_inputs(torch.tensor([3]), torch.tensor([5]), torch.tensor([1]))
+    restore = restore_point(eager)
+    before = eager.step(*inputs)
+    restore()
+    with pytest.raises(ValueError, match="pdl=True needs a CUDA device"):
+        fuse.compile_decode(eager, buckets=(1,), pdl=True, progress=False)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
+    assert torch.equal(eager.step(*inputs), before)
 
 
 class CaptureFails(fuse.DecodeRunner):

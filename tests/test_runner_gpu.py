@@ -134,17 +134,21 @@ def _custom_kernel_cache_files(triton_cache: str) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("qat, regional", [(False, True), (True, False)])
-def test_tiny_fp32_graphs_match_eager_exactly(qat, regional):
+@pytest.mark.parametrize("qat, regional, pdl", [(False, True, False), (True, False, False), (False, True, True)])
+def test_tiny_fp32_graphs_match_eager_exactly(qat, regional, pdl):
     """The captured graphs compute the eager function: fp32, tiny preset, mixed padded batches;
-    with the fp8/fp4 rounding (compiled in its row-wise form on CUDA) in a whole-step graph too.
-    A rounding flip moves a value by one fp8 step, so QAT gets a looser bound; a wrong form
-    (scales of the wrong block, a lost rope tail) moves the logits by tens of percent."""
+    with the fp8/fp4 rounding (compiled in its row-wise form on CUDA) in a whole-step graph too,
+    and with Inductor's kernels launched as programmatic dependents (a kernel that read before
+    waiting for the one before it would read stale values). A rounding flip moves a value by one
+    fp8 step, so QAT gets a looser bound; a wrong form (scales of the wrong block, a lost rope
+    tail) moves the logits by tens of percent."""
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
     cfg = ModelConfig.preset("tiny").replace(qat=qat)
     eager = Decoder(cfg, max_batch=4, max_seq_len=64, dtype=torch.float32, device="cuda").init_random(seed=5)
     compiled = Decoder(cfg, max_batch=4, max_seq_len=64, dtype=torch.float32, device="cuda")
     compiled.load_state_dict(eager.state_dict())
-    runner = fuse.compile_decode(compiled, buckets=(1, 4), progress=False, regional=regional)
+    runner = fuse.compile_decode(compiled, buckets=(1, 4), progress=False, regional=regional, pdl=pdl)
     assert sorted(runner.stats.captured) == [1, 4], runner.stats.fallbacks
     rng = random.Random(1)
     next_position = [0] * 4
@@ -157,5 +161,5 @@ def test_tiny_fp32_graphs_match_eager_exactly(qat, regional):
         worst = max(worst, relative_error(runner(tokens, positions, torch.tensor(slots)), expected))
         for s in slots:
             next_position[s] += 1
-    print(f"\ntiny fp32 compiled graphs vs eager (qat={qat}, regional={regional}): worst relative error {worst:.2e}")
+    print(f"\ntiny fp32 compiled graphs vs eager (qat={qat}, regional={regional}, pdl={pdl}): worst relative error {worst:.2e}")
     assert worst <= (1e-2 if qat else 1e-4)
