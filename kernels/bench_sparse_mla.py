@@ -134,6 +134,11 @@ VARIANTS = {
     "default": smt.sparse_mla_decode_triton,
 }
 FUSED = "split_k_fused"  # not in VARIANTS: the default cannot pick it, so it stays out of 'best other'
+PDL = "split_k_pdl"  # split-K with the combine as a programmatic dependent (Hopper+); opt-in as well
+
+
+def split_k_pdl(*args):
+    return smt.sparse_mla_decode_split_k(*args, pdl=True)
 
 
 class FusedCombine:
@@ -175,11 +180,14 @@ def checked_time_us(name: str, fn, case: Case) -> float:
 
 def run_main_table(copy_gbs: float, l2_bytes: int, num_sms: int):
     rows, results = [], {}
+    pdl_supported = torch.cuda.get_device_capability()[0] >= 9
     for topk in TOPKS:
         for batch in BATCHES:
             case = Case(batch, topk, l2_bytes, seed=batch * 10 + topk)
             times = {name: checked_time_us(name, fn, case) for name, fn in VARIANTS.items()}
             times[FUSED] = checked_time_us(FUSED, FusedCombine(case), case)
+            if pdl_supported:
+                times[PDL] = checked_time_us(PDL, split_k_pdl, case)
             tiles = smt.choose_tiles(batch, HEADS, topk, num_sms)
             splits = smt.choose_num_splits(batch, HEADS, topk, num_sms)
             gbs = case.bytes_per_call / (times["default"] * 1e-6) / 1e9
@@ -194,13 +202,14 @@ def run_main_table(copy_gbs: float, l2_bytes: int, num_sms: int):
                 f"{times['head_batched'] / times['split_k']:.2f}x",
                 f"{best_other / times['default']:.2f}",
                 f"{times['default'] / times[FUSED]:.2f}x",
+                f"{times[PDL]:.1f} ({times['split_k'] / times[PDL]:.2f}x)" if PDL in times else "n/a",
             ])
             print(f"sparse_mla B={batch} K={topk}: " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()), flush=True)
             del case
     header = [
         "B", "K", "SIMT us", "head-batched us", "split-K us", "default us", "split-K fused us",
         "default plan (tiles, splits)", "default GB/s", "% of copy", "HB vs SIMT", "split-K vs HB",
-        "best other / default", "default / fused",
+        "best other / default", "default / fused", "split-K PDL us (vs split-K)",
     ]
     return markdown_table(header, rows), results
 
@@ -353,7 +362,9 @@ def run(copy_gbs: float) -> str:
         "split program of each block (one launch; opt-in, the default never uses it). Tiles: heads x rows per "
         "program, warps, pipeline stages, dv2 = output columns split in two programs. 'best other / default' "
         "< 0.91 means the default is over 10% slower than some variant it could have picked (the fused one "
-        "excluded); 'default / fused' > 1 means the fused variant is faster than the default.",
+        "excluded); 'default / fused' > 1 means the fused variant is faster than the default. Split-K PDL = "
+        "split-K with its combine launched as a programmatic dependent of the split kernel (opt-in, Hopper "
+        "and later), against plain split-K at the same tiles and split count.",
         table,
         "### Acceptance",
         acceptance(results),

@@ -23,6 +23,7 @@ combine when one split suffices. Softmax runs in base 2: scores carry scale * lo
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -226,6 +227,7 @@ def _head_batched_kernel(
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DV_SPLIT: tl.constexpr,
     FLAT_ROWS: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, BLOCK_DC: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
     """Program (head block x column part, split, sequence).
 
@@ -237,6 +239,9 @@ def _head_batched_kernel(
     (with SPLIT): every column part writes its own LSE (its Q K^T sums in its own order), and the
     last split program of the block merges the splits (_combine_if_last)."""
     BLOCK_DV: tl.constexpr = BLOCK_D // DV_SPLIT
+    if LAUNCH_DEPENDENTS:
+        # Let the combine launch now: its programs wait on the device until this grid is done.
+        tl.extra.cuda.gdc_launch_dependents()
     hb = tl.program_id(0) // DV_SPLIT
     part = tl.program_id(0) % DV_SPLIT
     split = tl.program_id(1)
@@ -310,19 +315,23 @@ def _combine_kernel(
     part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr,
     H, D, num_splits,
     stride_sink, stride_ob, stride_oh, stride_lb,
-    BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, WAIT_FOR_SPLITS: tl.constexpr = False,
 ):
     """Program (column chunk, head, sequence): merge the splits' partial outputs with weights
     exp2(lse_s - M) and add the sink to the denominator. Empty splits have lse_s = -inf and
-    weight 0; M includes the (finite) sink, so the weights never become NaN."""
+    weight 0; M includes the (finite) sink, so the weights never become NaN.
+    WAIT_FOR_SPLITS: launched as a programmatic dependent of the split kernel, so it waits on the
+    device for that grid (and its writes) before it reads a partial."""
     dc = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < num_splits
     row = (b * num_splits + offs_s) * H + h
-    lse_s = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
     sink2 = tl.load(sink_ptr + h * stride_sink).to(tl.float32) * LOG2E_C
+    if WAIT_FOR_SPLITS:
+        tl.extra.cuda.gdc_wait()
+    lse_s = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
     m_all = tl.maximum(tl.max(lse_s, axis=0), sink2)
     w = tl.exp2(lse_s - m_all)
     denom = tl.sum(w, axis=0) + tl.exp2(sink2 - m_all)
@@ -566,9 +575,11 @@ def _fused_combine_columns(tiles: TileConfig, head_dim: int) -> int:
 
 
 def _launch_head_batched(
-    q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse, counters=None
+    q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse, counters=None,
+    launch_dependents=False,
 ):
-    """counters (int32) given: split-K with the combine fused into the split programs."""
+    """counters (int32) given: split-K with the combine fused into the split programs.
+    launch_dependents: the next kernel (the combine, launched with PDL) may start early."""
     batch, heads, head_dim = q.shape
     rows_per_slot, *kv_strides = _kv_strides(kv_cache)
     grid = (triton.cdiv(heads, tiles.block_h) * tiles.dv_split, num_splits, batch)
@@ -583,6 +594,7 @@ def _launch_head_batched(
         FLAT_ROWS=_flat_rows(kv_cache), SPLIT=part_out is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FUSED_COMBINE=fused,
         BLOCK_DC=_fused_combine_columns(tiles, head_dim) if fused else 1, SPLITS_PER_STEP=COMBINE_SPLITS_PER_STEP,
+        LAUNCH_DEPENDENTS=launch_dependents,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
@@ -652,9 +664,14 @@ def sparse_mla_decode_split_k(
     workspace=None,
     tiles: TileConfig | None = None,
     fused_combine: bool = False,
+    pdl: bool = False,
 ):
     """Split-K path: partial outputs per split into fp32 scratch, then the LSE combine, always
     (even with one split). num_splits defaults to choose_num_splits. Returns (out, lse).
+
+    pdl=True (Hopper and later): the combine is launched as a programmatic dependent of the split
+    kernel, so its launch overlaps the splits' work and it waits on the device for their partials
+    (also inside a CUDA graph). No effect under the interpreter, which has no grids to overlap.
 
     fused_combine=True: one launch, the last split program of each block does the combine. Its
     workspace (sparse_mla_workspace(..., fused_combine=True), or one allocated per call when None)
@@ -680,14 +697,19 @@ def sparse_mla_decode_split_k(
         )
         return out, lse
     part_out, part_lse = _split_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
-    _launch_head_batched(q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse)
+    pdl = pdl and os.environ.get("TRITON_INTERPRET") != "1"
+    _launch_head_batched(
+        q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse,
+        launch_dependents=pdl,
+    )
     block_s = triton.next_power_of_2(num_splits)
     block_dc = max(16, min(_block_d(head_dim), 4096 // block_s))
     _combine_kernel[(triton.cdiv(head_dim, block_dc), heads, batch)](
         part_out, part_lse, sink, out, lse,
         heads, head_dim, num_splits,
         sink.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        BLOCK_S=block_s, BLOCK_DC=block_dc, num_warps=4,
+        BLOCK_S=block_s, BLOCK_DC=block_dc, WAIT_FOR_SPLITS=pdl, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out, lse
 

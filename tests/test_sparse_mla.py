@@ -570,6 +570,35 @@ def test_gpu_fused_combine_in_cuda_graph(batch, topk, preallocated):
             assert_counters_reset(workspace, batch, heads)
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch,topk", [(1, 640), (2, 2048), (8, 640), (16, 2048)])
+def test_gpu_split_k_with_pdl_in_cuda_graph(batch, topk):
+    """The combine launched as a programmatic dependent of the split kernel (which lets it start
+    early) must still read every partial after it landed: eagerly, ten calls repeat the first bit
+    for bit and match the reference; captured in a graph and replayed on new inputs, too."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    heads, dim, scale = 64, 512, 512**-0.5
+    kv_cache = make_gpu_cache(batch + 1, seed=topk)
+    q, indices, sink = make_gpu_query(batch, topk, seed=batch)
+    workspace = sparse_mla_workspace(batch, heads, dim, topk, "cuda", torch.bfloat16)
+    call = lambda: smt.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, workspace=workspace, pdl=True)  # noqa: E731
+    out, lse = call()
+    assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
+    for _ in range(10):
+        again, lse_again = call()
+        assert torch.equal(again, out) and torch.equal(lse_again, lse)
+    graph, (out, lse) = capture(call)
+    for round_ in range(3):
+        kv_cache.copy_(make_gpu_cache(batch + 1, seed=round_ + 1))
+        for static, fresh in zip((q, indices, sink), make_gpu_query(batch, topk, seed=1000 * (round_ + 1) + batch)):
+            static.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
+
+
 def test_offline_resource_usage_of_two_tiles():
     """kernels.resource_usage compiles for sm_90 without a GPU and reads the cubin: the 64-head
     tile runs on Hopper's warpgroup MMA and needs more shared memory than the 16-head one, which
