@@ -685,6 +685,10 @@ def sparse_mla_decode_split_k(
         num_splits = choose_num_splits(batch, heads, topk, num_sms, head_dim, q.element_size(), tiles)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"sparse_mla_decode: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    if pdl and fused_combine:
+        raise ValueError("sparse_mla_decode: pdl=True launches the separate combine; fused_combine=True has none")
+    if pdl and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
+        raise ValueError(f"sparse_mla_decode: pdl=True needs compute capability 9.0 or later, {q.device} has less")
     out, lse = _new_outputs(q)
     if batch == 0:
         return out, lse

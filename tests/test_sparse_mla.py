@@ -382,6 +382,8 @@ def test_bad_input_raises_value_error():
         smt.sparse_mla_decode_simt(q.double(), kv_cache.double(), indices, sink, scale)
     with pytest.raises(ValueError, match="num_splits"):
         smt.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, num_splits=0)
+    with pytest.raises(ValueError, match="fused_combine=True has none"):
+        smt.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, fused_combine=True, pdl=True)
 
 
 # ---------------------------------------------------------------------------------------------
