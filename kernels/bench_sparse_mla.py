@@ -346,33 +346,50 @@ def run_fused_sweep(l2_bytes: int, num_sms: int) -> str:
     return markdown_table(header, rows)
 
 
-def run(copy_gbs: float) -> str:
+PARTS = ("main", "split", "tiles", "fused")  # the main table with its acceptance, then the three sweeps
+
+
+def run(copy_gbs: float, parts: tuple[str, ...] = PARTS) -> str:
+    """The section's markdown; `parts` picks tables (all of them take ~10 minutes on an H200)."""
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise ValueError(f"unknown parts {unknown}; choose from {list(PARTS)}")
     props = torch.cuda.get_device_properties(0)
     l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
     num_sms = props.multi_processor_count
-    table, results = run_main_table(copy_gbs, l2_bytes, num_sms)
-    parts = [
-        "## Sparse MLA decode",
-        f"H={HEADS}, D={DIM}, bf16; cache slots of {WINDOW}+{COMPRESSED} rows; 10% of indices -1. Times are device "
-        "time per call (CUDA graph over rotating inputs > 4x L2). Effective GB/s = (distinct valid KV rows + q + out) "
-        "bytes / time. Variants: SIMT = one program per (sequence, head); head-batched = blocks of 64 heads (two "
-        "programs per block, one per half of the output columns), no split; split-K = default tiles and split "
-        "count, always with the combine; default = the op's CUDA path (head-batched alone when the plan has one "
-        "split); split-K fused = split-K at the default tiles and split count with the combine done by the last "
-        "split program of each block (one launch; opt-in, the default never uses it). Tiles: heads x rows per "
-        "program, warps, pipeline stages, dv2 = output columns split in two programs. 'best other / default' "
-        "< 0.91 means the default is over 10% slower than some variant it could have picked (the fused one "
-        "excluded); 'default / fused' > 1 means the fused variant is faster than the default. Split-K PDL = "
-        "split-K with its combine launched as a programmatic dependent of the split kernel (opt-in, Hopper "
-        "and later), against plain split-K at the same tiles and split count.",
-        table,
-        "### Acceptance",
-        acceptance(results),
-        "### Split count sweep (default tiles; bold = the default's choice; S=1 runs without the combine)",
-        run_split_sweep(l2_bytes, num_sms),
-        "### Tile sweep (head-batched with one split, split-K with each tile's default split count)",
-        run_tile_sweep(l2_bytes, num_sms),
-        "### Split-K with fused combine: tiles x split counts at B=1, 2 (bold = the default split count)",
-        run_fused_sweep(l2_bytes, num_sms),
-    ]
-    return "\n\n".join(parts)
+    out = ["## Sparse MLA decode"]
+    if "main" in parts:
+        table, results = run_main_table(copy_gbs, l2_bytes, num_sms)
+        out += [
+            f"H={HEADS}, D={DIM}, bf16; cache slots of {WINDOW}+{COMPRESSED} rows; 10% of indices -1. Times are device "
+            "time per call (CUDA graph over rotating inputs > 4x L2). Effective GB/s = (distinct valid KV rows + q + out) "
+            "bytes / time. Variants: SIMT = one program per (sequence, head); head-batched = blocks of 64 heads (two "
+            "programs per block, one per half of the output columns), no split; split-K = default tiles and split "
+            "count, always with the combine; default = the op's CUDA path (head-batched alone when the plan has one "
+            "split); split-K fused = split-K at the default tiles and split count with the combine done by the last "
+            "split program of each block (one launch; opt-in, the default never uses it). Tiles: heads x rows per "
+            "program, warps, pipeline stages, dv2 = output columns split in two programs. 'best other / default' "
+            "< 0.91 means the default is over 10% slower than some variant it could have picked (the fused one "
+            "excluded); 'default / fused' > 1 means the fused variant is faster than the default. Split-K PDL = "
+            "split-K with its combine launched as a programmatic dependent of the split kernel (opt-in, Hopper "
+            "and later), against plain split-K at the same tiles and split count.",
+            table,
+            "### Acceptance",
+            acceptance(results),
+        ]
+    if "split" in parts:
+        out += [
+            "### Split count sweep (default tiles; bold = the default's choice; S=1 runs without the combine)",
+            run_split_sweep(l2_bytes, num_sms),
+        ]
+    if "tiles" in parts:
+        out += [
+            "### Tile sweep (head-batched with one split, split-K with each tile's default split count)",
+            run_tile_sweep(l2_bytes, num_sms),
+        ]
+    if "fused" in parts:
+        out += [
+            "### Split-K with fused combine: tiles x split counts at B=1, 2 (bold = the default split count)",
+            run_fused_sweep(l2_bytes, num_sms),
+        ]
+    return "\n\n".join(out)
