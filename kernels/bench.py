@@ -1,6 +1,7 @@
 """GPU benchmark of the decode kernels: checks each variant against its reference, then times it.
 
     python -m kernels.bench [--only sparse_mla,indexer,moe,linear] [--out docs/kernels.md]
+        [--sparse-mla-parts main,split,tiles,fused]
 
 Each section is a module `kernels.bench_<name>` with `run(copy_gbs) -> str` returning markdown."""
 from __future__ import annotations
