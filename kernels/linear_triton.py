@@ -13,12 +13,10 @@ first seen, which under `compile_decode` is warm-up, before any graph capture. I
 kept in Triton's on-disk cache, so a later process (a warm start) loads them instead of timing
 the configurations again, provided it compiles with the same toolchain: the cache key includes
 the ptxas version, which Inductor switches to torch's own the first time it compiles a kernel in
-the process, so a caller that also uses Inductor should make that switch before the first call. Under the
-interpreter (TRITON_INTERPRET=1, tests on a CPU) one fixed configuration runs instead.
+the process, so a caller that also uses Inductor should make that switch before the first call.
+Under the interpreter (TRITON_INTERPRET=1, tests on a CPU) one fixed configuration runs instead.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -26,7 +24,7 @@ import triton.language as tl
 import triton.testing
 
 from kernels.linear import MAX_ROWS
-from kernels.triton_util import dot_precision
+from kernels.triton_util import dot_precision, interpreting
 
 
 @triton.jit
@@ -98,7 +96,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return out
     args = (x, weight, out, rows, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1))
     meta = dict(BLOCK_M=row_tile(rows), PRECISION=dot_precision(x.dtype))
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         grid = (triton.cdiv(n, _INTERPRETER_CONFIG["BLOCK_N"]), groups)
         _linear_kernel[grid](*args, **meta, **_INTERPRETER_CONFIG)
     else:

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_util import dot_precision, num_sms, shared_memory_per_block
+from kernels.triton_util import SM90_SHARED_MEMORY_PER_BLOCK, dot_precision, num_sms, shared_memory_per_block
 
 # The interpreter has no SMs; a small count keeps its grids small.
 # Largest B*k routed by the single-program kernel (it holds every pair in registers).
@@ -100,7 +100,7 @@ def _deepest_k(rows: int, elem_bytes: int, k: int, stage_bytes: int) -> int:
 
 def choose_tiles(
     num_pairs: int, num_experts: int, dim: int, inter: int, elem_bytes: int, num_sms: int,
-    shared_memory: int = 227 * 1024,
+    shared_memory: int = SM90_SHARED_MEMORY_PER_BLOCK,
 ) -> MoeTiles:
     """Tiles from static shapes: block_m fits the expected pairs per expert (16..64), the N tiles
     are as wide as the SM count allows, the K tiles as deep as the per-stage budget allows.

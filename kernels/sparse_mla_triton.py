@@ -23,7 +23,6 @@ combine when one split suffices. Softmax runs in base 2: scores carry scale * lo
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_util import INTERPRETER_NUM_SMS  # noqa: F401  (re-exported for the tests)
+from kernels.triton_util import interpreting
 from kernels.triton_util import num_sms as device_sm_count
 
 from kernels.sparse_mla import check_sparse_mla_inputs
@@ -701,7 +701,7 @@ def sparse_mla_decode_split_k(
         )
         return out, lse
     part_out, part_lse = _split_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
-    pdl = pdl and os.environ.get("TRITON_INTERPRET") != "1"
+    pdl = pdl and not interpreting()
     _launch_head_batched(
         q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse,
         launch_dependents=pdl,

@@ -1,10 +1,19 @@
 """Launch facts shared by the Triton paths."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 # Under TRITON_INTERPRET=1 (tests on a CPU) there is no SM count; plans use this one instead.
 INTERPRETER_NUM_SMS = 8
+# sm_90's opt-in maximum per program: the plans' assumption where the device cannot say.
+SM90_SHARED_MEMORY_PER_BLOCK = 227 * 1024
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in its interpreter (TRITON_INTERPRET=1): no grids, no launch options."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def num_sms(device: torch.device) -> int:
@@ -17,8 +26,8 @@ def shared_memory_per_block(device: torch.device) -> int:
     """Bytes of shared memory one program may use (opt-in maximum); sm_90's under the interpreter."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return getattr(props, "shared_memory_per_block_optin", 0) or 227 * 1024
-    return 227 * 1024
+        return getattr(props, "shared_memory_per_block_optin", 0) or SM90_SHARED_MEMORY_PER_BLOCK
+    return SM90_SHARED_MEMORY_PER_BLOCK
 
 
 def dot_precision(dtype: torch.dtype) -> str:
