@@ -562,14 +562,20 @@ def test_gpu_fused_combine_in_cuda_graph(batch, topk, preallocated):
     )
     graph, (out, lse) = capture(lambda: fused_call(q, kv_cache, indices, sink, scale, workspace))
     for round_ in range(4):
-        kv_cache.copy_(make_gpu_cache(batch + 1, seed=round_ + 1))
-        for static, fresh in zip((q, indices, sink), make_gpu_query(batch, topk, seed=1000 * (round_ + 1) + batch)):
-            static.copy_(fresh)
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_on_fresh_inputs(graph, round_, kv_cache, q, indices, sink)
         assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
         if preallocated:
             assert_counters_reset(workspace, batch, heads)
+
+
+def replay_on_fresh_inputs(graph, round_, kv_cache, q, indices, sink):
+    """Rewrite the captured cache and query tensors with round `round_`'s fresh values, replay."""
+    batch, topk = indices.shape
+    kv_cache.copy_(make_gpu_cache(batch + 1, seed=round_ + 1))
+    for static, fresh in zip((q, indices, sink), make_gpu_query(batch, topk, seed=1000 * (round_ + 1) + batch)):
+        static.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
 
 
 @pytest.mark.gpu
@@ -593,11 +599,7 @@ def test_gpu_split_k_with_pdl_in_cuda_graph(batch, topk):
         assert torch.equal(again, out) and torch.equal(lse_again, lse)
     graph, (out, lse) = capture(call)
     for round_ in range(3):
-        kv_cache.copy_(make_gpu_cache(batch + 1, seed=round_ + 1))
-        for static, fresh in zip((q, indices, sink), make_gpu_query(batch, topk, seed=1000 * (round_ + 1) + batch)):
-            static.copy_(fresh)
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_on_fresh_inputs(graph, round_, kv_cache, q, indices, sink)
         assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
 
 
