@@ -152,7 +152,8 @@ def test_interpreter_active():
 @pytest.mark.parametrize("batch", [1, 3, 33])
 @pytest.mark.parametrize("iters", [1, 20])
 def test_triton_matches_fp64_and_reference(batch, hc, iters):
-    """B=33 at hc=4 spans three programs of 16 tokens with a masked tail."""
+    """B=33 spans two programs of the hc=4 kernel (32 tokens each) and nine of the general one at
+    hc=8 (4 tokens each), with a masked tail."""
     mixes, scale, base = random_inputs(batch, hc, seed=batch * 1000 + hc * 10 + iters)
     outputs = hc_split_sinkhorn(mixes, scale, base, hc, iters, V4_EPS, impl="triton")
     label = f"triton B={batch} hc={hc} iters={iters}"
