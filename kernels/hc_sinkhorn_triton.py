@@ -211,10 +211,15 @@ HC4_TOKENS_PER_PROGRAM = 32
 
 
 def hc_split_sinkhorn_triton(
-    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float
+    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float,
+    per_token: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [B, hc], post [B, hc], comb [B, hc, hc]), contiguous fp32, for hc a power of two up
-    to 8. Arguments as `hc_split_sinkhorn_reference` (fp32, any strides); one kernel launch."""
+    to 8. Arguments as `hc_split_sinkhorn_reference` (fp32, any strides); one kernel launch.
+    per_token: the hc=4 kernel with one token per thread (the default at hc=4) or, False, the
+    general one (kept at hc=4 for comparison)."""
+    if per_token and hc != 4:
+        raise ValueError(f"hc_split_sinkhorn (triton): the per-token kernel takes hc=4, got hc={hc}")
     if hc not in SUPPORTED_HC:
         raise ValueError(f"hc_split_sinkhorn (triton): hc must be one of {SUPPORTED_HC}, got {hc}")
     check_hc_inputs(mixes, scale, base, hc, iters)  # also when the op is called directly
@@ -224,7 +229,7 @@ def hc_split_sinkhorn_triton(
     comb = torch.empty((batch, hc, hc), dtype=torch.float32, device=mixes.device)
     if batch == 0:
         return pre, post, comb
-    if hc == 4:
+    if hc == 4 and per_token is not False:
         _hc4_split_sinkhorn_kernel[(triton.cdiv(batch, HC4_TOKENS_PER_PROGRAM),)](
             mixes, scale, base,
             pre, post, comb,

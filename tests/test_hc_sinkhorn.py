@@ -165,6 +165,20 @@ def test_triton_matches_fp64_and_reference(batch, hc, iters):
 
 
 @interpreter
+@pytest.mark.parametrize("batch", [1, 33])
+def test_both_kernels_at_hc4_match_fp64(batch):
+    """hc=4 has two kernels (one token per thread by default, the general one for comparison);
+    both compute the same function."""
+    mixes, scale, base = random_inputs(batch, V4_HC, seed=500 + batch)
+    *expected, _ = split_sinkhorn_fp64(mixes, scale, base, V4_HC, V4_ITERS, V4_EPS)
+    for per_token in (True, False):
+        outputs = hc_sinkhorn_triton.hc_split_sinkhorn_triton(mixes, scale, base, V4_HC, V4_ITERS, V4_EPS, per_token)
+        assert_matches(outputs, expected, f"hc=4 per_token={per_token} B={batch}")
+    with pytest.raises(ValueError, match="per-token kernel takes hc=4"):
+        hc_sinkhorn_triton.hc_split_sinkhorn_triton(*random_inputs(2, 2, seed=1), 2, 3, V4_EPS, per_token=True)
+
+
+@interpreter
 def test_strided_inputs_and_large_eps():
     """mixes a column window of a wider tensor, scale and base strided views (the kernel takes
     strides); a large eps makes each of its uses visible in the result."""
