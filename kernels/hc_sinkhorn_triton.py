@@ -3,7 +3,10 @@
 Each program takes BLOCK_B tokens. It loads their mixes, writes pre and post, and keeps the
 [BLOCK_B, HC, HC] combination matrices in registers from the softmax through every row and column
 normalisation: a row sum is a reduction over the last axis, a column sum over the middle one, so
-no step has to go through memory. Math is fp32 throughout, divisions rounded as torch's. hc and
+no step has to go through memory. At hc=4 (V4) a second kernel gives each thread one whole token:
+its 16 cells are 16 values, so every sum is three adds in one thread instead of a cross-thread
+reduction, and the 40 dependent normalisation steps of a decode call (all latency at batch 1)
+take a few instructions each. Math is fp32 throughout, divisions rounded as torch's. hc and
 the iteration count are compile-time constants (the model uses one pair). The launch depends on
 B and those only and allocates nothing but the outputs, so the op can be captured in a CUDA graph.
 """
@@ -88,11 +91,135 @@ def _hc_split_sinkhorn_kernel(
     tl.store(comb_ptr + tokens[:, None, None] * (HC * HC) + cells[None, :, :], comb, mask=token_ok[:, None, None])
 
 
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    """One row's softmax plus eps, max subtracted first."""
+    top = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a = tl.exp(a - top)
+    b = tl.exp(b - top)
+    c = tl.exp(c - top)
+    d = tl.exp(d - top)
+    total = a + b + c + d
+    return _div(a, total) + eps, _div(b, total) + eps, _div(c, total) + eps, _div(d, total) + eps
+
+
+@triton.jit
+def _normalise4(a, b, c, d, eps):
+    """Four cells of one row or column divided by their sum plus eps."""
+    total = a + b + c + d + eps
+    return _div(a, total), _div(b, total), _div(c, total), _div(d, total)
+
+
+@triton.jit
+def _comb_logit(mixes_row, base_ptr, cell, stride_mc, stride_base, scale_comb, token_ok):
+    m = tl.load(mixes_row + (8 + cell) * stride_mc, mask=token_ok, other=0.0)
+    return m * scale_comb + tl.load(base_ptr + (8 + cell) * stride_base)
+
+
+@triton.jit
+def _hc4_split_sinkhorn_kernel(
+    mixes_ptr, scale_ptr, base_ptr,
+    pre_ptr, post_ptr, comb_ptr,
+    batch, eps,
+    stride_mb, stride_mc, stride_scale, stride_base,
+    ITERS: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """hc=4, one token per thread: cell (i, j) of the combination matrix is the [BLOCK_B] value
+    c{i}{j}, so row and column sums are in-thread adds. Same math as _hc_split_sinkhorn_kernel."""
+    tokens = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    token_ok = tokens < batch
+    tokens = tokens.to(tl.int64)
+    lanes = tl.arange(0, 4)
+    mixes_row = mixes_ptr + tokens * stride_mb
+
+    # pre and post: elementwise over [BLOCK_B, 4], no sums
+    scale_pre = tl.load(scale_ptr)
+    scale_post = tl.load(scale_ptr + stride_scale)
+    m_pre = tl.load(mixes_row[:, None] + lanes[None, :] * stride_mc, mask=token_ok[:, None], other=0.0)
+    pre = _sigmoid(m_pre * scale_pre + tl.load(base_ptr + lanes * stride_base)[None, :]) + eps
+    m_post = tl.load(mixes_row[:, None] + (4 + lanes)[None, :] * stride_mc, mask=token_ok[:, None], other=0.0)
+    post = 2.0 * _sigmoid(m_post * scale_post + tl.load(base_ptr + (4 + lanes) * stride_base)[None, :])
+    vec_offsets = tokens[:, None] * 4 + lanes[None, :]
+    tl.store(pre_ptr + vec_offsets, pre, mask=token_ok[:, None])
+    tl.store(post_ptr + vec_offsets, post, mask=token_ok[:, None])
+
+    s = tl.load(scale_ptr + 2 * stride_scale)
+    c00, c01, c02, c03 = _softmax4(
+        _comb_logit(mixes_row, base_ptr, 0, stride_mc, stride_base, s, token_ok),
+        _comb_logit(mixes_row, base_ptr, 1, stride_mc, stride_base, s, token_ok),
+        _comb_logit(mixes_row, base_ptr, 2, stride_mc, stride_base, s, token_ok),
+        _comb_logit(mixes_row, base_ptr, 3, stride_mc, stride_base, s, token_ok),
+        eps,
+    )
+    c10, c11, c12, c13 = _softmax4(
+        _comb_logit(mixes_row, base_ptr, 4, stride_mc, stride_base, s, token_ok),
+        _comb_logit(mixes_row, base_ptr, 5, stride_mc, stride_base, s, token_ok),
+        _comb_logit(mixes_row, base_ptr, 6, stride_mc, stride_base, s, token_ok),
+        _comb_logit(mixes_row, base_ptr, 7, stride_mc, stride_base, s, token_ok),
+        eps,
+    )
+    c20, c21, c22, c23 = _softmax4(
+        _comb_logit(mixes_row, base_ptr, 8, stride_mc, stride_base, s, token_ok),
+        _comb_logit(mixes_row, base_ptr, 9, stride_mc, stride_base, s, token_ok),
+        _comb_logit(mixes_row, base_ptr, 10, stride_mc, stride_base, s, token_ok),
+        _comb_logit(mixes_row, base_ptr, 11, stride_mc, stride_base, s, token_ok),
+        eps,
+    )
+    c30, c31, c32, c33 = _softmax4(
+        _comb_logit(mixes_row, base_ptr, 12, stride_mc, stride_base, s, token_ok),
+        _comb_logit(mixes_row, base_ptr, 13, stride_mc, stride_base, s, token_ok),
+        _comb_logit(mixes_row, base_ptr, 14, stride_mc, stride_base, s, token_ok),
+        _comb_logit(mixes_row, base_ptr, 15, stride_mc, stride_base, s, token_ok),
+        eps,
+    )
+    # Column step after the softmax, then iters - 1 rounds of row and column steps.
+    c00, c10, c20, c30 = _normalise4(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _normalise4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _normalise4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _normalise4(c03, c13, c23, c33, eps)
+    for _ in range(ITERS - 1):
+        c00, c01, c02, c03 = _normalise4(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _normalise4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _normalise4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _normalise4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _normalise4(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _normalise4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _normalise4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _normalise4(c03, c13, c23, c33, eps)
+
+    out = comb_ptr + tokens * 16
+    tl.store(out + 0, c00, mask=token_ok)
+    tl.store(out + 1, c01, mask=token_ok)
+    tl.store(out + 2, c02, mask=token_ok)
+    tl.store(out + 3, c03, mask=token_ok)
+    tl.store(out + 4, c10, mask=token_ok)
+    tl.store(out + 5, c11, mask=token_ok)
+    tl.store(out + 6, c12, mask=token_ok)
+    tl.store(out + 7, c13, mask=token_ok)
+    tl.store(out + 8, c20, mask=token_ok)
+    tl.store(out + 9, c21, mask=token_ok)
+    tl.store(out + 10, c22, mask=token_ok)
+    tl.store(out + 11, c23, mask=token_ok)
+    tl.store(out + 12, c30, mask=token_ok)
+    tl.store(out + 13, c31, mask=token_ok)
+    tl.store(out + 14, c32, mask=token_ok)
+    tl.store(out + 15, c33, mask=token_ok)
+
+
+# hc=4: one token per thread, one warp per program (B=128 makes 4 programs).
+HC4_TOKENS_PER_PROGRAM = 32
+
+
 def hc_split_sinkhorn_triton(
-    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float
+    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float,
+    per_token: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [B, hc], post [B, hc], comb [B, hc, hc]), contiguous fp32, for hc a power of two up
-    to 8. Arguments as `hc_split_sinkhorn_reference` (fp32, any strides); one kernel launch."""
+    to 8. Arguments as `hc_split_sinkhorn_reference` (fp32, any strides); one kernel launch.
+    per_token: the hc=4 kernel with one token per thread (the default at hc=4) or, False, the
+    general one (kept at hc=4 for comparison)."""
+    if per_token and hc != 4:
+        raise ValueError(f"hc_split_sinkhorn (triton): the per-token kernel takes hc=4, got hc={hc}")
     if hc not in SUPPORTED_HC:
         raise ValueError(f"hc_split_sinkhorn (triton): hc must be one of {SUPPORTED_HC}, got {hc}")
     check_hc_inputs(mixes, scale, base, hc, iters)  # also when the op is called directly
@@ -101,6 +228,16 @@ def hc_split_sinkhorn_triton(
     post = torch.empty((batch, hc), dtype=torch.float32, device=mixes.device)
     comb = torch.empty((batch, hc, hc), dtype=torch.float32, device=mixes.device)
     if batch == 0:
+        return pre, post, comb
+    if hc == 4 and per_token is not False:
+        _hc4_split_sinkhorn_kernel[(triton.cdiv(batch, HC4_TOKENS_PER_PROGRAM),)](
+            mixes, scale, base,
+            pre, post, comb,
+            batch, eps,
+            mixes.stride(0), mixes.stride(1), scale.stride(0), base.stride(0),
+            ITERS=iters, BLOCK_B=HC4_TOKENS_PER_PROGRAM,
+            num_warps=1,
+        )
         return pre, post, comb
     block_b = CELLS_PER_PROGRAM // (hc * hc)
     _hc_split_sinkhorn_kernel[(triton.cdiv(batch, block_b),)](

@@ -152,7 +152,8 @@ def test_interpreter_active():
 @pytest.mark.parametrize("batch", [1, 3, 33])
 @pytest.mark.parametrize("iters", [1, 20])
 def test_triton_matches_fp64_and_reference(batch, hc, iters):
-    """B=33 at hc=4 spans three programs of 16 tokens with a masked tail."""
+    """B=33 spans two programs of the hc=4 kernel (32 tokens each) and nine of the general one at
+    hc=8 (4 tokens each), with a masked tail."""
     mixes, scale, base = random_inputs(batch, hc, seed=batch * 1000 + hc * 10 + iters)
     outputs = hc_split_sinkhorn(mixes, scale, base, hc, iters, V4_EPS, impl="triton")
     label = f"triton B={batch} hc={hc} iters={iters}"
@@ -161,6 +162,20 @@ def test_triton_matches_fp64_and_reference(batch, hc, iters):
     assert_matches(outputs, hc_split_sinkhorn_reference(mixes, scale, base, hc, iters, V4_EPS), label)
     assert all(t.is_contiguous() for t in outputs)
     assert_columns_normalised(outputs[2], last_sums, V4_EPS)
+
+
+@interpreter
+@pytest.mark.parametrize("batch", [1, 33])
+def test_both_kernels_at_hc4_match_fp64(batch):
+    """hc=4 has two kernels (one token per thread by default, the general one for comparison);
+    both compute the same function."""
+    mixes, scale, base = random_inputs(batch, V4_HC, seed=500 + batch)
+    *expected, _ = split_sinkhorn_fp64(mixes, scale, base, V4_HC, V4_ITERS, V4_EPS)
+    for per_token in (True, False):
+        outputs = hc_sinkhorn_triton.hc_split_sinkhorn_triton(mixes, scale, base, V4_HC, V4_ITERS, V4_EPS, per_token)
+        assert_matches(outputs, expected, f"hc=4 per_token={per_token} B={batch}")
+    with pytest.raises(ValueError, match="per-token kernel takes hc=4"):
+        hc_sinkhorn_triton.hc_split_sinkhorn_triton(*random_inputs(2, 2, seed=1), 2, 3, V4_EPS, per_token=True)
 
 
 @interpreter
