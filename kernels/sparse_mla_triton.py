@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_util import INTERPRETER_NUM_SMS  # noqa: F401  (re-exported for the tests)
-from kernels.triton_util import interpreting
+from kernels.triton_util import interpreting, launches_dependents
 from kernels.triton_util import num_sms as device_sm_count
 
 from kernels.sparse_mla import check_sparse_mla_inputs
@@ -377,27 +377,31 @@ def head_batched_tiles(heads: int, head_dim: int = 512, itemsize: int = 2) -> Ti
     return _tiles_for(min(64, max(16, triton.next_power_of_2(heads))), head_dim, itemsize)
 
 
-def choose_tiles(batch: int, heads: int, topk: int, num_sms: int, head_dim: int = 512, itemsize: int = 2) -> TileConfig:
-    """The head-batched tiles, with a smaller head block when even one split per KV block would
-    leave SMs idle (batch 1-2): more, shorter programs, each reading a smaller Q and writing a
-    smaller partial. The re-gathered rows then come from L2."""
-    tiles = head_batched_tiles(heads, head_dim, itemsize)
-    n_blocks = triton.cdiv(max(topk, 1), tiles.block_k)
-    while tiles.block_h > 16 and batch * triton.cdiv(heads, tiles.block_h) * tiles.dv_split * n_blocks < num_sms:
-        tiles = _tiles_for(tiles.block_h // 2, head_dim, itemsize)
+def _candidate_tiles(heads: int, head_dim: int, itemsize: int) -> list[TileConfig]:
+    """The tiles the default plan chooses among: the full head block (for 64 heads: one
+    warpgroup per half of the output columns), for 64 heads also whole rows on two warpgroups
+    (no second gather of each row, no duplicated Q K^T; fastest when its programs alone fill the
+    SMs, H200 sweep in docs/kernels.md), and 16-head blocks (more, shorter programs at batch 1-4)."""
+    full = head_batched_tiles(heads, head_dim, itemsize)
+    tiles = [full]
+    if full.dv_split == 2:
+        tiles.append(TileConfig(full.block_h, full.block_k, num_warps=8, num_stages=full.num_stages))
+    if full.block_h > 16:
+        tiles.append(_tiles_for(16, head_dim, itemsize))
     return tiles
 
 
-# Rough costs on an H100/H200-class GPU, used only to rank split counts against each other, fitted
-# to the split-count sweep in docs/kernels.md (H200, rotating inputs larger than L2). At decode
-# sizes a program's loop is latency-bound: each KV block waits for its indices, then for the rows
-# they name, whatever the tile; the software pipeline issues the first num_stages blocks' loads
-# together, so those cost one wait.
-_ITER_US = 2.1  # the wait for one KV block: index load, then the dependent gather
-_ROW_US = 0.025  # the products for one gathered row and 64 heads (Q K^T and P V at D=512)
-_PROGRAM_US = 6.0  # a program's fixed cost: Q load, the first wait, epilogue
-_COMBINE_US = 3.5  # the combine launch and its latency
-_BYTES_PER_US = 4.0e6  # HBM bandwidth, 4 TB/s
+# Rough costs on an H100/H200-class GPU, used only to rank plans against each other: a least-squares
+# fit (about 5% RMS) to 100 H200 timings of the sweeps in docs/kernels.md, rotating inputs larger
+# than L2, combine launched with PDL. At decode sizes a program is latency-bound: after the first
+# KV block each one waits for its indices and then the rows they name, whatever the tile.
+_ITER_US = 2.19  # each KV block after a program's first: index load, then the dependent gather
+_PRODUCT_US = {4: 0.89, 8: 2.74}  # per 64 heads x 64 rows of Q K^T + P V, by warps per program
+_PROGRAM_US = 3.78  # a program's fixed cost: launch share, the first block's wait
+_PROGRAM_US_PER_KB = 0.025  # its Q tile in and its output tile out
+_COMBINE_US = 2.6  # the combine kernel's latency
+_PARTIAL_BYTES_PER_US = 2.4e6  # fp32 partials: written by the splits, read by the combine
+_BYTES_PER_US = 4.0e6  # HBM bandwidth, 4 TB/s: a floor for the KV traffic
 _SMEM_BYTES = 228 * 1024  # shared memory per SM (sm_90)
 
 
@@ -411,23 +415,52 @@ def _programs_per_sm(tiles: TileConfig, head_dim: int, itemsize: int) -> int:
 
 def _estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles: TileConfig, splits: int) -> float:
     """Waves of programs x per-program latency, bounded below by HBM traffic; splitting adds the
-    fp32 partials (written, then read by the combine) and a launch."""
+    fp32 partials and the combine."""
     n_blocks = triton.cdiv(max(topk, 1), tiles.block_k)
     blocks_per_split = triton.cdiv(n_blocks, splits)
-    splits = triton.cdiv(n_blocks, blocks_per_split)
     head_blocks = triton.cdiv(heads, tiles.block_h)
     programs = batch * head_blocks * tiles.dv_split * splits
     waves = triton.cdiv(programs, num_sms * _programs_per_sm(tiles, head_dim, itemsize))
     # A DV-split program does all of Q K^T but half of P V.
-    block_work_us = tiles.block_k * _ROW_US * tiles.block_h / 64 * (0.5 + 0.5 / tiles.dv_split)
-    waits = max(blocks_per_split - (tiles.num_stages - 1), 1) - 1  # beyond the one in _PROGRAM_US
-    compute = waves * (_PROGRAM_US + waits * _ITER_US + blocks_per_split * block_work_us)
-    kv_bytes = batch * topk * head_dim * itemsize
-    partial_bytes = batch * head_blocks * splits * tiles.block_h * (head_dim + 1) * 4 if splits > 1 else 0
-    time = max(compute, (kv_bytes + partial_bytes) / _BYTES_PER_US)
+    products = tiles.block_k * tiles.block_h / 64**2 * (0.5 + 0.5 / tiles.dv_split)
+    block_us = _ITER_US + products * _PRODUCT_US.get(tiles.num_warps, _PRODUCT_US[8])
+    out_bytes = tiles.block_h * head_dim // tiles.dv_split * (4 if splits > 1 else itemsize)
+    program_us = _PROGRAM_US + (tiles.block_h * head_dim * itemsize + out_bytes) / 1024 * _PROGRAM_US_PER_KB
+    compute = waves * (program_us + (blocks_per_split - 1) * block_us)
+    time = max(compute, batch * topk * head_dim * itemsize / _BYTES_PER_US)
     if splits > 1:
-        time += _COMBINE_US + partial_bytes / _BYTES_PER_US
+        partial_bytes = batch * head_blocks * splits * tiles.block_h * (head_dim + 1) * 4
+        time += _COMBINE_US + partial_bytes / _PARTIAL_BYTES_PER_US
     return time
+
+
+def _split_candidates(batch: int, heads: int, topk: int, num_sms: int, tiles: TileConfig) -> list[int]:
+    """Split counts worth ranking for these tiles: only 1 when batch x head blocks already fills
+    the SMs (partials would only add traffic) or the index list is one block; otherwise every
+    distinct count of whole KV blocks per split up to MAX_SPLITS (none leaves a split empty)."""
+    n_blocks = triton.cdiv(max(topk, 1), tiles.block_k)
+    if batch * triton.cdiv(heads, tiles.block_h) * tiles.dv_split >= num_sms or n_blocks == 1:
+        return [1]
+    return sorted({triton.cdiv(n_blocks, triton.cdiv(n_blocks, s)) for s in range(1, min(n_blocks, MAX_SPLITS) + 1)})
+
+
+def choose_plan(
+    batch: int, heads: int, topk: int, num_sms: int, head_dim: int = 512, itemsize: int = 2
+) -> tuple[TileConfig, int]:
+    """Tiles and split count of the default path: a pure function of the shapes and the SM count
+    (CUDA-graph safe), the pair with the lowest estimated time."""
+    costs = [
+        (_estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles, splits), index, splits)
+        for index, tiles in enumerate(_candidate_tiles(heads, head_dim, itemsize))
+        for splits in _split_candidates(batch, heads, topk, num_sms, tiles)
+    ]
+    _, index, splits = min(costs)
+    return _candidate_tiles(heads, head_dim, itemsize)[index], splits
+
+
+def choose_tiles(batch: int, heads: int, topk: int, num_sms: int, head_dim: int = 512, itemsize: int = 2) -> TileConfig:
+    """The default plan's tiles (choose_plan)."""
+    return choose_plan(batch, heads, topk, num_sms, head_dim, itemsize)[0]
 
 
 def choose_num_splits(
@@ -439,23 +472,14 @@ def choose_num_splits(
     itemsize: int = 2,
     tiles: TileConfig | None = None,
 ) -> int:
-    """Split count of the default path, a pure function of the shapes (CUDA-graph safe).
-
-    One split when batch x head-blocks already fills the SMs or the index list is one tile;
-    otherwise the count (whole KV blocks per split, at most MAX_SPLITS) that minimises a rough
-    cost model: enough programs to fill the SMs, but no split so small that the fp32 partials
-    and the combine launch cost more than the parallelism gains."""
+    """The default plan's split count, or with `tiles` given the best split count for those tiles."""
     if tiles is None:
-        tiles = choose_tiles(batch, heads, topk, num_sms, head_dim, itemsize)
-    n_blocks = triton.cdiv(max(topk, 1), tiles.block_k)
-    if batch * triton.cdiv(heads, tiles.block_h) * tiles.dv_split >= num_sms or n_blocks == 1:
-        return 1
-    # Distinct split counts only: s splits of cdiv(n_blocks, s) blocks each may leave some empty.
-    candidates = sorted({triton.cdiv(n_blocks, triton.cdiv(n_blocks, s)) for s in range(1, min(n_blocks, MAX_SPLITS) + 1)})
-    costs = [(_estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles, s), s) for s in candidates]
+        return choose_plan(batch, heads, topk, num_sms, head_dim, itemsize)[1]
+    costs = [
+        (_estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles, splits), splits)
+        for splits in _split_candidates(batch, heads, topk, num_sms, tiles)
+    ]
     return min(costs)[1]
-
-
 
 
 # The fused combine keeps one LSE and one arrival counter per column part; a head block has at
@@ -719,14 +743,15 @@ def sparse_mla_decode_split_k(
 
 
 def sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace=None):
-    """Default path: tiles and split count from the shapes; one split runs the head-batched
-    kernel alone, several run split-K with the combine. Returns (out, lse)."""
+    """Default path: tiles and split count from the shapes (choose_plan); one split runs the
+    head-batched kernel alone, several run split-K with the combine, launched as a programmatic
+    dependent where the GPU has it (0.3-1 us less per call on the H200). Returns (out, lse)."""
     _check(q, kv_cache, indices, sink)
     batch, heads, head_dim = q.shape
     topk = indices.shape[1]
-    num_sms = device_sm_count(q.device)
-    tiles = choose_tiles(batch, heads, topk, num_sms, head_dim, q.element_size())
-    num_splits = choose_num_splits(batch, heads, topk, num_sms, head_dim, q.element_size(), tiles)
+    tiles, num_splits = choose_plan(batch, heads, topk, device_sm_count(q.device), head_dim, q.element_size())
     if num_splits == 1:
         return sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale, tiles)
-    return sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, num_splits, workspace, tiles)
+    return sparse_mla_decode_split_k(
+        q, kv_cache, indices, sink, scale, num_splits, workspace, tiles, pdl=launches_dependents(q.device)
+    )

@@ -33,3 +33,13 @@ def shared_memory_per_block(device: torch.device) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs would default to TF32 on tensor cores; keep them exact like the reference.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launches_dependents(device: torch.device) -> bool:
+    """Whether kernels on `device` can use programmatic dependent launch: a Hopper-or-later GPU
+    (not the interpreter) and a Triton with the grid-dependency primitives."""
+    if device.type != "cuda" or interpreting() or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    import triton.language as tl
+
+    return hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")

@@ -97,6 +97,8 @@ VARIANTS = {
     "split_k_3": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=3, tiles=SMALL_TILES),
     "split_k_7_some_empty": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=7, tiles=SMALL_TILES),
     "split_k_3_dv_split": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=3, tiles=DV_SPLIT_TILES),
+    # 64 heads on two warpgroups, whole rows (the default plan's tiles at large batch); GPU only.
+    "split_k_2_whole_rows": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=2, tiles=smt.TileConfig(64, 64, 8, 2)),
     "default": lambda *a: smt.sparse_mla_decode_triton(*a),
     # Fused combine, workspace allocated per call.
     "fused_default": lambda *a: smt.sparse_mla_decode_split_k(*a, fused_combine=True),
@@ -344,6 +346,18 @@ def test_opcheck():
     torch.library.opcheck(sparse_mla_decode_op, (q, kv_cache, indices, sink, scale, torch.empty(64)))
 
 
+def test_plan_picks_tiles_by_batch_on_an_h200():
+    """At 132 SMs, H=64, D=512: 16-head blocks where 64-head programs would leave SMs idle
+    (batch 1), 64-head blocks with split output columns in between, and whole rows on two
+    warpgroups once those programs fill the GPU on their own (batch 128)."""
+    small, _ = smt.choose_plan(1, 64, 640, 132)
+    middle, _ = smt.choose_plan(8, 64, 640, 132)
+    large, splits = smt.choose_plan(128, 64, 2048, 132)
+    assert small.block_h == 16
+    assert (middle.block_h, middle.dv_split) == (64, 2)
+    assert (large.block_h, large.dv_split, large.num_warps, splits) == (64, 1, 8, 1)
+
+
 @pytest.mark.parametrize("topk", [128, 640, 2048])
 @pytest.mark.parametrize("batch", [1, 2, 4, 8, 16, 32, 64, 128, 256])
 def test_plan_is_a_sane_pure_function(batch, topk):
@@ -426,7 +440,8 @@ def make_gpu_inputs(batch, topk, dtype=torch.bfloat16, heads=64, dim=512, seed=0
 @pytest.mark.parametrize("topk", [640, 2048])
 @pytest.mark.parametrize("batch", [1, 3, 16, 64])
 @pytest.mark.parametrize(
-    "variant", ["simt", "head_batched", "split_k_default", "split_k_2", "split_k_64", "split_k_3_dv_split", "default"]
+    "variant",
+    ["simt", "head_batched", "split_k_default", "split_k_2", "split_k_64", "split_k_3_dv_split", "split_k_2_whole_rows", "default"],
 )
 def test_gpu_variant_matches_reference(variant, batch, topk):
     """split_k_64 uses the default tiles: at K=640 that is 20 blocks, so 44 splits are empty."""
