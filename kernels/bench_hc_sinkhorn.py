@@ -1,5 +1,5 @@
 """GPU benchmark of the mHC split + Sinkhorn kernel at V4's hc=4 and 20 iterations: the kernel
-with one token per thread (the default at hc=4) against the general kernel (a program's tokens
+with one token per thread (opt-in) against the default, the general kernel (a program's tokens
 spread over two warps, sums as cross-thread reductions), for every batch bucket and 128.
 
 Both run inside one CUDA graph per rotating input set; the call is latency-bound (kilobytes of
