@@ -95,13 +95,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
     args = parser.parse_args(argv)
-    default = smt.head_batched_tiles(64)
+    planned = smt.candidate_tiles(64, 512, 2)
     print(f"sparse MLA head-batched kernel, H=64 blocks, D=512, bf16, sm_{args.arch}, triton {triton.__version__}\n")
     print("| tiles | registers | spilled bytes per thread | shared KiB | wgmma | mma.sync | cp.async |")
     print("|---|---|---|---|---|---|---|")
-    for tiles in dict.fromkeys((default,) + TILE_SWEEP):
+    for tiles in dict.fromkeys(tuple(planned) + TILE_SWEEP):
         usage = head_batched_usage(tiles, arch=args.arch)
-        label = tile_name(tiles) + (" (default, full occupancy)" if tiles == default else "")
+        label = tile_name(tiles) + (" (a default-plan tile)" if tiles in planned else "")
         print(
             f"| {label} | {usage.registers} | {usage.spill_bytes} | {usage.shared_bytes / 1024:.1f} | "
             f"{usage.wgmma} | {usage.mma_sync} | {usage.async_copies} |"

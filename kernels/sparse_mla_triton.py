@@ -377,7 +377,7 @@ def head_batched_tiles(heads: int, head_dim: int = 512, itemsize: int = 2) -> Ti
     return _tiles_for(min(64, max(16, triton.next_power_of_2(heads))), head_dim, itemsize)
 
 
-def _candidate_tiles(heads: int, head_dim: int, itemsize: int) -> list[TileConfig]:
+def candidate_tiles(heads: int, head_dim: int, itemsize: int) -> list[TileConfig]:
     """The tiles the default plan chooses among: the full head block (for 64 heads: one
     warpgroup per half of the output columns), for 64 heads also whole rows on two warpgroups
     (no second gather of each row, no duplicated Q K^T; fastest when its programs alone fill the
@@ -451,11 +451,11 @@ def choose_plan(
     (CUDA-graph safe), the pair with the lowest estimated time."""
     costs = [
         (_estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles, splits), index, splits)
-        for index, tiles in enumerate(_candidate_tiles(heads, head_dim, itemsize))
+        for index, tiles in enumerate(candidate_tiles(heads, head_dim, itemsize))
         for splits in _split_candidates(batch, heads, topk, num_sms, tiles)
     ]
     _, index, splits = min(costs)
-    return _candidate_tiles(heads, head_dim, itemsize)[index], splits
+    return candidate_tiles(heads, head_dim, itemsize)[index], splits
 
 
 def choose_tiles(batch: int, heads: int, topk: int, num_sms: int, head_dim: int = 512, itemsize: int = 2) -> TileConfig:
