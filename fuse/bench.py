@@ -153,18 +153,22 @@ class Variant:
     note: str = ""
 
 
-def _reserved_gib() -> float:
+def graph_pool_gib() -> float:
+    """GiB of CUDA memory in private pools: what CUDA graphs (bucket graphs and cudagraph trees
+    alike) hold. Memory a build keeps in the default pool, or frees there, does not count, so
+    each variant's delta is its graphs' alone."""
     if not torch.cuda.is_available():
         return 0.0
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    return torch.cuda.memory_reserved() / 2**30
+    private = [seg for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)]
+    return sum(seg["total_size"] for seg in private) / 2**30
 
 
 def build_variant(name: str, decoder: Decoder, batches: tuple[int, ...], warm_inputs: Callable[[int], tuple]) -> Variant:
     """Build, compile and capture one variant for every batch size; time and count doing so."""
-    memory0 = _reserved_gib()
+    memory0 = graph_pool_gib()
     compiles0, _ = _dynamo_totals()
     start = time.perf_counter()
     note = ""
@@ -195,7 +199,7 @@ def build_variant(name: str, decoder: Decoder, batches: tuple[int, ...], warm_in
     compiles1, _ = _dynamo_totals()
     return Variant(
         name, run, start_seconds=seconds, compiles=compiles1 - compiles0, captures=counter["captures"],
-        graph_memory_gib=max(0.0, _reserved_gib() - memory0) if name != "eager" else 0.0, note=note,
+        graph_memory_gib=max(0.0, graph_pool_gib() - memory0) if name != "eager" else 0.0, note=note,
     )
 
 
@@ -325,7 +329,7 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
         variants[name] = build_variant(name, decoder, batches, warm)
         v = variants[name]
         log(f"  {name}: ready in {v.start_seconds:.1f} s, {v.compiles} compiles, {v.captures} graph captures, "
-            f"{v.graph_memory_gib:.2f} GiB held by graphs {v.note}")
+            f"{v.graph_memory_gib:.2f} GiB in graph pools {v.note}")
 
     rows = []
     for context in settings.contexts:
@@ -437,7 +441,7 @@ def to_markdown(result: dict) -> str:
         cells += [f"{row[ours]['tokens_per_s']:.0f}" if ours in row else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Start-up, for the batch sizes above", "",
-              "| variant | start s | compiles | graph captures | GiB held by graphs | note |", "|---|---|---|---|---|---|"]
+              "| variant | start s | compiles | graph captures | GiB in graph pools | note |", "|---|---|---|---|---|---|"]
     for name in names:
         v = result["variants"][name]
         lines.append(f"| {name} | {v['start_seconds']:.1f} | {v['compiles']} | {v['captures']} | {v['graph_memory_gib']:.2f} | {v['note']} |")

@@ -97,3 +97,19 @@ def test_bad_settings_are_named():
         bench.BenchSettings(variants=("eager-graphs", "fuse", "fuse-pdl"))
     with pytest.raises(ValueError, match="batches and contexts must be positive"):
         bench.BenchSettings(batches=(0, 4))
+
+
+def test_graph_memory_counts_private_pools_only(monkeypatch):
+    """Graph memory is the private pools' segments (CUDA graphs, cudagraph trees), not memory a
+    build leaves in, or frees from, the default pool."""
+    segments = [
+        {"segment_pool_id": (0, 0), "total_size": 3 * 2**30},  # default pool: weights, caches
+        {"segment_pool_id": (1, 1), "total_size": 2**29},  # a bucket graph's pool
+        {"segment_pool_id": (1, 2), "total_size": 2**28},  # a cudagraph tree's pool
+        {"total_size": 2**30},  # no pool id: counted as the default pool
+    ]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    assert bench.graph_pool_gib() == pytest.approx(0.75)
