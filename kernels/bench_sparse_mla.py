@@ -25,6 +25,7 @@ import torch
 from kernels.benchutil import markdown_table, median_time_us
 from kernels.sparse_mla import sparse_mla_decode_reference
 from kernels import sparse_mla_triton as smt
+from kernels.triton_util import launches_dependents
 
 HEADS, DIM, DTYPE = 64, 512, torch.bfloat16
 WINDOW, COMPRESSED = 128, 16384
@@ -346,7 +347,35 @@ def run_fused_sweep(l2_bytes: int, num_sms: int) -> str:
     return markdown_table(header, rows)
 
 
-PARTS = ("main", "split", "tiles", "fused")  # the main table with its acceptance, then the three sweeps
+PLAN_SHAPES = ((1, 128), (1, 160), (1, 640), (2, 640), (4, 640), (8, 640), (64, 640), (128, 640),
+               (1, 2048), (16, 2048), (32, 2048), (64, 2048), (128, 2048))
+
+
+def run_plan_sweep(l2_bytes: int, num_sms: int) -> str:
+    """The default plan's candidates side by side: each candidate tile at the split count the cost
+    model ranks best for it (the combine launched with PDL where the GPU has it), with the model's
+    estimate next to the measured time. Bold: the default plan."""
+    pdl = launches_dependents(torch.device("cuda"))
+    rows = []
+    for batch, topk in PLAN_SHAPES:
+        case = Case(batch, topk, l2_bytes, seed=5 + batch)
+        chosen = smt.choose_plan(batch, HEADS, topk, num_sms)
+        for tiles in smt.candidate_tiles(HEADS, DIM, 2):
+            splits = smt.choose_num_splits(batch, HEADS, topk, num_sms, tiles=tiles)
+            if splits == 1:
+                fn = lambda *a, t=tiles: smt.sparse_mla_decode_head_batched(*a, tiles=t)  # noqa: E731
+            else:
+                fn = lambda *a, t=tiles, s=splits: smt.sparse_mla_decode_split_k(*a, num_splits=s, tiles=t, pdl=pdl)  # noqa: E731
+            check_against_reference(f"plan candidate {tiles}", fn, case)
+            us, _ = time_per_call_us(fn, case)
+            estimate = smt.estimated_us(batch, HEADS, topk, DIM, 2, num_sms, tiles, splits)
+            bold = "**" if (tiles, splits) == chosen else ""
+            rows.append([batch, topk, f"{bold}{tile_name(tiles)}, S={splits}{bold}", f"{us:.1f}", f"{estimate:.1f}"])
+        del case
+    return markdown_table(["B", "K", "candidate (tiles, splits)", "measured us", "model us"], rows)
+
+
+PARTS = ("main", "split", "tiles", "fused", "plan")  # the main table with its acceptance, then the sweeps
 
 
 def run(copy_gbs: float, parts: tuple[str, ...] = PARTS) -> str:
@@ -386,6 +415,11 @@ def run(copy_gbs: float, parts: tuple[str, ...] = PARTS) -> str:
         out += [
             "### Tile sweep (head-batched with one split, split-K with each tile's default split count)",
             run_tile_sweep(l2_bytes, num_sms),
+        ]
+    if "plan" in parts:
+        out += [
+            "### The default plan's candidates (each at its best split count by the cost model; bold = the default)",
+            run_plan_sweep(l2_bytes, num_sms),
         ]
     if "fused" in parts:
         out += [

@@ -392,8 +392,9 @@ def candidate_tiles(heads: int, head_dim: int, itemsize: int) -> list[TileConfig
 
 
 # Rough costs on an H100/H200-class GPU, used only to rank plans against each other: a least-squares
-# fit (about 5% RMS) to 100 H200 timings of the sweeps in docs/kernels.md, rotating inputs larger
-# than L2, combine launched with PDL. At decode sizes a program is latency-bound: after the first
+# fit (about 5% RMS on log time) to ~110 H200 timings in docs/kernels.md (the plan-candidate run
+# with PDL, and the 2026-12-02 split sweep less 0.6 us for the combine's launch without PDL),
+# rotating inputs larger than L2. At decode sizes a program is latency-bound: after the first
 # KV block each one waits for its indices and then the rows they name, whatever the tile.
 _ITER_US = 2.19  # each KV block after a program's first: index load, then the dependent gather
 _PRODUCT_US = {4: 0.89, 8: 2.74}  # per 64 heads x 64 rows of Q K^T + P V, by warps per program
@@ -413,7 +414,7 @@ def _programs_per_sm(tiles: TileConfig, head_dim: int, itemsize: int) -> int:
     return max(1, _SMEM_BYTES // smem)
 
 
-def _estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles: TileConfig, splits: int) -> float:
+def estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles: TileConfig, splits: int) -> float:
     """Waves of programs x per-program latency, bounded below by HBM traffic; splitting adds the
     fp32 partials and the combine."""
     n_blocks = triton.cdiv(max(topk, 1), tiles.block_k)
@@ -450,7 +451,7 @@ def choose_plan(
     """Tiles and split count of the default path: a pure function of the shapes and the SM count
     (CUDA-graph safe), the pair with the lowest estimated time."""
     costs = [
-        (_estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles, splits), index, splits)
+        (estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles, splits), index, splits)
         for index, tiles in enumerate(candidate_tiles(heads, head_dim, itemsize))
         for splits in _split_candidates(batch, heads, topk, num_sms, tiles)
     ]
@@ -476,7 +477,7 @@ def choose_num_splits(
     if tiles is None:
         return choose_plan(batch, heads, topk, num_sms, head_dim, itemsize)[1]
     costs = [
-        (_estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles, splits), splits)
+        (estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles, splits), splits)
         for splits in _split_candidates(batch, heads, topk, num_sms, tiles)
     ]
     return min(costs)[1]
