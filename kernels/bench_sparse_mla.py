@@ -52,6 +52,10 @@ TILE_SWEEP = (
     smt.TileConfig(32, 64, 8, 2),
     smt.TileConfig(16, 32, 4, 2),
     smt.TileConfig(16, 64, 4, 3),
+    # Pipelines deep enough that the gather runs two blocks ahead of its use (three KV buffers in
+    # the sm_90 compile, kernels.resource_usage); shallower ones keep one gather in flight.
+    smt.TileConfig(64, 32, 8, 5),
+    smt.TileConfig(64, 32, 4, 5, dv_split=2),
 )
 
 

@@ -40,6 +40,7 @@ class Usage:
     wgmma: int  # warpgroup MMA instructions in the PTX (Hopper tensor cores)
     mma_sync: int  # warp-level MMA instructions
     async_copies: int  # cp.async instructions: loads that go to shared memory without registers
+    kv_buffers: int  # shared-memory buffers of the gathered KV tile: the pipeline keeps one fewer in flight
 
 
 def _cuobjdump() -> str:
@@ -83,9 +84,12 @@ def head_batched_usage(tiles: smt.TileConfig, head_dim: int = 512, split: bool =
     if found is None:
         raise RuntimeError(f"no resource usage in cuobjdump's report:\n{report}")
     ptx = compiled.asm["ptx"]
+    # The software pipeline's multi-buffered allocations of the [block_k, columns] KV tile.
+    buffers = re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x{tiles.block_k}x\d+x", compiled.asm["ttgir"])
     return Usage(
         registers=int(found.group(1)), spill_bytes=int(found.group(2)), shared_bytes=compiled.metadata.shared,
         wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"), async_copies=ptx.count("cp.async.cg"),
+        kv_buffers=max((int(n) for n in buffers), default=0),
     )
 
 
@@ -97,14 +101,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     planned = smt.candidate_tiles(64, 512, 2)
     print(f"sparse MLA head-batched kernel, H=64 blocks, D=512, bf16, sm_{args.arch}, triton {triton.__version__}\n")
-    print("| tiles | registers | spilled bytes per thread | shared KiB | wgmma | mma.sync | cp.async |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tiles | registers | spilled bytes per thread | shared KiB | wgmma | mma.sync | cp.async | KV buffers |")
+    print("|---|---|---|---|---|---|---|---|")
     for tiles in dict.fromkeys(tuple(planned) + TILE_SWEEP):
         usage = head_batched_usage(tiles, arch=args.arch)
         label = tile_name(tiles) + (" (a default-plan tile)" if tiles in planned else "")
         print(
             f"| {label} | {usage.registers} | {usage.spill_bytes} | {usage.shared_bytes / 1024:.1f} | "
-            f"{usage.wgmma} | {usage.mma_sync} | {usage.async_copies} |"
+            f"{usage.wgmma} | {usage.mma_sync} | {usage.async_copies} | {usage.kv_buffers} |"
         )
 
 

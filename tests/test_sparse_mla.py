@@ -618,11 +618,11 @@ def test_gpu_split_k_with_pdl_in_cuda_graph(batch, topk):
         assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
 
 
-def test_offline_resource_usage_of_two_tiles():
+def test_offline_resource_usage_of_three_tiles():
     """kernels.resource_usage compiles for sm_90 without a GPU and reads the cubin: the 64-head
     tile runs on Hopper's warpgroup MMA and needs more shared memory than the 16-head one, which
-    uses warp-level MMA. (A fresh process: this module runs Triton's interpreter, which cannot
-    compile.)"""
+    uses warp-level MMA; a five-stage pipeline gets more KV buffers than a two-stage one. (A fresh
+    process: this module runs Triton's interpreter, which cannot compile.)"""
     from kernels.resource_usage import _cuobjdump
 
     if not os.path.exists(_cuobjdump()):
@@ -631,14 +631,15 @@ def test_offline_resource_usage_of_two_tiles():
         "import dataclasses, json\n"
         "from kernels import sparse_mla_triton as smt\n"
         "from kernels.resource_usage import head_batched_usage\n"
-        "tiles = [smt.TileConfig(16, 32, 4, 2), smt.head_batched_tiles(64)]\n"
+        "tiles = [smt.TileConfig(16, 32, 4, 2), smt.head_batched_tiles(64), smt.TileConfig(64, 32, 8, 5)]\n"
         "print(json.dumps([dataclasses.asdict(head_batched_usage(t)) for t in tiles]))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    small, big = json.loads(done.stdout.strip().splitlines()[-1])
-    for usage in (small, big):
+    small, big, deep = json.loads(done.stdout.strip().splitlines()[-1])
+    for usage in (small, big, deep):
         assert 0 < usage["registers"] <= 255 and usage["spill_bytes"] >= 0
     assert small["mma_sync"] > 0 and small["wgmma"] == 0
     assert big["wgmma"] > 0 and big["shared_bytes"] > small["shared_bytes"]
+    assert deep["kv_buffers"] > big["kv_buffers"] >= 2
