@@ -286,7 +286,7 @@ def test_fused_combine_in_column_chunks(tiles, dtype):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_fused_combine_at_the_h200_plan(batch):
     """The real shapes (H=64, D=512, K=640) in fp16 with the plan a 132-SM GPU gets: 16-head
-    blocks and 10 splits at B=1; 64-head blocks with split columns, merged in column chunks,
+    blocks and 20 one-block splits at B=1; 64-head blocks with split columns, merged in column chunks,
     and 5 splits at B=8 (with all-masked and ragged sequences)."""
     heads, dim, topk = 64, 512, 640
     tiles = smt.choose_tiles(batch, heads, topk, 132)
