@@ -117,6 +117,18 @@ def _comb_logit(mixes_row, base_ptr, cell, stride_mc, stride_base, scale_comb, t
 
 
 @triton.jit
+def _comb_row_softmax(mixes_row, base_ptr, row, stride_mc, stride_base, scale_comb, token_ok, eps):
+    """Row `row` of the combination matrix: its four logits through _softmax4."""
+    return _softmax4(
+        _comb_logit(mixes_row, base_ptr, 4 * row, stride_mc, stride_base, scale_comb, token_ok),
+        _comb_logit(mixes_row, base_ptr, 4 * row + 1, stride_mc, stride_base, scale_comb, token_ok),
+        _comb_logit(mixes_row, base_ptr, 4 * row + 2, stride_mc, stride_base, scale_comb, token_ok),
+        _comb_logit(mixes_row, base_ptr, 4 * row + 3, stride_mc, stride_base, scale_comb, token_ok),
+        eps,
+    )
+
+
+@triton.jit
 def _hc4_split_sinkhorn_kernel(
     mixes_ptr, scale_ptr, base_ptr,
     pre_ptr, post_ptr, comb_ptr,
@@ -144,34 +156,10 @@ def _hc4_split_sinkhorn_kernel(
     tl.store(post_ptr + vec_offsets, post, mask=token_ok[:, None])
 
     s = tl.load(scale_ptr + 2 * stride_scale)
-    c00, c01, c02, c03 = _softmax4(
-        _comb_logit(mixes_row, base_ptr, 0, stride_mc, stride_base, s, token_ok),
-        _comb_logit(mixes_row, base_ptr, 1, stride_mc, stride_base, s, token_ok),
-        _comb_logit(mixes_row, base_ptr, 2, stride_mc, stride_base, s, token_ok),
-        _comb_logit(mixes_row, base_ptr, 3, stride_mc, stride_base, s, token_ok),
-        eps,
-    )
-    c10, c11, c12, c13 = _softmax4(
-        _comb_logit(mixes_row, base_ptr, 4, stride_mc, stride_base, s, token_ok),
-        _comb_logit(mixes_row, base_ptr, 5, stride_mc, stride_base, s, token_ok),
-        _comb_logit(mixes_row, base_ptr, 6, stride_mc, stride_base, s, token_ok),
-        _comb_logit(mixes_row, base_ptr, 7, stride_mc, stride_base, s, token_ok),
-        eps,
-    )
-    c20, c21, c22, c23 = _softmax4(
-        _comb_logit(mixes_row, base_ptr, 8, stride_mc, stride_base, s, token_ok),
-        _comb_logit(mixes_row, base_ptr, 9, stride_mc, stride_base, s, token_ok),
-        _comb_logit(mixes_row, base_ptr, 10, stride_mc, stride_base, s, token_ok),
-        _comb_logit(mixes_row, base_ptr, 11, stride_mc, stride_base, s, token_ok),
-        eps,
-    )
-    c30, c31, c32, c33 = _softmax4(
-        _comb_logit(mixes_row, base_ptr, 12, stride_mc, stride_base, s, token_ok),
-        _comb_logit(mixes_row, base_ptr, 13, stride_mc, stride_base, s, token_ok),
-        _comb_logit(mixes_row, base_ptr, 14, stride_mc, stride_base, s, token_ok),
-        _comb_logit(mixes_row, base_ptr, 15, stride_mc, stride_base, s, token_ok),
-        eps,
-    )
+    c00, c01, c02, c03 = _comb_row_softmax(mixes_row, base_ptr, 0, stride_mc, stride_base, s, token_ok, eps)
+    c10, c11, c12, c13 = _comb_row_softmax(mixes_row, base_ptr, 1, stride_mc, stride_base, s, token_ok, eps)
+    c20, c21, c22, c23 = _comb_row_softmax(mixes_row, base_ptr, 2, stride_mc, stride_base, s, token_ok, eps)
+    c30, c31, c32, c33 = _comb_row_softmax(mixes_row, base_ptr, 3, stride_mc, stride_base, s, token_ok, eps)
     # Column step after the softmax, then iters - 1 rounds of row and column steps.
     c00, c10, c20, c30 = _normalise4(c00, c10, c20, c30, eps)
     c01, c11, c21, c31 = _normalise4(c01, c11, c21, c31, eps)
