@@ -146,6 +146,14 @@ def split_k_pdl(*args):
     return smt.sparse_mla_decode_split_k(*args, pdl=True)
 
 
+def plan_call(tiles: smt.TileConfig, splits: int, pdl: bool = False):
+    """A call running this plan as the default path does: the head-batched kernel alone at one
+    split, split-K with the combine (launched with PDL if asked) at more."""
+    if splits == 1:
+        return lambda *a: smt.sparse_mla_decode_head_batched(*a, tiles=tiles)
+    return lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=splits, tiles=tiles, pdl=pdl)
+
+
 class FusedCombine:
     """Split-K with the fused combine on a zeroed workspace of its own (sized for the default
     split count, or num_splits). Every call must leave the arrival counters at zero again:
@@ -185,7 +193,7 @@ def checked_time_us(name: str, fn, case: Case) -> float:
 
 def run_main_table(copy_gbs: float, l2_bytes: int, num_sms: int):
     rows, results = [], {}
-    pdl_supported = torch.cuda.get_device_capability()[0] >= 9
+    pdl_supported = launches_dependents(torch.device("cuda"))
     for topk in TOPKS:
         for batch in BATCHES:
             case = Case(batch, topk, l2_bytes, seed=batch * 10 + topk)
@@ -272,11 +280,7 @@ def run_split_sweep(l2_bytes: int, num_sms: int) -> str:
             if splits > n_blocks:
                 cells.append("")
                 continue
-            if splits == 1:
-                fn = lambda *a: smt.sparse_mla_decode_head_batched(*a, tiles=tiles)  # noqa: E731
-            else:
-                fn = lambda *a, s=splits: smt.sparse_mla_decode_split_k(*a, num_splits=s, tiles=tiles)  # noqa: E731
-            us, _ = time_per_call_us(fn, case)
+            us, _ = time_per_call_us(plan_call(tiles, splits), case)
             cells.append(f"**{us:.1f}**" if splits == chosen else f"{us:.1f}")
         rows.append([batch, topk, tile_name(tiles)] + cells)
         del case
@@ -293,7 +297,7 @@ def run_tile_sweep(l2_bytes: int, num_sms: int) -> str:
         cells = []
         for tiles in TILE_SWEEP:
             if fixed_splits == 1:
-                fn = lambda *a, t=tiles: smt.sparse_mla_decode_head_batched(*a, tiles=t)  # noqa: E731
+                fn = plan_call(tiles, 1)
             else:
                 splits = smt.choose_num_splits(batch, HEADS, topk, num_sms, tiles=tiles)
                 fn = lambda *a, t=tiles, s=splits: smt.sparse_mla_decode_split_k(*a, num_splits=s, tiles=t)  # noqa: E731
@@ -366,10 +370,7 @@ def run_plan_sweep(l2_bytes: int, num_sms: int) -> str:
         chosen = smt.choose_plan(batch, HEADS, topk, num_sms)
         for tiles in smt.candidate_tiles(HEADS, DIM, 2):
             splits = smt.choose_num_splits(batch, HEADS, topk, num_sms, tiles=tiles)
-            if splits == 1:
-                fn = lambda *a, t=tiles: smt.sparse_mla_decode_head_batched(*a, tiles=t)  # noqa: E731
-            else:
-                fn = lambda *a, t=tiles, s=splits: smt.sparse_mla_decode_split_k(*a, num_splits=s, tiles=t, pdl=pdl)  # noqa: E731
+            fn = plan_call(tiles, splits, pdl)
             check_against_reference(f"plan candidate {tiles}", fn, case)
             us, _ = time_per_call_us(fn, case)
             estimate = smt.estimated_us(batch, HEADS, topk, DIM, 2, num_sms, tiles, splits)
@@ -383,7 +384,7 @@ PARTS = ("main", "split", "tiles", "fused", "plan")  # the main table with its a
 
 
 def run(copy_gbs: float, parts: tuple[str, ...] = PARTS) -> str:
-    """The section's markdown; `parts` picks tables (all of them take ~10 minutes on an H200)."""
+    """The section's markdown; `parts` picks tables (all five take ~12 minutes on an H200)."""
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise ValueError(f"unknown parts {unknown}; choose from {list(PARTS)}")
