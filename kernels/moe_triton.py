@@ -21,6 +21,7 @@ finely enough to give every SM several programs.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -98,13 +99,15 @@ def _deepest_k(rows: int, elem_bytes: int, k: int, stage_bytes: int) -> int:
     return 16
 
 
+@functools.lru_cache(maxsize=None)
 def choose_tiles(
     num_pairs: int, num_experts: int, dim: int, inter: int, elem_bytes: int, num_sms: int,
     shared_memory: int = SM90_SHARED_MEMORY_PER_BLOCK,
 ) -> MoeTiles:
     """Tiles from static shapes: block_m fits the expected pairs per expert (16..64), the N tiles
     are as wide as the SM count allows, the K tiles as deep as the per-stage budget allows.
-    shared_memory: bytes one program may use, which decides whether the wide gate/up tiles fit."""
+    shared_memory: bytes one program may use, which decides whether the wide gate/up tiles fit.
+    Memoised (a pure function of its arguments), as every eager call asks it again."""
     active = max(1, min(num_pairs, num_experts))
     block_m = min(64, _pow2_at_least(triton.cdiv(num_pairs, active), 16))
     stages = MoeTiles.__dataclass_fields__["num_stages"].default
