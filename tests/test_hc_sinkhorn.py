@@ -152,8 +152,8 @@ def test_interpreter_active():
 @pytest.mark.parametrize("batch", [1, 3, 33])
 @pytest.mark.parametrize("iters", [1, 20])
 def test_triton_matches_fp64_and_reference(batch, hc, iters):
-    """B=33 spans two programs of the hc=4 kernel (32 tokens each) and nine of the general one at
-    hc=8 (4 tokens each), with a masked tail."""
+    """B=33 spans three programs at hc=4 (16 tokens each) and nine at hc=8 (4 tokens each), with
+    a masked tail; the per-token hc=4 kernel is covered by test_both_kernels_at_hc4_match_fp64."""
     mixes, scale, base = random_inputs(batch, hc, seed=batch * 1000 + hc * 10 + iters)
     outputs = hc_split_sinkhorn(mixes, scale, base, hc, iters, V4_EPS, impl="triton")
     label = f"triton B={batch} hc={hc} iters={iters}"
@@ -167,8 +167,8 @@ def test_triton_matches_fp64_and_reference(batch, hc, iters):
 @interpreter
 @pytest.mark.parametrize("batch", [1, 33])
 def test_both_kernels_at_hc4_match_fp64(batch):
-    """hc=4 has two kernels (one token per thread by default, the general one for comparison);
-    both compute the same function."""
+    """hc=4 has two kernels (the general one by default, one token per thread opt-in; B=33 spans
+    two programs of the latter, 32 tokens each); both compute the same function."""
     mixes, scale, base = random_inputs(batch, V4_HC, seed=500 + batch)
     *expected, _ = split_sinkhorn_fp64(mixes, scale, base, V4_HC, V4_ITERS, V4_EPS)
     for per_token in (True, False):
