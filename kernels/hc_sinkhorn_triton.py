@@ -5,9 +5,10 @@ Each program takes BLOCK_B tokens. It loads their mixes, writes pre and post, an
 normalisation: a row sum is a reduction over the last axis, a column sum over the middle one, so
 no step has to go through memory. At hc=4 (V4) an opt-in second kernel gives each thread one
 whole token: its 16 cells are 16 values, so every sum is three adds in one thread instead of a
-cross-thread reduction; on the H200 it is nevertheless twice as slow (docs/kernels.md). Math is fp32 throughout, divisions rounded as torch's. hc and
-the iteration count are compile-time constants (the model uses one pair). The launch depends on
-B and those only and allocates nothing but the outputs, so the op can be captured in a CUDA graph.
+cross-thread reduction; on the H200 it is nevertheless twice as slow (docs/kernels.md). Math is
+fp32 throughout, divisions rounded as torch's. hc and the iteration count are compile-time
+constants (the model uses one pair). The launch depends on B and those only and allocates nothing
+but the outputs, so the op can be captured in a CUDA graph.
 """
 from __future__ import annotations
 

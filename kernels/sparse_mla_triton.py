@@ -453,14 +453,11 @@ def choose_plan(
     """Tiles and split count of the default path: a pure function of the shapes and the SM count
     (CUDA-graph safe), the pair with the lowest estimated time. Memoised: ranking every candidate
     takes ~0.2-0.8 ms of Python, which eager calls would otherwise pay per layer."""
-    candidates = candidate_tiles(heads, head_dim, itemsize)
-    costs = [
-        (estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles, splits), index, splits)
-        for index, tiles in enumerate(candidates)
-        for splits in _split_candidates(batch, heads, topk, num_sms, tiles)
-    ]
-    _, index, splits = min(costs)
-    return candidates[index], splits
+    shape = (batch, heads, topk, num_sms, head_dim, itemsize)
+    plans = [(tiles, _best_splits(*shape, tiles)) for tiles in candidate_tiles(heads, head_dim, itemsize)]
+    # min keeps the first of equal estimates: the candidates' order breaks ties, as _best_splits
+    # breaks them towards fewer splits.
+    return min(plans, key=lambda plan: estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, *plan))
 
 
 def choose_tiles(batch: int, heads: int, topk: int, num_sms: int, head_dim: int = 512, itemsize: int = 2) -> TileConfig:
