@@ -77,6 +77,9 @@ def test_cpu_run_end_to_end(tmp_path):
         # fp32: compiled equals eager up to summation order (one step from the same state).
         assert row["checks"]["fuse"]["max_relative_error"] < 1e-4
         assert row["checks"]["fuse"]["top1_agreement"] == 1.0
+        # the yardstick ran: eager with padding rows against eager, finite and as small in fp32
+        noise = row["checks"][bench.YARDSTICK]
+        assert 0 <= noise["max_relative_error"] < 1e-4 and noise["top1_agreement"] == 1.0
         assert row["fuse"]["ms"] > 0 and row["eager"]["ms"] > 0 and row["floor_ms"] > 0
     assert result["variants"]["fuse"]["compiles"] >= 1 and result["variants"]["eager"]["compiles"] == 0
 
@@ -86,6 +89,29 @@ def test_cpu_run_end_to_end(tmp_path):
     fuse_ms = result["rows"][1]["fuse"]["ms"]
     assert f"| 88 | 4 | {result['rows'][1]['eager']['ms']:.2f} | {fuse_ms:.2f} |" in markdown
     assert os.path.getsize(tmp_path / "bench.png") > 1000
+    assert f"| context | batch | {bench.YARDSTICK} max rel. error / top-1 agree | fuse max rel. error" in markdown
+
+
+def test_yardstick_changes_only_the_summation_order(tiny, monkeypatch):
+    """The padded eager step that calibrates the accuracy table: its rows for the real sequences
+    are the unpadded step's (up to summation order), and the next step after the checks sees the
+    state they started from (cache rows a repeated step rewrites and the scratch slot aside)."""
+    inputs = bench.step_inputs(2, 40, tiny.config.vocab_size, tiny.device, seed=3)
+    before = {n: b.clone() for n, b in tiny.named_buffers()}
+    with pytest.raises(ValueError, match="yardstick pads the batch to 65 rows: build the decoder with max_batch >= 65"):
+        bench.check_against_eager({}, tiny, inputs)  # 4 slots: no room for the padding rows
+    big = Decoder(tiny.config, max_batch=65, max_seq_len=96, dtype=torch.float32).init_random(0)
+    bench.synthesize_context(big, seed=1)
+    big_before = {n: b.clone() for n, b in big.named_buffers()}
+    checks = bench.check_against_eager({}, big, inputs)
+    assert list(checks) == [bench.YARDSTICK]
+    assert checks[bench.YARDSTICK]["max_relative_error"] < 1e-4
+    after_checks = big.step(*inputs)
+    for name, buf in big.named_buffers():
+        buf.copy_(big_before[name])
+    assert torch.equal(after_checks, big.step(*inputs))
+    for name, buf in tiny.named_buffers():
+        assert torch.equal(buf, before[name]), name  # the failed call changed nothing
 
 
 def test_bad_settings_are_named():
