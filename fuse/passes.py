@@ -21,6 +21,13 @@ aten, prims = torch.ops.aten, torch.ops.prims
 
 # A batched product this shallow is cheaper unrolled into pointwise code than as a GEMM call.
 MAX_UNROLLED_DEPTH = 16
+# A skinny product at least twice this deep is summed in pieces of this depth (at most
+# MAX_PIECES): at decode batches its M x N outputs are too few programs to stream the weight
+# (24 outputs of 16384 values for the hyper-connection mixes), and M x pieces x N are enough.
+# The pieces' sum is over at most 8 values, which Inductor writes as pointwise code fused into
+# the consumer.
+PIECE_DEPTH = 2048
+MAX_PIECES = 8
 
 
 class SkinnyProducts(CustomGraphPass):
@@ -32,7 +39,8 @@ class SkinnyProducts(CustomGraphPass):
         self.max_columns = max_columns
 
     def uuid(self) -> str:
-        return f"fuse.passes.SkinnyProducts(max_columns={self.max_columns}, depth={MAX_UNROLLED_DEPTH}) v1"
+        return (f"fuse.passes.SkinnyProducts(max_columns={self.max_columns}, depth={MAX_UNROLLED_DEPTH}, "
+                f"pieces={PIECE_DEPTH}x{MAX_PIECES}) v2")
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.max_columns <= 0:
@@ -45,8 +53,13 @@ class SkinnyProducts(CustomGraphPass):
             if va is None or vb is None or va.dtype != vb.dtype:
                 continue
             if node.target is aten.mm.default and statically_known_true(vb.shape[1] <= self.max_columns):
-                # [M, 1, K] * [1, N, K] (b transposed), summed over K
-                _replace_by_sum(graph, node, a_dim=1, b_transpose=True, b_dim=0, sum_dim=-1)
+                pieces = _pieces(va, vb)
+                if pieces > 1:
+                    # [M, S, 1, K/S] * [1, S, N, K/S], summed over K/S, then over the S pieces
+                    _replace_by_piecewise_sum(graph, node, pieces)
+                else:
+                    # [M, 1, K] * [1, N, K] (b transposed), summed over K
+                    _replace_by_sum(graph, node, a_dim=1, b_transpose=True, b_dim=0, sum_dim=-1)
             elif node.target is aten.bmm.default and statically_known_true(va.shape[2] <= MAX_UNROLLED_DEPTH):
                 # [B, M, K, 1] * [B, 1, K, N], summed over K
                 _replace_by_sum(graph, node, a_dim=-1, b_transpose=False, b_dim=1, sum_dim=2)
@@ -58,16 +71,7 @@ def _replace_by_sum(graph: torch.fx.Graph, node: torch.fx.Node, a_dim: int, b_tr
     in fp32, b' = b transposed if b_transpose else b, cast back to the product's dtype."""
     a, b = node.args
     dtype = node.meta["val"].dtype
-    fake_mode = node.meta["val"].fake_mode
-
-    def emit(target, *args):
-        with fake_mode:
-            value = target(*[arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg for arg in args])
-        new = graph.call_function(target, args)
-        new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
-        new.meta["val"] = value
-        return new
-
+    emit = _emitter(graph, node)
     with graph.inserting_before(node):
         if b_transpose:
             b = emit(aten.permute.default, b, [1, 0])
@@ -80,3 +84,57 @@ def _replace_by_sum(graph: torch.fx.Graph, node: torch.fx.Node, a_dim: int, b_tr
             out = emit(prims.convert_element_type.default, out, dtype)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
+
+
+def _pieces(va: torch.Tensor, vb: torch.Tensor) -> int:
+    """Pieces of K for mm(a, b): the most (a power of two, at most MAX_PIECES) that divide K into
+    pieces of at least PIECE_DEPTH, where a and b^T are contiguous (the pieces are views); else 1."""
+    k = va.shape[1]
+    contiguous = statically_known_true(va.stride(1) == 1) and statically_known_true(va.stride(0) == k)
+    transposed = statically_known_true(vb.stride(0) == 1) and statically_known_true(vb.stride(1) == k)
+    if not isinstance(k, int) or not (contiguous and transposed):
+        return 1
+    pieces = 1
+    while pieces < MAX_PIECES and k % (pieces * 2) == 0 and k // (pieces * 2) >= PIECE_DEPTH:
+        pieces *= 2
+    return pieces
+
+
+def _replace_by_piecewise_sum(graph: torch.fx.Graph, node: torch.fx.Node, pieces: int) -> None:
+    """Replace mm(a [M, K], b [K, N]) by the sum over the pieces of the sums over K / pieces, in
+    fp32, cast back to the product's dtype."""
+    a, b = node.args
+    n, k = b.meta["val"].shape[1], a.meta["val"].shape[1]
+    depth = k // pieces
+    dtype = node.meta["val"].dtype
+    emit = _emitter(graph, node)
+    with graph.inserting_before(node):
+        a = emit(aten.view.default, a, [-1, pieces, 1, depth])  # [M, S, 1, D]
+        b = emit(aten.permute.default, b, [1, 0])  # [N, K]
+        b = emit(aten.view.default, b, [n, pieces, depth])
+        b = emit(aten.unsqueeze.default, emit(aten.permute.default, b, [1, 0, 2]), 0)  # [1, S, N, D]
+        if dtype != torch.float32:
+            a = emit(prims.convert_element_type.default, a, torch.float32)
+            b = emit(prims.convert_element_type.default, b, torch.float32)
+        per_piece = emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, a, b), [-1])  # [M, S, N]
+        out = emit(aten.sum.dim_IntList, per_piece, [1])
+        if dtype != torch.float32:
+            out = emit(prims.convert_element_type.default, out, dtype)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+
+
+def _emitter(graph: torch.fx.Graph, node: torch.fx.Node):
+    """emit(target, *args): a new call node (inserted where the graph's insertion point is) with
+    its fake value computed and the replaced node's other metadata."""
+    fake_mode = node.meta["val"].fake_mode
+
+    def emit(target, *args):
+        with fake_mode:
+            value = target(*[arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg for arg in args])
+        new = graph.call_function(target, args)
+        new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
+        new.meta["val"] = value
+        return new
+
+    return emit
