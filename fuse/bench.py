@@ -10,6 +10,8 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
                    default; for the compile-time / step-time trade-off).
   fuse-pdl         `fuse.compile_decode(pdl=True)`: fuse with programmatic dependent launch of
                    Inductor's kernels (Hopper and later; not run by default).
+  fuse-pieces      `fuse.compile_decode(skinny_product_piece_depth=PIECE_DEPTH)`: fuse with deep
+                   skinny products summed in pieces of K (not run by default).
 Caches are filled with random rows as if every sequence were `context` tokens in (decode cost
 depends on the positions, not on the values). The floor is the bytes a step must read (weights
 it touches, attended KV rows, the indexer cache) over a copy bandwidth measured in the same run.
@@ -38,9 +40,11 @@ from fuse.runner import _dynamo_totals, compile_decode
 from kernels.linear import MAX_ROWS
 from model import Decoder, ModelConfig
 
-VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-pdl")
+VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-pdl", "fuse-pieces")
 # Variants that compile the same blocks: Dynamo would share their cache entries in one process.
-COMPILE_DECODE_VARIANTS = ("fuse", "fuse-static", "fuse-pdl")
+COMPILE_DECODE_VARIANTS = ("fuse", "fuse-static", "fuse-pdl", "fuse-pieces")
+# The piece depth fuse-pieces tries (fuse/passes.py): the mixes' 16384 values in 8 pieces.
+PIECE_DEPTH = 2048
 DEFAULT_VARIANTS = VARIANTS[:4]
 START_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 YARDSTICK = "eager, padded"  # the accuracy checks' key for eager with padding rows
@@ -180,7 +184,8 @@ def build_variant(name: str, decoder: Decoder, batches: tuple[int, ...], warm_in
         elif name in ("eager-graphs",) + COMPILE_DECODE_VARIANTS:
             runner = compile_decode(
                 decoder, buckets=batches, compile=name != "eager-graphs", dynamic_batch=name != "fuse-static",
-                pdl=name == "fuse-pdl", progress=False,
+                pdl=name == "fuse-pdl", skinny_product_piece_depth=PIECE_DEPTH if name == "fuse-pieces" else 0,
+                progress=False,
             )
             run = runner.run_checked
             note = runner.describe().replace("\n", "; ")

@@ -21,26 +21,28 @@ aten, prims = torch.ops.aten, torch.ops.prims
 
 # A batched product this shallow is cheaper unrolled into pointwise code than as a GEMM call.
 MAX_UNROLLED_DEPTH = 16
-# A skinny product at least twice this deep is summed in pieces of this depth (at most
-# MAX_PIECES): at decode batches its M x N outputs are too few programs to stream the weight
-# (24 outputs of 16384 values for the hyper-connection mixes), and M x pieces x N are enough.
-# The pieces' sum is over at most 8 values, which Inductor writes as pointwise code fused into
-# the consumer.
-PIECE_DEPTH = 2048
+# At most this many pieces of K for a skinny product (SkinnyProducts' piece_depth): their sum
+# is then over at most 8 values, which Inductor writes as pointwise code fused into the consumer.
 MAX_PIECES = 8
 
 
 class SkinnyProducts(CustomGraphPass):
     """mm(a [M, K], b [K, N]) with N <= max_columns, and bmm with a contraction depth <=
     MAX_UNROLLED_DEPTH, become multiply-and-sum in fp32 (the dtype of a GEMM's accumulator),
-    cast back to the product's dtype. max_columns = 0 leaves every product alone."""
+    cast back to the product's dtype. max_columns = 0 leaves every product alone.
 
-    def __init__(self, max_columns: int):
+    piece_depth > 0: an mm at least 2 x piece_depth deep is summed in pieces of K first (at most
+    MAX_PIECES), then over the pieces: at decode batches its M x N outputs are too few programs
+    to stream b (24 outputs of 16384 values for the hyper-connection mixes at batch 1), M x
+    pieces x N are more."""
+
+    def __init__(self, max_columns: int, piece_depth: int = 0):
         self.max_columns = max_columns
+        self.piece_depth = piece_depth
 
     def uuid(self) -> str:
         return (f"fuse.passes.SkinnyProducts(max_columns={self.max_columns}, depth={MAX_UNROLLED_DEPTH}, "
-                f"pieces={PIECE_DEPTH}x{MAX_PIECES}) v2")
+                f"piece_depth={self.piece_depth}x{MAX_PIECES}) v2")
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.max_columns <= 0:
@@ -53,7 +55,7 @@ class SkinnyProducts(CustomGraphPass):
             if va is None or vb is None or va.dtype != vb.dtype:
                 continue
             if node.target is aten.mm.default and statically_known_true(vb.shape[1] <= self.max_columns):
-                pieces = _pieces(va, vb)
+                pieces = _pieces(va, vb, self.piece_depth)
                 if pieces > 1:
                     # [M, S, 1, K/S] * [1, S, N, K/S], summed over K/S, then over the S pieces
                     _replace_by_piecewise_sum(graph, node, pieces)
@@ -86,16 +88,19 @@ def _replace_by_sum(graph: torch.fx.Graph, node: torch.fx.Node, a_dim: int, b_tr
     graph.erase_node(node)
 
 
-def _pieces(va: torch.Tensor, vb: torch.Tensor) -> int:
+def _pieces(va: torch.Tensor, vb: torch.Tensor, piece_depth: int) -> int:
     """Pieces of K for mm(a, b): the most (a power of two, at most MAX_PIECES) that divide K into
-    pieces of at least PIECE_DEPTH, where a and b^T are contiguous (the pieces are views); else 1."""
+    pieces of at least piece_depth, where a and b^T are contiguous (the pieces are views); else
+    1, and always 1 for piece_depth = 0."""
     k = va.shape[1]
+    if piece_depth <= 0:
+        return 1
     contiguous = statically_known_true(va.stride(1) == 1) and statically_known_true(va.stride(0) == k)
     transposed = statically_known_true(vb.stride(0) == 1) and statically_known_true(vb.stride(1) == k)
     if not isinstance(k, int) or not (contiguous and transposed):
         return 1
     pieces = 1
-    while pieces < MAX_PIECES and k % (pieces * 2) == 0 and k // (pieces * 2) >= PIECE_DEPTH:
+    while pieces < MAX_PIECES and k % (pieces * 2) == 0 and k // (pieces * 2) >= piece_depth:
         pieces *= 2
     return pieces
 

@@ -51,6 +51,10 @@ class CompileOptions:
     # in) saves a kernel but took 23-32 us per call on the H200, against 7 us for the fp32 GEMM
     # plus 3 us for the rotary kernel before it.
     skinny_product_columns: int = 64
+    # > 0: skinny products at least twice this deep are summed in pieces of K of at least this
+    # depth, then over the pieces (fuse/passes.py), so that batch 1's few outputs still spread
+    # over the SMs. Off by default until measured against the unsplit reductions on a GPU.
+    skinny_product_piece_depth: int = 0
     # Programmatic dependent launch for Inductor's kernels (Hopper and later): inside the captured
     # graph each kernel is launched while the one before it finishes and waits on the device for
     # its results, hiding the launch gap between the step's many short kernels.
@@ -65,6 +69,8 @@ class CompileOptions:
         if not self.buckets or any(int(b) < 1 for b in self.buckets):
             raise ValueError(f"buckets must be positive batch sizes, got {self.buckets}")
         object.__setattr__(self, "buckets", tuple(sorted({int(b) for b in self.buckets})))
+        if self.skinny_product_piece_depth < 0:
+            raise ValueError(f"skinny_product_piece_depth must be >= 0 (0: no pieces), got {self.skinny_product_piece_depth}")
         if self.pdl and not self.compile:
             raise ValueError("pdl=True launches Inductor's kernels; with compile=False there are none")
         if self.mode and "reduce-overhead" in self.mode:
@@ -91,7 +97,7 @@ def compile_backend(options: CompileOptions, device: torch.device) -> Callable:
             "inductor_options sets post_grad_custom_pre_pass, where compile_decode runs its own pass "
             "(set skinny_product_columns=0 and compile the model yourself to use another)"
         )
-    config["post_grad_custom_pre_pass"] = SkinnyProducts(options.skinny_product_columns)
+    config["post_grad_custom_pre_pass"] = SkinnyProducts(options.skinny_product_columns, options.skinny_product_piece_depth)
 
     def backend(graph: torch.fx.GraphModule, example_inputs):
         return compile_fx(graph, example_inputs, config_patches=dict(config))

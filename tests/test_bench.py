@@ -119,6 +119,8 @@ def test_bad_settings_are_named():
         bench.BenchSettings(variants=("eager-graph",))
     with pytest.raises(ValueError, match="fuse and fuse-static would share"):
         bench.BenchSettings(variants=("fuse", "fuse-static"))
+    with pytest.raises(ValueError, match="fuse and fuse-pieces would share"):
+        bench.BenchSettings(variants=("fuse", "fuse-pieces"))
     with pytest.raises(ValueError, match="fuse and fuse-pdl would share"):
         bench.BenchSettings(variants=("eager-graphs", "fuse", "fuse-pdl"))
     with pytest.raises(ValueError, match="batches and contexts must be positive"):

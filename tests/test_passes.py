@@ -9,7 +9,8 @@ import fuse
 from torch._dynamo.utils import counters
 
 from fuse.launches import count_launches
-from fuse.passes import MAX_PIECES, PIECE_DEPTH, _pieces
+from fuse.bench import PIECE_DEPTH  # the depth the fuse-pieces variant tries
+from fuse.passes import MAX_PIECES, _pieces
 from fuse.runner import compile_backend
 
 CPU = torch.device("cpu")
@@ -60,8 +61,8 @@ def test_bf16_products_accumulate_in_fp32():
 
 @pytest.mark.parametrize("dtype, symbolic_rows", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
 def test_deep_skinny_products_are_summed_in_pieces(dtype, symbolic_rows):
-    """A skinny product PIECE_DEPTH x 4 deep (the mixes' shape, smaller): summed over 4 pieces of
-    K, then over the pieces; no GEMM call left, and the product's value."""
+    """A skinny product 4 x piece_depth deep (the mixes' shape, smaller): summed over 4 pieces
+    of K, then over the pieces; no GEMM call left, and the product's value."""
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(8)
     k = 4 * PIECE_DEPTH
@@ -71,7 +72,7 @@ def test_deep_skinny_products_are_summed_in_pieces(dtype, symbolic_rows):
     def record(graph):
         seen.extend(tuple(n.meta["val"].shape) for n in graph.nodes if n.target is torch.ops.aten.sum.dim_IntList)
 
-    options = fuse.CompileOptions(inductor_options={})
+    options = fuse.CompileOptions(skinny_product_piece_depth=PIECE_DEPTH)
     backend = compile_backend(options, CPU)
     skinny = backend.config_patches["post_grad_custom_pre_pass"]
 
@@ -80,7 +81,7 @@ def test_deep_skinny_products_are_summed_in_pieces(dtype, symbolic_rows):
             super().__call__(graph)
             record(graph)
 
-    backend.config_patches["post_grad_custom_pre_pass"] = Recording(skinny.max_columns)
+    backend.config_patches["post_grad_custom_pre_pass"] = Recording(skinny.max_columns, skinny.piece_depth)
     backend.config_patches["fx_graph_cache"] = False  # a cache hit would skip the pass
     fn = torch.compile(lambda a, b: a @ b.t(), backend=backend, fullgraph=True)
     if symbolic_rows:
@@ -103,7 +104,15 @@ def test_shallow_or_strided_skinny_products_are_not_split():
         (torch.randn(3, 64 * PIECE_DEPTH), torch.randn(24, 64 * PIECE_DEPTH).t(), MAX_PIECES),  # capped
     ]
     for a, b, pieces in cases:
-        assert _pieces(a, b) == pieces
+        assert _pieces(a, b, PIECE_DEPTH) == pieces
+    assert _pieces(*cases[2][:2], 0) == 1  # piece_depth 0: the default, no pieces
+
+
+def test_default_options_sum_skinny_products_whole():
+    assert fuse.CompileOptions().skinny_product_piece_depth == 0
+    assert compile_backend(fuse.CompileOptions(), CPU).config_patches["post_grad_custom_pre_pass"].piece_depth == 0
+    with pytest.raises(ValueError, match="skinny_product_piece_depth must be >= 0"):
+        fuse.CompileOptions(skinny_product_piece_depth=-1)
 
 
 def test_a_users_post_grad_pre_pass_is_refused():
