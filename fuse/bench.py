@@ -35,9 +35,8 @@ from typing import Callable
 import torch
 
 from fuse.launches import call_ms
-from fuse.report import padded_inputs, relative_error, restore_point
+from fuse.report import padded_batch_size, padded_inputs, relative_error, restore_point
 from fuse.runner import _dynamo_totals, compile_decode
-from kernels.linear import MAX_ROWS
 from model import Decoder, ModelConfig
 
 VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-pdl", "fuse-pieces")
@@ -235,16 +234,16 @@ def check_against_eager(variants: dict[str, Variant], decoder: Decoder, inputs: 
     eager step with padding rows added, which changes only kernel choices and summation orders
     (fuse/report.py); in bf16 a random-weight model amplifies such differences, so a variant's
     numbers mean something only next to it."""
-    padded_batch = padded_inputs(decoder, *inputs)
-    if len(padded_batch[0]) > decoder.max_batch:
+    rows = padded_batch_size(len(inputs[0]))
+    if rows > decoder.max_batch:
         raise ValueError(
-            f"the accuracy yardstick pads the batch to {len(padded_batch[0])} rows: build the decoder with "
-            f"max_batch >= {len(padded_batch[0])} (it has {decoder.max_batch})"
+            f"the accuracy yardstick pads the batch to {rows} rows: build the decoder with "
+            f"max_batch >= {rows} (it has {decoder.max_batch})"
         )
     restore = restore_point(decoder)
     expected = decoder.step(*inputs).float()
     restore()
-    padded = decoder.step(*padded_batch)[: len(inputs[0])].float()
+    padded = decoder.step(*padded_inputs(decoder, *inputs))[: len(inputs[0])].float()
     checks = {YARDSTICK: accuracy(padded, expected)}
     for name, variant in variants.items():
         if name == "eager":
@@ -335,9 +334,8 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
     }
     cfg = settings.config()
     batches = tuple(sorted(set(settings.batches)))
-    # room for the yardstick's padded step (more rows than the decode projections' kernel takes)
-    max_batch = max(max(batches) + 1, MAX_ROWS + 1)
-    decoder = Decoder(cfg, max_batch=max_batch, max_seq_len=max(settings.contexts) + 8, dtype=settings.dtype, device=settings.device)
+    # room for the yardstick's padded step
+    decoder = Decoder(cfg, max_batch=padded_batch_size(max(batches)), max_seq_len=max(settings.contexts) + 8, dtype=settings.dtype, device=settings.device)
     decoder.init_random(settings.seed)
     synthesize_context(decoder, settings.seed + 1)
     result["layers"] = cfg.n_layers

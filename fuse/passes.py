@@ -72,20 +72,12 @@ def _replace_by_sum(graph: torch.fx.Graph, node: torch.fx.Node, a_dim: int, b_tr
     """Replace the product node(a, b) by sum(unsqueeze(a, a_dim) * unsqueeze(b', b_dim), sum_dim)
     in fp32, b' = b transposed if b_transpose else b, cast back to the product's dtype."""
     a, b = node.args
-    dtype = node.meta["val"].dtype
     emit = _emitter(graph, node)
     with graph.inserting_before(node):
         if b_transpose:
             b = emit(aten.permute.default, b, [1, 0])
         a, b = emit(aten.unsqueeze.default, a, a_dim), emit(aten.unsqueeze.default, b, b_dim)
-        if dtype != torch.float32:
-            a = emit(prims.convert_element_type.default, a, torch.float32)
-            b = emit(prims.convert_element_type.default, b, torch.float32)
-        out = emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, a, b), [sum_dim])
-        if dtype != torch.float32:
-            out = emit(prims.convert_element_type.default, out, dtype)
-    node.replace_all_uses_with(out)
-    graph.erase_node(node)
+        _replace_in_its_dtype(graph, node, emit, _fp32_sum_of_products(emit, a, b, sum_dim))
 
 
 def _pieces(va: torch.Tensor, vb: torch.Tensor, piece_depth: int) -> int:
@@ -93,11 +85,11 @@ def _pieces(va: torch.Tensor, vb: torch.Tensor, piece_depth: int) -> int:
     pieces of at least piece_depth, where a and b^T are contiguous (the pieces are views); else
     1, and always 1 for piece_depth = 0."""
     k = va.shape[1]
-    if piece_depth <= 0:
+    if piece_depth <= 0 or not isinstance(k, int):
         return 1
     contiguous = statically_known_true(va.stride(1) == 1) and statically_known_true(va.stride(0) == k)
     transposed = statically_known_true(vb.stride(0) == 1) and statically_known_true(vb.stride(1) == k)
-    if not isinstance(k, int) or not (contiguous and transposed):
+    if not (contiguous and transposed):
         return 1
     pieces = 1
     while pieces < MAX_PIECES and k % (pieces * 2) == 0 and k // (pieces * 2) >= piece_depth:
@@ -111,20 +103,29 @@ def _replace_by_piecewise_sum(graph: torch.fx.Graph, node: torch.fx.Node, pieces
     a, b = node.args
     n, k = b.meta["val"].shape[1], a.meta["val"].shape[1]
     depth = k // pieces
-    dtype = node.meta["val"].dtype
     emit = _emitter(graph, node)
     with graph.inserting_before(node):
         a = emit(aten.view.default, a, [-1, pieces, 1, depth])  # [M, S, 1, D]
         b = emit(aten.permute.default, b, [1, 0])  # [N, K]
         b = emit(aten.view.default, b, [n, pieces, depth])
         b = emit(aten.unsqueeze.default, emit(aten.permute.default, b, [1, 0, 2]), 0)  # [1, S, N, D]
-        if dtype != torch.float32:
-            a = emit(prims.convert_element_type.default, a, torch.float32)
-            b = emit(prims.convert_element_type.default, b, torch.float32)
-        per_piece = emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, a, b), [-1])  # [M, S, N]
-        out = emit(aten.sum.dim_IntList, per_piece, [1])
-        if dtype != torch.float32:
-            out = emit(prims.convert_element_type.default, out, dtype)
+        per_piece = _fp32_sum_of_products(emit, a, b, -1)  # [M, S, N]
+        _replace_in_its_dtype(graph, node, emit, emit(aten.sum.dim_IntList, per_piece, [1]))
+
+
+def _fp32_sum_of_products(emit, a: torch.fx.Node, b: torch.fx.Node, sum_dim: int) -> torch.fx.Node:
+    """sum(a * b, sum_dim) in fp32, the dtype of a GEMM's accumulator."""
+    if a.meta["val"].dtype != torch.float32:
+        a = emit(prims.convert_element_type.default, a, torch.float32)
+        b = emit(prims.convert_element_type.default, b, torch.float32)
+    return emit(aten.sum.dim_IntList, emit(aten.mul.Tensor, a, b), [sum_dim])
+
+
+def _replace_in_its_dtype(graph: torch.fx.Graph, node: torch.fx.Node, emit, out: torch.fx.Node) -> None:
+    """Replace node by the fp32 result out, cast back to node's dtype."""
+    dtype = node.meta["val"].dtype
+    if dtype != torch.float32:
+        out = emit(prims.convert_element_type.default, out, dtype)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
 

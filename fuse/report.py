@@ -130,12 +130,18 @@ def one_step_errors(eager, compiled_model, runner, tokens, positions, slots) -> 
     return {"compiled_vs_eager": relative_error(compiled, expected), "eager_padding_noise": relative_error(padded, expected)}
 
 
+def padded_batch_size(batch: int) -> int:
+    """Rows of padded_inputs for a batch of `batch`: at least one padding row, and past the decode
+    GEMM's row limit."""
+    return max(batch + 1, MAX_ROWS + 1)
+
+
 def padded_inputs(eager, tokens, positions, slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's inputs with padding rows appended, enough to pass the decode GEMM's row limit:
     the padded step then runs every projection through the library GEMM rather than
     `v4::grouped_linear`, whose per-row summation order does not depend on the batch (one extra
     row would often change nothing and calibrate nothing)."""
-    rows = max(1, MAX_ROWS + 1 - len(tokens))
+    rows = padded_batch_size(len(tokens)) - len(tokens)
     pad = lambda t, value: torch.cat([t, t.new_full((rows,), value)])
     return pad(tokens, 0), pad(positions, 0), pad(slots, eager.pad_slot)
 

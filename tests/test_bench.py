@@ -92,7 +92,7 @@ def test_cpu_run_end_to_end(tmp_path):
     assert f"| context | batch | {bench.YARDSTICK} max rel. error / top-1 agree | fuse max rel. error" in markdown
 
 
-def test_yardstick_changes_only_the_summation_order(tiny, monkeypatch):
+def test_yardstick_changes_only_the_summation_order(tiny):
     """The padded eager step that calibrates the accuracy table: its rows for the real sequences
     are the unpadded step's (up to summation order), and the next step after the checks sees the
     state they started from (cache rows a repeated step rewrites and the scratch slot aside)."""

@@ -97,7 +97,6 @@ def test_deep_skinny_products_are_summed_in_pieces(dtype, symbolic_rows):
 
 
 def test_shallow_or_strided_skinny_products_are_not_split():
-    g = torch.Generator().manual_seed(9)
     cases = [
         (torch.randn(3, PIECE_DEPTH), torch.randn(PIECE_DEPTH, 24).t().contiguous().t(), 1),  # too shallow
         (torch.randn(3, 4 * PIECE_DEPTH), torch.randn(4 * PIECE_DEPTH, 24), 1),  # b^T not contiguous
