@@ -98,8 +98,9 @@ def floor_bytes(decoder: Decoder, batch: int, context: int) -> dict[str, float]:
     weights = 0.0
     for name, p in decoder.named_parameters():
         nbytes = p.numel() * p.element_size()
-        if name.endswith(("experts.w1", "experts.w2", "experts.w3")):
-            weights += nbytes / cfg.n_routed_experts * expected_experts(cfg.n_routed_experts, cfg.n_activated_experts, batch)
+        if name.endswith(("experts.w1", "experts.w2", "experts.w3")):  # routed experts, then the shared one
+            touched = expected_experts(cfg.n_routed_experts, cfg.n_activated_experts, batch) + 1
+            weights += nbytes / p.shape[0] * touched
         elif name == "embed.weight" or name.endswith("tid2eid"):
             weights += nbytes / p.shape[0] * batch
         else:

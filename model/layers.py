@@ -101,11 +101,15 @@ class FusedLinear(nn.Module):
 def official_parameters(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """named_parameters() as if no projection were fused: in the same order, each FusedLinear's
     weight is replaced by its LinearViews' blocks, each under its official name and at its
-    official place (the views write through to the fused weight)."""
+    official place (the views write through to the fused weight). A module that stores other
+    modules' weights beside its own says which part is its own with `own_parameters()`."""
     for prefix, submodule in module.named_modules():
         dot = prefix + "." if prefix else ""
         if isinstance(submodule, LinearView):
             yield dot + "weight", submodule.weight
+        elif hasattr(submodule, "own_parameters"):
+            for name, param in submodule.own_parameters():
+                yield dot + name, param
         elif not isinstance(submodule, FusedLinear):
             for name, param in submodule.named_parameters(recurse=False):
                 yield dot + name, param

@@ -1,6 +1,6 @@
 """Mixture of experts: hash- or score-routed top-k experts plus one shared expert, all with the
-clamped SwiGLU. Routed experts are stored stacked ([E, out, in]) for the grouped kernel, and
-appear in state_dict() under the official per-expert names."""
+clamped SwiGLU. All experts are stored stacked ([E + 1, out, in], the shared one last) for the
+grouped kernel, and appear in state_dict() under their official names."""
 from __future__ import annotations
 
 import functools
@@ -12,7 +12,7 @@ from torch import nn
 import kernels
 from kernels.moe import swiglu
 from model.config import ModelConfig
-from model.layers import FusedLinear, Linear, LinearView, fp32_linear
+from model.layers import LinearView, fp32_linear
 
 
 def top_k_by_rounds(keys: torch.Tensor, values: torch.Tensor, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -70,52 +70,77 @@ class Gate(nn.Module):
         return weights, ids
 
 
-class RoutedExperts(nn.Module):
-    """Stacked expert weights w1, w3 [E, inter, dim] and w2 [E, dim, inter]."""
+class Experts(nn.Module):
+    """The routed experts 0..E-1 and the shared expert E, stacked: w1, w3 [E+1, inter, dim] and
+    w2 [E+1, dim, inter], so that one grouped kernel runs the shared expert as every token's last
+    pick. The routed experts appear in state_dict() under their official per-expert names; the
+    shared expert's rows belong to MoE.shared_experts, which saves and loads them."""
 
     NAMES = ("w1", "w2", "w3")
 
-    def __init__(self, n_experts: int, dim: int, inter: int, dtype: torch.dtype, device=None):
+    def __init__(self, n_routed: int, dim: int, inter: int, dtype: torch.dtype, device=None):
         super().__init__()
-        self.n_experts = n_experts
+        self.n_routed = n_routed
+        self.shared_index = n_routed
         for name, shape in (("w1", (inter, dim)), ("w2", (dim, inter)), ("w3", (inter, dim))):
-            param = nn.Parameter(torch.empty(n_experts, *shape, dtype=dtype, device=device), requires_grad=False)
+            param = nn.Parameter(torch.empty(n_routed + 1, *shape, dtype=dtype, device=device), requires_grad=False)
             self.register_parameter(name, param)
         self.register_state_dict_post_hook(self._split_per_expert)
         self.register_load_state_dict_pre_hook(self._stack_per_expert)
 
+    def own_parameters(self):
+        """The routed experts' rows (model.layers.official_parameters)."""
+        return [(name, getattr(self, name)[: self.n_routed]) for name in self.NAMES]
+
     @staticmethod
     def _split_per_expert(module, state_dict, prefix, local_metadata):
-        for name in RoutedExperts.NAMES:
+        for name in Experts.NAMES:
             stacked = state_dict.pop(prefix + name)
-            for e in range(module.n_experts):
+            for e in range(module.n_routed):
                 state_dict[f"{prefix}{e}.{name}.weight"] = stacked[e]
 
     @staticmethod
     def _stack_per_expert(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        for name in RoutedExperts.NAMES:
-            keys = [f"{prefix}{e}.{name}.weight" for e in range(module.n_experts)]
+        # The shared row keeps its value here; MoE.shared_experts loads it afterwards.
+        for name in Experts.NAMES:
+            keys = [f"{prefix}{e}.{name}.weight" for e in range(module.n_routed)]
             if all(k in state_dict for k in keys):
-                state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in keys])
+                shared = getattr(module, name)[module.n_routed :].detach()
+                state_dict[prefix + name] = torch.cat([torch.stack([state_dict.pop(k) for k in keys]).to(shared), shared])
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
+        """fp32 sum over each token's picks ids [B, k] (the shared expert among them as
+        `shared_index`) of its expert's output times weights [B, k]."""
         return kernels.moe_experts(x, ids, weights, self.w1, self.w2, self.w3, swiglu_limit)
 
 
-class SharedExpert(nn.Module):
-    """w1 and w3 read the same input: they run as one GEMM (w13), keeping their official names."""
+class ExpertView(LinearView):
+    """One of the shared expert's projections: its row of an Experts stack, saved and loaded under
+    the projection's official name (see LinearView)."""
 
-    def __init__(self, dim: int, inter: int, swiglu_limit: float, dtype: torch.dtype, device=None):
+    def __init__(self, experts: Experts, name: str):
+        out_features, in_features = getattr(experts, name).shape[1:]
+        super().__init__(in_features, out_features)
+        self._stack = (experts, name)  # a tuple, so that the stack is not registered twice
+
+    @property
+    def weight(self) -> torch.Tensor:
+        experts, name = self._stack
+        return getattr(experts, name)[experts.shared_index]
+
+
+class SharedExpert(nn.Module):
+    """The shared expert, whose weights are the last row of the Experts stacks. forward() runs it
+    on its own (the unfused product, for comparison); MoE runs it inside the grouped kernel."""
+
+    def __init__(self, experts: Experts, swiglu_limit: float):
         super().__init__()
         self.swiglu_limit = swiglu_limit
-        self.w1 = LinearView(dim, inter)
-        self.w2 = Linear(inter, dim, dtype, device)
-        self.w3 = LinearView(dim, inter)
-        self.w13 = FusedLinear({"w1": self.w1, "w3": self.w3}, dtype, device)
+        self.w1, self.w2, self.w3 = (ExpertView(experts, name) for name in Experts.NAMES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.w13(x)
-        return self.w2(swiglu(h["w1"], h["w3"], self.swiglu_limit).to(x.dtype))
+        h = swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
+        return self.w2(h.to(x.dtype))
 
 
 class MoE(nn.Module):
@@ -123,10 +148,13 @@ class MoE(nn.Module):
         super().__init__()
         self.swiglu_limit = cfg.swiglu_limit
         self.gate = Gate(cfg, layer_id < cfg.n_hash_layers, dtype, device)
-        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, dtype, device)
-        self.shared_experts = SharedExpert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, dtype, device)
+        self.experts = Experts(cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, dtype, device)
+        self.shared_experts = SharedExpert(self.experts, cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, tokens)
-        routed = self.experts(x, ids, weights, self.swiglu_limit)  # fp32 sum of per-expert outputs
-        return (routed + self.shared_experts(x).float()).to(x.dtype)
+        # The shared expert is every token's last pick with weight 1 (exact in the fp32 SwiGLU),
+        # so the fp32 sum is the official one: the routed picks, then the shared output.
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], self.experts.shared_index)], 1)
+        weights = torch.cat([weights, torch.ones_like(weights[:, :1])], 1)
+        return self.experts(x, ids, weights, self.swiglu_limit).to(x.dtype)

@@ -1,9 +1,11 @@
-"""The compiled gate's top-k (rounds of argmax) against torch.topk + gather."""
+"""The compiled gate's top-k (rounds of argmax) against torch.topk + gather, and the MoE layer's
+shared expert run inside the grouped experts against it run alone."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from model import Decoder, ModelConfig
 from model.moe import top_k_by_rounds
 
 
@@ -41,3 +43,22 @@ def test_compiled_gate_matches_eager_gate():
     compiled_weights, compiled_ids = torch.compile(gate, fullgraph=True)(x, None)
     assert torch.equal(compiled_ids, ids)
     torch.testing.assert_close(compiled_weights, weights, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 5])  # few pairs (gathered experts) and many (every expert densely)
+def test_shared_expert_in_the_grouped_experts_matches_it_run_alone(dtype, batch):
+    """MoE runs the shared expert as every token's last pick of the expert stacks; the same layer
+    with the routed picks alone plus SharedExpert.forward (its own products) gives the same output."""
+    decoder = Decoder(ModelConfig.preset("tiny"), max_batch=batch, max_seq_len=32, dtype=dtype).init_random(3)
+    generator = torch.Generator().manual_seed(batch)
+    for layer in (0, 3):  # hash-routed and score-routed
+        moe = decoder.layers[layer].ffn
+        x = torch.randn(batch, decoder.config.dim, generator=generator).to(dtype)
+        tokens = torch.randint(0, decoder.config.vocab_size, (batch,), generator=generator)
+        weights, ids = moe.gate(x, tokens)
+        routed = moe.experts(x, ids, weights, moe.swiglu_limit)
+        shared = moe.shared_experts(x).float()
+        assert shared.abs().mean() > 0.1 * routed.abs().mean()  # a contribution a mistake would show
+        tolerance = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the fp32 sum
+        torch.testing.assert_close(moe(x, tokens).float(), (routed + shared).to(dtype).float(), rtol=tolerance, atol=tolerance)
