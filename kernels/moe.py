@@ -24,6 +24,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def with_shared_pick(expert_ids: torch.Tensor, expert_weights: torch.Tensor, shared_expert: int):
+    """ids and weights [B, k+1]: the shared expert appended to every row with weight 1."""
+    ids = torch.cat([expert_ids, torch.full_like(expert_ids[:, :1], shared_expert)], 1)
+    weights = torch.cat([expert_weights.float(), expert_weights.new_ones(expert_weights.shape[0], 1, dtype=torch.float32)], 1)
+    return ids, weights
+
+
 def moe_experts_reference(
     x: torch.Tensor,
     expert_ids: torch.Tensor,
@@ -32,13 +39,17 @@ def moe_experts_reference(
     w2: torch.Tensor,
     w3: torch.Tensor,
     swiglu_limit: float,
+    shared_expert: int = -1,
 ) -> torch.Tensor:
     """Plain-torch reference without host syncs. x [B,D]; expert_ids [B,k]; expert_weights
-    [B,k] fp32; w1, w3 [E,I,D]; w2 [E,D,I]. Returns [B,D] fp32.
+    [B,k] fp32; w1, w3 [E,I,D]; w2 [E,D,I]; shared_expert: -1 or an expert every token runs
+    last with weight 1. Returns [B,D] fp32.
 
     Few pairs: gather the picked experts' weights (reads only those). Many pairs: run every
     expert densely with a zero routing weight for the tokens that did not pick it; a zero
     weight zeroes the intermediate, so the sum is unchanged."""
+    if shared_expert >= 0:
+        expert_ids, expert_weights = with_shared_pick(expert_ids, expert_weights, shared_expert)
     batch, picks = expert_ids.shape
     num_experts = w1.shape[0]
     if batch * picks <= num_experts:
@@ -65,29 +76,33 @@ def moe_experts_op(
     w2: torch.Tensor,
     w3: torch.Tensor,
     swiglu_limit: float,
+    shared_expert: int,
 ) -> torch.Tensor:
-    return moe_experts_reference(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit)
+    return moe_experts_reference(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit, shared_expert)
 
 
 @moe_experts_op.register_fake
-def _(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit):
+def _(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit, shared_expert):
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
 @moe_experts_op.register_kernel("cuda")
-def _(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit):
+def _(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit, shared_expert):
     from kernels.moe_triton import moe_experts_triton  # triton only where the kernel runs
 
-    return moe_experts_triton(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit)
+    return moe_experts_triton(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit, shared_expert)
 
 
 IMPLS = ("auto", "triton", "reference")
 
 
-def moe_experts(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit: float, impl: str = "auto") -> torch.Tensor:
+def moe_experts(
+    x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit: float, impl: str = "auto", shared_expert: int = -1
+) -> torch.Tensor:
     """[B,D] fp32 (see moe_experts_reference). impl: "auto" (the custom op: Triton on CUDA,
     reference on CPU), "triton" (the Triton path directly, e.g. on CPU under
-    TRITON_INTERPRET=1) or "reference"."""
+    TRITON_INTERPRET=1) or "reference". shared_expert: -1, or the expert every token runs after
+    its picks with weight 1."""
     if impl not in IMPLS:
         raise ValueError(f"moe_experts: impl must be one of {IMPLS}, got {impl!r}")
     if x.dim() != 2 or expert_ids.shape != expert_weights.shape or expert_ids.shape[0] != x.shape[0]:
@@ -99,10 +114,13 @@ def moe_experts(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit: float, 
         raise ValueError(
             f"moe_experts: expert weights disagree: w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}, w3 {tuple(w3.shape)}"
         )
+    if not -1 <= shared_expert < w1.shape[0]:
+        raise ValueError(f"moe_experts: shared_expert must be -1 or an expert in [0, {w1.shape[0]}), got {shared_expert}")
+    args = (x, expert_ids, expert_weights, w1, w2, w3, float(swiglu_limit), int(shared_expert))
     if impl == "triton":
         from kernels.moe_triton import moe_experts_triton
 
-        return moe_experts_triton(x, expert_ids, expert_weights, w1, w2, w3, float(swiglu_limit))
+        return moe_experts_triton(*args)
     if impl == "reference":
-        return moe_experts_reference(x, expert_ids, expert_weights, w1, w2, w3, float(swiglu_limit))
-    return moe_experts_op(x, expert_ids, expert_weights, w1, w2, w3, float(swiglu_limit))
+        return moe_experts_reference(*args)
+    return moe_experts_op(*args)

@@ -3,7 +3,7 @@ pairs of the batch, CUDA-graph safe (no host sync, no data-dependent shape).
 
 Pipeline, all on the device:
 
-1. Route: sort the B*k pairs by expert and lay them out in blocks of `block_m` rows, each
+1. Route: sort the B*k pairs (B*(k+1) with a shared expert, every token's last pair) by expert and lay them out in blocks of `block_m` rows, each
    expert's pairs padded to a whole number of blocks. Buffers have the static bound
    B*k + min(E, B*k)*(block_m - 1) rows. Per block: its expert (-1 for unused blocks) and its
    count of real rows. One single-program Triton kernel for decode-sized batches (a sort of the
@@ -130,13 +130,27 @@ def choose_tiles(
 
 
 @triton.jit
+def _pair_expert(ids_ptr, pair, pair_ok, shared_expert, PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr):
+    """Expert of each pair (-1 where not pair_ok). Pairs run token by token; with a shared
+    expert (PAIRS_PER_TOKEN = PICKS + 1) each token's last pair is the shared one."""
+    if PAIRS_PER_TOKEN > PICKS:
+        token = pair // PAIRS_PER_TOKEN
+        pick = pair % PAIRS_PER_TOKEN
+        routed = pick < PICKS
+        expert = tl.load(ids_ptr + token * PICKS + pick, mask=pair_ok & routed, other=-1).to(tl.int32)
+        return tl.where(pair_ok & ~routed, shared_expert, expert)
+    return tl.load(ids_ptr + pair, mask=pair_ok, other=-1).to(tl.int32)
+
+
+@triton.jit
 def _route_pairs_kernel(
     ids_ptr, shift_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
-    num_pairs, num_experts, num_blocks,
+    num_pairs, num_experts, num_blocks, shared_expert,
     BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
+    PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
 ):
     pair = tl.arange(0, PAIRS)
-    expert = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1).to(tl.int32)
+    expert = _pair_expert(ids_ptr, pair, pair < num_pairs, shared_expert, PICKS, PAIRS_PER_TOKEN)
     valid = (pair < num_pairs) & (expert >= 0) & (expert < num_experts)
     counts = tl.histogram(tl.where(valid, expert, 0), EXPERTS, mask=valid)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
@@ -203,33 +217,40 @@ def _route_pairs_torch(flat_ids: torch.Tensor, num_experts: int, block_m: int, n
     )
 
 
-def route_pairs(expert_ids: torch.Tensor, num_experts: int, block_m: int, method: str = "auto") -> PairBlocks:
-    """Group the pairs of expert_ids [B,k] by expert (see PairBlocks). method: "kernel" (one
-    Triton program), "torch", or "auto" (the kernel up to MAX_PAIRS_ONE_PROGRAM pairs)."""
-    flat_ids = expert_ids.reshape(-1)
-    num_pairs = flat_ids.numel()
+def route_pairs(
+    expert_ids: torch.Tensor, num_experts: int, block_m: int, method: str = "auto", shared_expert: int = -1
+) -> PairBlocks:
+    """Group the pairs of expert_ids [B,k] by expert (see PairBlocks); with shared_expert >= 0
+    each token has a last pair on that expert (pair b*(k+1)+k). method: "kernel" (one Triton
+    program), "torch", or "auto" (the kernel up to MAX_PAIRS_ONE_PROGRAM pairs)."""
+    batch, picks = expert_ids.shape
+    pairs_per_token = picks + (shared_expert >= 0)
+    num_pairs = batch * pairs_per_token
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
     if method == "auto":
         method = "kernel" if num_pairs <= MAX_PAIRS_ONE_PROGRAM else "torch"
     if method == "torch":
-        return _route_pairs_torch(flat_ids, num_experts, block_m, num_blocks)
+        if shared_expert >= 0:
+            expert_ids = torch.cat([expert_ids, torch.full_like(expert_ids[:, :1], shared_expert)], 1)
+        return _route_pairs_torch(expert_ids.reshape(-1), num_experts, block_m, num_blocks)
     if method != "kernel":
         raise ValueError(f"route_pairs: unknown method {method!r}")
     if num_pairs > MAX_PAIRS_ONE_PROGRAM:
         raise ValueError(f"route_pairs: the kernel takes at most {MAX_PAIRS_ONE_PROGRAM} pairs, got {num_pairs}")
-    device = flat_ids.device
+    device = expert_ids.device
     experts_pow2 = _pow2_at_least(num_experts, 32)  # at least one histogram bin per lane
     shift = torch.empty(experts_pow2, dtype=torch.int32, device=device)
     sorted_pair = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     block_rows = torch.empty(num_blocks, dtype=torch.int32, device=device)
     _route_pairs_kernel[(1,)](
-        flat_ids, shift, sorted_pair, block_expert, block_rows,
-        num_pairs, num_experts, num_blocks,
+        expert_ids.contiguous(), shift, sorted_pair, block_expert, block_rows,
+        num_pairs, num_experts, num_blocks, shared_expert,
         BLOCK_M=block_m,
         PAIRS=_pow2_at_least(num_pairs, 16),
         EXPERTS=experts_pow2,
         BLOCKS_PER_STEP=max(16, 4096 // experts_pow2),
+        PICKS=picks, PAIRS_PER_TOKEN=pairs_per_token,
         num_warps=4,
     )
     return PairBlocks(sorted_pair, block_expert, block_rows, block_m)
@@ -259,7 +280,7 @@ def _gate_up_kernel(
     stride_w1e, stride_w1n, stride_w1k,
     stride_w3e, stride_w3n, stride_w3k,
     stride_hm, stride_hn,
-    PICKS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -271,7 +292,7 @@ def _gate_up_kernel(
     if expert < 0:
         return
 
-    token = pair // PICKS
+    token = pair // PAIRS_PER_TOKEN
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -305,7 +326,9 @@ def _gate_up_kernel(
     if HAS_LIMIT:
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
         gate = tl.minimum(gate, swiglu_limit)
-    route_w = tl.load(route_w_ptr + pair, mask=row_ok, other=0.0)
+    # Routing weights are [B, PICKS]; the shared expert's pair (pick PICKS) weighs 1.
+    pick = pair % PAIRS_PER_TOKEN
+    route_w = tl.load(route_w_ptr + token * PICKS + pick, mask=row_ok & (pick < PICKS), other=1.0)
     h = gate * tl.sigmoid(gate) * up * route_w[:, None]
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_n[None, :] * stride_hn
     tl.store(h_ptrs, h.to(act_dtype), mask=row_ok[:, None] & n_ok[None, :])
@@ -358,18 +381,21 @@ def _combine_kernel(
     y_ptr, ids_ptr, out_ptr,
     dim, num_experts,
     stride_ym, stride_ob,
-    PICKS: tl.constexpr, BLOCK_N: tl.constexpr,
+    PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < dim
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for pick in tl.static_range(PICKS):
-        pair = token * PICKS + pick
-        expert = tl.load(ids_ptr + pair)
-        routed = (expert >= 0) & (expert < num_experts)  # pairs with an invalid id were never computed
+    for pick in tl.static_range(PAIRS_PER_TOKEN):
+        pair = token * PAIRS_PER_TOKEN + pick
         y = tl.load(y_ptr + pair.to(tl.int64) * stride_ym + offs_n, mask=n_ok, other=0.0)
-        acc += tl.where(routed, y.to(tl.float32), 0.0)
+        if pick < PICKS:
+            expert = tl.load(ids_ptr + token * PICKS + pick)
+            routed = (expert >= 0) & (expert < num_experts)  # pairs with an invalid id were never computed
+            acc += tl.where(routed, y.to(tl.float32), 0.0)
+        else:  # the shared expert's pair
+            acc += y.to(tl.float32)
     tl.store(out_ptr + token.to(tl.int64) * stride_ob + offs_n, acc, mask=n_ok)
 
 
@@ -390,6 +416,7 @@ def moe_experts_triton(
     w2: torch.Tensor,
     w3: torch.Tensor,
     swiglu_limit: float,
+    shared_expert: int = -1,
     tiles: MoeTiles | None = None,
     routing: str = "auto",
 ) -> torch.Tensor:
@@ -402,11 +429,12 @@ def moe_experts_triton(
         raise ValueError(f"moe_experts: expert_ids must be integer, got {expert_ids.dtype}")
     batch, dim = x.shape
     picks = expert_ids.shape[1]
+    pairs_per_token = picks + (shared_expert >= 0)
     num_experts, inter, _ = w1.shape
     out = torch.empty((batch, dim), dtype=torch.float32, device=x.device)
-    if batch == 0 or picks == 0:
+    if batch == 0 or pairs_per_token == 0:
         return out.zero_()
-    num_pairs = batch * picks
+    num_pairs = batch * pairs_per_token
     if tiles is None:
         tiles = choose_tiles(
             num_pairs, num_experts, dim, inter, x.element_size(), num_sms(x.device), shared_memory_per_block(x.device)
@@ -414,7 +442,7 @@ def moe_experts_triton(
 
     ids = expert_ids.contiguous()
     route_w = expert_weights.reshape(-1).to(torch.float32).contiguous()
-    blocks = route_pairs(ids, num_experts, tiles.block_m, routing)
+    blocks = route_pairs(ids, num_experts, tiles.block_m, routing, shared_expert)
     h = torch.empty((blocks.num_blocks * tiles.block_m, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((num_pairs, dim), dtype=x.dtype, device=x.device)
     precision = dot_precision(x.dtype)
@@ -428,7 +456,7 @@ def moe_experts_triton(
         w1.stride(0), w1.stride(1), w1.stride(2),
         w3.stride(0), w3.stride(1), w3.stride(2),
         h.stride(0), h.stride(1),
-        PICKS=picks, HAS_LIMIT=swiglu_limit > 0,
+        PICKS=picks, PAIRS_PER_TOKEN=pairs_per_token, HAS_LIMIT=swiglu_limit > 0,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.up_block_n, BLOCK_K=tiles.up_block_k,
         EVEN_K=dim % tiles.up_block_k == 0, DOT_PRECISION=precision,
         **launch,
@@ -449,7 +477,7 @@ def moe_experts_triton(
         y, ids, out,
         dim, num_experts,
         y.stride(0), out.stride(0),
-        PICKS=picks, BLOCK_N=combine_n,
+        PICKS=picks, PAIRS_PER_TOKEN=pairs_per_token, BLOCK_N=combine_n,
         num_warps=4,
     )
     return out

@@ -72,9 +72,10 @@ class Gate(nn.Module):
 
 class Experts(nn.Module):
     """The routed experts 0..E-1 and the shared expert E, stacked: w1, w3 [E+1, inter, dim] and
-    w2 [E+1, dim, inter], so that one grouped kernel runs the shared expert as every token's last
-    pick. The routed experts appear in state_dict() under their official per-expert names; the
-    shared expert's rows belong to MoE.shared_experts, which saves and loads them."""
+    w2 [E+1, dim, inter], so that the grouped kernel runs the shared expert as every token's last
+    pick (kernels.moe_experts' shared_expert) in the routed experts' launches. The routed
+    experts appear in state_dict() under their official per-expert names; the shared expert's
+    rows belong to MoE.shared_experts, which saves and loads them."""
 
     NAMES = ("w1", "w2", "w3")
 
@@ -109,9 +110,9 @@ class Experts(nn.Module):
                 state_dict[prefix + name] = torch.cat([torch.stack([state_dict.pop(k) for k in keys]).to(shared), shared])
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
-        """fp32 sum over each token's picks ids [B, k] (the shared expert among them as
-        `shared_index`) of its expert's output times weights [B, k]."""
-        return kernels.moe_experts(x, ids, weights, self.w1, self.w2, self.w3, swiglu_limit)
+        """fp32 sum over each token's routed picks ids [B, k] of its expert's output times
+        weights [B, k], then the shared expert's output (its last pick, weight 1)."""
+        return kernels.moe_experts(x, ids, weights, self.w1, self.w2, self.w3, swiglu_limit, shared_expert=self.shared_index)
 
 
 class ExpertView(LinearView):
@@ -153,8 +154,6 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, tokens)
-        # The shared expert is every token's last pick with weight 1 (exact in the fp32 SwiGLU),
-        # so the fp32 sum is the official one: the routed picks, then the shared output.
-        ids = torch.cat([ids, torch.full_like(ids[:, :1], self.experts.shared_index)], 1)
-        weights = torch.cat([weights, torch.ones_like(weights[:, :1])], 1)
+        # The shared expert runs as every token's last pick with weight 1 (exact in the fp32
+        # SwiGLU), so the fp32 sum is the official one: the routed picks, then the shared output.
         return self.experts(x, ids, weights, self.swiglu_limit).to(x.dtype)

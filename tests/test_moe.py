@@ -180,7 +180,48 @@ def test_opcheck_cpu():
     w1, w2, w3 = expert_weights(4, 32, 16, torch.float32, "cpu", seed=60)
     ids, weights = routing("random", 3, 2, 4, "cpu", seed=61)
     x = torch.randn(3, 32)
-    torch.library.opcheck(torch.ops.v4.moe_experts.default, (x, ids, weights, w1, w2, w3, LIMIT))
+    for shared in (-1, 3):
+        torch.library.opcheck(torch.ops.v4.moe_experts.default, (x, ids, weights, w1, w2, w3, LIMIT, shared))
+
+
+@interpreter
+@pytest.mark.parametrize("batch,dtype,routing_method", [(1, torch.float32, "kernel"), (9, torch.float16, "kernel"), (9, torch.float32, "torch")])
+def test_shared_expert_is_every_tokens_last_pick(batch, dtype, routing_method):
+    """shared_expert=s runs expert s for every token with weight 1, after its picks: the same as
+    appending (s, 1) to each row, including where some tokens also routed to s."""
+    num_experts, picks, shared = SMALL["num_experts"], 3, SMALL["num_experts"] - 1
+    w1, w2, w3 = expert_weights(num_experts, SMALL["dim"], SMALL["inter"], dtype, "cpu", seed=110 + batch)
+    ids, weights = routing("random", batch, picks, num_experts, "cpu", seed=111 + batch)
+    ids[0, 0] = shared  # one token picks the shared expert as a routed one too
+    x = torch.randn(batch, SMALL["dim"], generator=torch.Generator().manual_seed(112 + batch)).to(dtype)
+    appended_ids = torch.cat([ids, torch.full((batch, 1), shared, dtype=ids.dtype)], 1)
+    appended_weights = torch.cat([weights, torch.ones(batch, 1)], 1)
+    expected = moe_experts_reference(x, appended_ids, appended_weights, w1, w2, w3, LIMIT)
+    out = moe_triton.moe_experts_triton(x, ids, weights, w1, w2, w3, LIMIT, shared, routing=routing_method)
+    assert_close_to_reference(out, expected, CPU_TOL[dtype])
+    assert_close_to_reference(moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared), expected, 1e-6)
+    without = moe_experts(x, ids, weights, w1, w2, w3, LIMIT, impl="triton")
+    assert (out - without).abs().max() > 0.1 * out.abs().max(), "the shared expert added nothing"
+
+
+@interpreter
+def test_routing_with_a_shared_expert_matches_torch_routing():
+    ids, _ = routing("random", 7, 6, 16, "cpu", seed=120)
+    by_kernel = moe_triton.route_pairs(ids, 16, 16, "kernel", shared_expert=15)
+    by_torch = moe_triton.route_pairs(ids, 16, 16, "torch", shared_expert=15)
+    assert torch.equal(by_kernel.block_expert, by_torch.block_expert)
+    assert torch.equal(by_kernel.block_rows, by_torch.block_rows)
+    for block, count in enumerate(by_kernel.block_rows.tolist()):  # rows past the count are padding
+        rows = slice(block * 16, block * 16 + count)
+        assert torch.equal(by_kernel.sorted_pair[rows], by_torch.sorted_pair[rows])
+    on_shared = [
+        pair
+        for block, (expert, count) in enumerate(zip(by_kernel.block_expert.tolist(), by_kernel.block_rows.tolist()))
+        if expert == 15
+        for pair in by_kernel.sorted_pair[block * 16 : block * 16 + count].tolist()
+    ]
+    routed_to_15 = [b * 7 + j for b in range(7) for j in range(6) if ids[b, j] == 15]
+    assert sorted(on_shared) == sorted(routed_to_15 + [b * 7 + 6 for b in range(7)])  # each token's last pair
 
 
 def test_bad_input_raises():
@@ -197,6 +238,9 @@ def test_bad_input_raises():
         moe_triton.moe_experts_triton(x.half(), ids, weights, w1, w2, w3, LIMIT)
     with pytest.raises(ValueError, match="method"):
         moe_triton.route_pairs(ids, 4, 16, "sorted")
+    for shared in (4, -2):
+        with pytest.raises(ValueError, match=rf"shared_expert must be -1 or an expert in \[0, 4\), got {shared}"):
+            moe_experts(x, ids, weights, w1, w2, w3, LIMIT, shared_expert=shared)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,15 +260,18 @@ def flash_weights():
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize(
-    "pattern,batch",
-    [("random", 1), ("random", 16), ("random", 64), ("one_hot_expert", 64), ("some_experts_idle", 32), ("random", 1000)],
+    "pattern,batch,shared",
+    [
+        ("random", 1, -1), ("random", 16, -1), ("random", 64, -1), ("one_hot_expert", 64, -1), ("some_experts_idle", 32, -1),
+        ("random", 1000, -1), ("random", 1, 15), ("random", 64, 15), ("one_hot_expert", 64, 15), ("random", 1000, 15),
+    ],
 )
-def test_flash_widths_bf16(flash_weights, pattern, batch):
+def test_flash_widths_bf16(flash_weights, pattern, batch, shared):
     w1, w2, w3 = flash_weights
     ids, weights = routing(pattern, batch, FLASH["picks"], FLASH["num_experts"], "cuda", seed=81 + batch)
     x = torch.randn(batch, FLASH["dim"], device="cuda").to(torch.bfloat16)
-    out = moe_experts(x, ids, weights, w1, w2, w3, LIMIT)
-    ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT)
+    out = moe_experts(x, ids, weights, w1, w2, w3, LIMIT, shared_expert=shared)
+    ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared)
     assert_close_to_reference(out, ref, GPU_TOL)
 
 
@@ -261,7 +308,7 @@ def test_no_host_sync_and_opcheck_cuda(flash_weights, batch):
         moe_experts(x, ids, weights, w1, w2, w3, LIMIT, impl="reference")
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    torch.library.opcheck(torch.ops.v4.moe_experts.default, (x, ids, weights, w1, w2, w3, LIMIT))
+    torch.library.opcheck(torch.ops.v4.moe_experts.default, (x, ids, weights, w1, w2, w3, LIMIT, FLASH["num_experts"] - 1))
 
 
 @pytest.mark.parametrize("shared_memory_kib", [227, 163, 99])
