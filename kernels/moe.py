@@ -24,6 +24,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def check_shared_expert(shared_expert: int, num_experts: int) -> None:
+    if not -1 <= shared_expert < num_experts:
+        raise ValueError(f"moe_experts: shared_expert must be -1 or an expert in [0, {num_experts}), got {shared_expert}")
+
+
 def with_shared_pick(expert_ids: torch.Tensor, expert_weights: torch.Tensor, shared_expert: int):
     """ids and weights [B, k+1]: the shared expert appended to every row with weight 1."""
     ids = torch.cat([expert_ids, torch.full_like(expert_ids[:, :1], shared_expert)], 1)
@@ -114,8 +119,7 @@ def moe_experts(
         raise ValueError(
             f"moe_experts: expert weights disagree: w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}, w3 {tuple(w3.shape)}"
         )
-    if not -1 <= shared_expert < w1.shape[0]:
-        raise ValueError(f"moe_experts: shared_expert must be -1 or an expert in [0, {w1.shape[0]}), got {shared_expert}")
+    check_shared_expert(shared_expert, w1.shape[0])
     args = (x, expert_ids, expert_weights, w1, w2, w3, float(swiglu_limit), int(shared_expert))
     if impl == "triton":
         from kernels.moe_triton import moe_experts_triton

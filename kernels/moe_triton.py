@@ -3,9 +3,9 @@ pairs of the batch, CUDA-graph safe (no host sync, no data-dependent shape).
 
 Pipeline, all on the device:
 
-1. Route: sort the B*k pairs (B*(k+1) with a shared expert, every token's last pair) by expert and lay them out in blocks of `block_m` rows, each
-   expert's pairs padded to a whole number of blocks. Buffers have the static bound
-   B*k + min(E, B*k)*(block_m - 1) rows. Per block: its expert (-1 for unused blocks) and its
+1. Route: sort the P = B*k pairs (B*(k+1) with a shared expert: every token's last pair) by
+   expert and lay them out in blocks of `block_m` rows, each expert's pairs padded to a whole
+   number of blocks. Buffers have the static bound P + min(E, P)*(block_m - 1) rows. Per block: its expert (-1 for unused blocks) and its
    count of real rows. One single-program Triton kernel for decode-sized batches (a sort of the
    pair keys plus a histogram); torch ops (argsort, cumsum, searchsorted) for large ones.
 2. Gate/up: per (block, N tile of the intermediate), g = x w1^T and u = x w3^T in one K loop,
@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe import check_shared_expert
 from kernels.triton_util import SM90_SHARED_MEMORY_PER_BLOCK, dot_precision, num_sms, shared_memory_per_block
 
 # The interpreter has no SMs; a small count keeps its grids small.
@@ -427,6 +428,7 @@ def moe_experts_triton(
         raise ValueError(f"moe_experts: x {x.dtype} and weights {w1.dtype}, {w2.dtype}, {w3.dtype} must share a dtype")
     if expert_ids.dtype.is_floating_point:
         raise ValueError(f"moe_experts: expert_ids must be integer, got {expert_ids.dtype}")
+    check_shared_expert(shared_expert, w1.shape[0])  # its pairs would otherwise add unwritten rows
     batch, dim = x.shape
     picks = expert_ids.shape[1]
     pairs_per_token = picks + (shared_expert >= 0)

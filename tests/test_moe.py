@@ -241,6 +241,8 @@ def test_bad_input_raises():
     for shared in (4, -2):
         with pytest.raises(ValueError, match=rf"shared_expert must be -1 or an expert in \[0, 4\), got {shared}"):
             moe_experts(x, ids, weights, w1, w2, w3, LIMIT, shared_expert=shared)
+        with pytest.raises(ValueError, match="shared_expert must be"):
+            moe_triton.moe_experts_triton(x, ids, weights, w1, w2, w3, LIMIT, shared)
 
 
 # ---------------------------------------------------------------------------------------------
