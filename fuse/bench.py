@@ -12,6 +12,8 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
                    Inductor's kernels (Hopper and later; not run by default).
   fuse-pieces      `fuse.compile_decode(skinny_product_piece_depth=PIECE_DEPTH)`: fuse with deep
                    skinny products summed in pieces of K (not run by default).
+  fuse-head        `fuse.compile_decode(compile_head=True)`: fuse with the head (hc head, final
+                   norm, LM head) compiled as one more region (not run by default).
 Caches are filled with random rows as if every sequence were `context` tokens in (decode cost
 depends on the positions, not on the values). The floor is the bytes a step must read (weights
 it touches, attended KV rows, the indexer cache) over a copy bandwidth measured in the same run.
@@ -39,9 +41,9 @@ from fuse.report import padded_batch_size, padded_inputs, relative_error, restor
 from fuse.runner import _dynamo_totals, compile_decode
 from model import Decoder, ModelConfig
 
-VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-pdl", "fuse-pieces")
+VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-pdl", "fuse-pieces", "fuse-head")
 # Variants that compile the same blocks: Dynamo would share their cache entries in one process.
-COMPILE_DECODE_VARIANTS = ("fuse", "fuse-static", "fuse-pdl", "fuse-pieces")
+COMPILE_DECODE_VARIANTS = ("fuse", "fuse-static", "fuse-pdl", "fuse-pieces", "fuse-head")
 # The piece depth fuse-pieces tries (fuse/passes.py): the mixes' 16384 values in 8 pieces.
 PIECE_DEPTH = 2048
 DEFAULT_VARIANTS = VARIANTS[:4]
@@ -185,7 +187,7 @@ def build_variant(name: str, decoder: Decoder, batches: tuple[int, ...], warm_in
             runner = compile_decode(
                 decoder, buckets=batches, compile=name != "eager-graphs", dynamic_batch=name != "fuse-static",
                 pdl=name == "fuse-pdl", skinny_product_piece_depth=PIECE_DEPTH if name == "fuse-pieces" else 0,
-                progress=False,
+                compile_head=name == "fuse-head", progress=False,
             )
             run = runner.run_checked
             note = runner.describe().replace("\n", "; ")

@@ -44,6 +44,10 @@ class CompileOptions:
     # grows with the distinct layer kinds (window / ratio 4 / ratio 128, hash / score routing),
     # not with the layer count. False: the whole step as one graph (fuses across layers too).
     regional: bool = True
+    # Regional compiles only: the head (hc head, final norm, LM head) as one more compiled region
+    # (two more compiles with a symbolic batch), instead of ~30 eager kernels after the blocks.
+    # Off by default until measured on a GPU.
+    compile_head: bool = False
     # Matrix products with at most this many output columns (the hyper-connection mixes, the
     # gate) and 4-deep batched ones (hc_post) compile as Inductor reductions fused with their
     # neighbours instead of library GEMM calls (fuse/passes.py). 0: all stay GEMMs. Not 128:
@@ -73,6 +77,8 @@ class CompileOptions:
             raise ValueError(f"skinny_product_piece_depth must be >= 0 (0: no pieces), got {self.skinny_product_piece_depth}")
         if self.pdl and not self.compile:
             raise ValueError("pdl=True launches Inductor's kernels; with compile=False there are none")
+        if self.compile_head and not (self.compile and self.regional):
+            raise ValueError("compile_head=True compiles the head as a region of a regional compile; it needs compile=True and regional=True")
         if self.mode and "reduce-overhead" in self.mode:
             raise ValueError("mode 'reduce-overhead' turns on PyTorch's cudagraph trees; compile_decode captures its own graphs")
 
@@ -152,6 +158,17 @@ def batch_symbolic_block(block: Callable) -> Callable:
         if streams.shape[0] > 1:
             mark_batch_dynamic(streams, *(t for name, t in zip(step._fields, step) if name != "rope_compress_table"))
         return block(streams, step, hadamard)
+
+    return run
+
+
+def batch_symbolic_head(head: Callable) -> Callable:
+    """The compiled head (streams -> logits) with the batch marked symbolic but for batch 1."""
+
+    def run(streams: torch.Tensor) -> torch.Tensor:
+        if streams.shape[0] > 1:
+            mark_batch_dynamic(streams)
+        return head(streams)
 
     return run
 
@@ -251,10 +268,15 @@ class DecodeRunner:
         dynamic = None if self.options.dynamic_batch else False
         if self.options.regional:
             blocks = [torch.compile(layer, fullgraph=True, dynamic=dynamic, **kwargs) for layer in self.decoder.layers]
+            head = None
+            if self.options.compile_head:
+                head = torch.compile(self.decoder.logits, fullgraph=True, dynamic=dynamic, **kwargs)
             if self.options.dynamic_batch:
                 blocks = [batch_symbolic_block(block) for block in blocks]
+                if head is not None:
+                    head = batch_symbolic_head(head)
             decoder = self.decoder
-            return lambda tokens, positions, slots: decoder.step(tokens, positions, slots, layers=blocks)
+            return lambda tokens, positions, slots: decoder.step(tokens, positions, slots, layers=blocks, logits=head)
         step = torch.compile(self.decoder.step, fullgraph=True, dynamic=dynamic, **kwargs)
         return batch_symbolic_step(step) if self.options.dynamic_batch else step
 

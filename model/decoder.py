@@ -107,9 +107,11 @@ class Decoder(nn.Module):
         positions: torch.Tensor,
         slots: torch.Tensor,
         layers: Sequence[Callable[..., torch.Tensor]] | None = None,
+        logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One decode step without input checks. All inputs int64 [B] on the model's device.
-        `layers` replaces the blocks' calls (e.g. with separately compiled blocks); default: self.layers."""
+        `layers` replaces the blocks' calls and `logits` the head's (e.g. with separately
+        compiled ones); default: self.layers and self.logits."""
         step = DecodeStep(
             tokens=tokens,
             positions=positions,
@@ -122,6 +124,11 @@ class Decoder(nn.Module):
         streams = self.embed(tokens).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
         for layer in self.layers if layers is None else layers:
             streams = layer(streams, step, self.hadamard)
+        return (self.logits if logits is None else logits)(streams)
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """The head: hc head, final norm and the LM head, streams [B, hc, D] -> fp32 [B, vocab]."""
+        cfg = self.config
         x = hc_head(streams, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.hc_eps, cfg.norm_eps)
         return fp32_linear(self.norm(x), self.head.weight)
 

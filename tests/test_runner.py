@@ -170,6 +170,29 @@ def test_options_are_checked():
         fuse.CompileOptions(buckets=(0, 2))
     with pytest.raises(ValueError, match="pdl=True launches Inductor's kernels"):
         fuse.CompileOptions(pdl=True, compile=False)
+    for whole_or_eager in (dict(regional=False), dict(compile=False)):
+        with pytest.raises(ValueError, match="compile_head=True .* needs compile=True and regional=True"):
+            fuse.CompileOptions(compile_head=True, **whole_or_eager)
+
+
+def test_compiled_head_adds_its_two_graphs_and_matches_eager(pair):
+    """compile_head=True: the head (hc head, final norm, LM head) is one more compiled region,
+    for batch 1 and a symbolic batch, and the logits stay those of the eager step."""
+    eager, runner = pair
+    with_head = Decoder(eager.config, max_batch=MAX_BATCH, max_seq_len=96, dtype=torch.float32)
+    with_head.load_state_dict(eager.state_dict())
+    head_runner = fuse.compile_decode(with_head, buckets=(1, 2, 4), compile_head=True, progress=False)
+    assert head_runner.stats.compiles == runner.stats.compiles + 2  # the blocks' graphs, then the head's
+    assert head_runner.stats.graph_breaks == 0
+    restore = restore_point(eager)
+    try:
+        for tokens, positions, slots in (([5], [0], [2]), ([7, 11, 3], [0, 0, 0], [0, 1, 3])):
+            inputs = torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots)
+            expected = eager(*inputs)
+            actual = head_runner(*inputs)
+            assert ((actual - expected).abs().max() / expected.abs().max()).item() <= 1e-4
+    finally:
+        restore()
 
 
 def test_pdl_reaches_inductor_and_is_refused_off_hopper(pair):
