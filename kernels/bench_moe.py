@@ -1,6 +1,7 @@
 """GPU benchmark of the routed experts at V4-Flash widths (D=4096, I=2048, bf16, 16 experts, top-6):
 the Triton grouped GEMM against the plain-torch reference and against a dense path that runs all
-16 experts (three cuBLAS products over the stacked weights).
+16 experts (three cuBLAS products over the stacked weights), and the same call with a shared
+expert as every token's seventh pair (as the model runs it).
 
 Bandwidth counts the expert weights a batch must read: 3 * I * D * 2 bytes per distinct selected
 expert. Every variant (including each tile shape of the sweep) is checked against the reference
@@ -18,6 +19,7 @@ from kernels.moe_triton import MoeTiles, choose_tiles, moe_experts_triton
 from kernels.triton_util import shared_memory_per_block
 
 DIM, INTER, EXPERTS, PICKS, LIMIT = 4096, 2048, 16, 6, 10.0
+SHARED = EXPERTS - 1  # the expert the "+ shared" column runs for every token, as the model does
 BATCHES = (1, 16, 32, 64)
 WEIGHT_SETS = 2  # 2 x 768 MB: consecutive calls never find their weights in L2
 TOLERANCE = 2e-2  # max error relative to the output scale (bf16 rounding points, fp32 sum order)
@@ -65,10 +67,17 @@ def check(fn, input_set, expected: torch.Tensor, label: str) -> None:
 
 
 
-def bytes_read(input_sets) -> float:
-    """Mean bytes of expert weights the sets must read (distinct selected experts)."""
+def distinct_experts(ids: torch.Tensor, shared: int = -1) -> int:
+    picked = ids.reshape(-1)
+    if shared >= 0:
+        picked = torch.cat([picked, picked.new_tensor([shared])])
+    return picked.unique().numel()
+
+
+def bytes_read(input_sets, shared: int = -1) -> float:
+    """Mean bytes of expert weights the sets must read (distinct selected experts, and the shared one)."""
     per_expert = 3 * INTER * DIM * 2
-    return sum(per_expert * ids.unique().numel() for _, ids, *_ in input_sets) / len(input_sets)
+    return sum(per_expert * distinct_experts(ids, shared) for _, ids, *_ in input_sets) / len(input_sets)
 
 
 def tile_variants(chosen: MoeTiles) -> list[tuple[str, MoeTiles]]:
@@ -96,21 +105,28 @@ def run(copy_gbs: float) -> str:
     def reference_path(*args):
         return moe_experts(*args, impl="reference")
 
+    def with_shared(*args):  # the model's call: every token's seventh pair on the shared expert
+        return moe_experts(*args, impl="triton", shared_expert=SHARED)
+
     rows, sweep, verdicts = [], {}, []
     for batch in BATCHES:
         sets = make_inputs(batch, weight_sets)
         expected = reference_path(*sets[0])
         check(triton_path, sets[0], expected, f"B={batch} triton")
         check(dense_all_experts, sets[0], expected, f"B={batch} dense")
+        check(with_shared, sets[0], moe_experts(*sets[0], impl="reference", shared_expert=SHARED), f"B={batch} + shared")
         eager = median_time_us(triton_path, sets)
         replay = graph_time_us(triton_path, sets)
         reference = graph_time_us(reference_path, sets)
         dense = graph_time_us(dense_all_experts, sets)
+        shared = graph_time_us(with_shared, sets)
         gbs = bytes_read(sets) / (replay * 1e-6) / 1e9
+        shared_gbs = bytes_read(sets, SHARED) / (shared * 1e-6) / 1e9
         experts_read = sum(s[1].unique().numel() for s in sets) / len(sets)
         rows.append([
             batch, f"{experts_read:.1f}", f"{eager:.1f}", f"{replay:.1f}", f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%",
             f"{reference:.1f}", f"{reference / replay:.2f}x", f"{dense:.1f}", f"{replay / dense:.2f}",
+            f"{shared:.1f}", f"{100 * shared_gbs / copy_gbs:.0f}%",
         ])
         print(f"moe B={batch}: triton {replay:.1f} us ({gbs:.0f} GB/s), reference {reference:.1f}, dense {dense:.1f}", flush=True)
         if replay > reference:
@@ -137,7 +153,8 @@ def run(copy_gbs: float) -> str:
 
     table = markdown_table(
         ["B", "experts read", "Triton us", "Triton graph us", "GB/s (graph)", "% copy", "reference graph us",
-         "speedup vs reference", f"dense ({EXPERTS} experts) graph us", "Triton / dense"],
+         "speedup vs reference", f"dense ({EXPERTS} experts) graph us", "Triton / dense",
+         "Triton + shared expert graph us", "+ shared % copy"],
         rows,
     )
     sweep_rows = []
@@ -157,7 +174,8 @@ def run(copy_gbs: float) -> str:
         f"## Routed experts (D={DIM}, I={INTER}, {EXPERTS} experts, top-{PICKS}, bf16)\n\n"
         "Every path matched the plain-torch reference (max error <= 2% of the output scale) before timing. "
         "Median CUDA-event times over rotating weight sets; 'graph' replays one CUDA graph per set. GB/s and "
-        "% copy count the weights of the distinct selected experts.\n\n"
+        "% copy count the weights of the distinct selected experts. '+ shared': the same call with every "
+        "token's seventh pair on one expert (`shared_expert`), as the model runs its shared expert.\n\n"
         f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n\n"
         "### Tile sweep (each checked against the reference)\n\n"
         f"{sweep_table}\n\n" + "\n".join(best) + "\n"
