@@ -81,13 +81,16 @@ def test_compiled_matches_eager_over_mixed_batches(pair):
 
 def test_start_time_is_accounted_by_phase(pair):
     """Warm-up compiled every graph in the buckets' first calls (no graphs on the CPU): the phases
-    sum to at most the buckets' warm-up time, and torch's compile timers fall inside them."""
+    sum to at most the buckets' warm-up time, and torch's compile timers are reported beside them
+    (as torch counts them: once in a full-suite run they summed past the first calls' wall time)."""
     _, runner = pair
     t = runner.stats.start_seconds
     assert set(t) == {"first calls", "dynamo", "backend compile or cache load"}
     assert 0 < t["dynamo"] and 0 < t["backend compile or cache load"]
-    assert t["dynamo"] + t["backend compile or cache load"] <= t["first calls"] <= sum(runner.stats.warmup_seconds.values())
-    assert f"start: first calls {t['first calls']:.1f} s (of which dynamo" in runner.describe()
+    assert t["first calls"] <= sum(runner.stats.warmup_seconds.values())
+    assert t["backend compile or cache load"] <= t["first calls"]
+    timers = f"torch's compile timers: dynamo {t['dynamo']:.1f} s, backend compile or cache load"
+    assert f"start: first calls {t['first calls']:.1f} s ({timers}" in runner.describe()
 
 
 def test_padding_never_touches_real_slots(pair):
