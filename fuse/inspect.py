@@ -57,7 +57,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from fuse.runner import CompileOptions, DecodeRunner, batch_symbolic_block, batch_symbolic_step, compile_backend
+from fuse.runner import CompileOptions, DecodeRunner, batch_symbolic, batch_symbolic_block, compile_backend
 
 # Prefix of Triton kernel names (`triton_<category[:3]>_fused_...`) -> kernel kind.
 _TRITON_KINDS = {
@@ -104,7 +104,7 @@ class CompiledGraph:
     """One Dynamo graph, its dump files and what its wrapper launches."""
 
     name: str  # `__compiled_fn_N`
-    layers: tuple[int, ...] | None  # decoder layers that run it (regional); None: the whole step
+    layers: tuple[int, ...] | None  # decoder layers that run it (regional); None: once per step (the whole step, or the compiled head)
     files: dict[str, Path | None]  # transformed_code, captured_graph, aot_forward_graph, post_grad_graph, output_code
     other_files: tuple[Path, ...]  # the remaining stages depyf dumped for this graph
     kernels: tuple[Kernel, ...]
@@ -152,17 +152,15 @@ def inspect(target, out_dir: str | os.PathLike, *, batch: int = 1, options: Comp
 
     graph_layers: dict[str, list[int]] = collections.defaultdict(list)
     with _preserved_dynamo_state(), _recompile_limit(len(decoder.layers) + 1), _depyf_dump(out):
-        step, frame_codes = _fresh_compiled_step(decoder, options, compile_kwargs, graph_layers)
+        step, once_per_step_codes = _fresh_compiled_step(decoder, options, compile_kwargs, graph_layers)
         tokens = torch.zeros(batch, dtype=torch.int64, device=device)
         positions = torch.zeros(batch, dtype=torch.int64, device=device)
         slots = torch.full((batch,), decoder.pad_slot, dtype=torch.int64, device=device)
         with torch.no_grad():
             step(tokens, positions, slots)
-        if not options.regional:
-            for code in frame_codes:
-                for name in _graphs_of_frame(code):
-                    graph_layers.setdefault(name, [])
-    layers_of = {name: (None if not options.regional else tuple(layers)) for name, layers in graph_layers.items()}
+        once_per_step = [name for code in once_per_step_codes for name in _graphs_of_frame(code)]
+    layers_of = {name: tuple(layers) for name, layers in graph_layers.items()}
+    layers_of.update((name, None) for name in once_per_step)
 
     graphs = tuple(_read_graph(out, name, layers_of.get(name, ())) for name in _graph_names(out, layers_of))
     kernels = tuple(k for g in graphs for k in g.kernels)
@@ -229,9 +227,10 @@ def _fresh_function(fn: types.FunctionType) -> types.FunctionType:
 
 
 def _fresh_compiled_step(decoder, options: CompileOptions, kwargs: dict, graph_layers: dict[str, list[int]]):
-    """(step(tokens, positions, slots), code objects Dynamo compiles). Regional: every block
-    compiled from one shared code copy, as the runner shares Block.forward, and after each block
-    call the graph it ran is recorded in `graph_layers`."""
+    """(step(tokens, positions, slots), the code objects of the graphs that run once per step:
+    the whole step's, or the compiled head's). Regional: every block compiled from one shared code
+    copy, as the runner shares Block.forward, and after each block call the graph it ran is
+    recorded in `graph_layers`; the head compiled as the runner compiles it (compile_head)."""
     # dynamic_batch: batch 1 runs a graph of its own (Dynamo specialises sizes 0 and 1); any
     # other batch, the batch-symbolic graph the runner's buckets share.
     dynamic = None if options.dynamic_batch else False
@@ -239,7 +238,7 @@ def _fresh_compiled_step(decoder, options: CompileOptions, kwargs: dict, graph_l
     if not options.regional:
         fresh = _fresh_function(type(decoder).step)
         compiled = compile_(types.MethodType(fresh, decoder))
-        return (batch_symbolic_step(compiled) if options.dynamic_batch else compiled), [fresh.__code__]
+        return (batch_symbolic(compiled) if options.dynamic_batch else compiled), [fresh.__code__]
 
     copies: dict[types.FunctionType, types.FunctionType] = {}
     blocks = []
@@ -250,7 +249,13 @@ def _fresh_compiled_step(decoder, options: CompileOptions, kwargs: dict, graph_l
         fresh = copies.setdefault(forward, _fresh_function(forward))
         compiled = compile_(types.MethodType(fresh, layer))
         blocks.append(_recording_block(index, batch_symbolic_block(compiled) if options.dynamic_batch else compiled, fresh.__code__, graph_layers))
-    return (lambda tokens, positions, slots: decoder.step(tokens, positions, slots, layers=blocks)), [f.__code__ for f in copies.values()]
+    head, head_codes = None, []
+    if options.compile_head:
+        fresh = _fresh_function(type(decoder).logits)
+        head = compile_(types.MethodType(fresh, decoder))
+        head = batch_symbolic(head) if options.dynamic_batch else head
+        head_codes.append(fresh.__code__)
+    return (lambda tokens, positions, slots: decoder.step(tokens, positions, slots, layers=blocks, logits=head)), head_codes
 
 
 def _recording_block(index: int, compiled: Callable, code: types.CodeType, graph_layers) -> Callable:
@@ -599,7 +604,8 @@ def index_markdown(index: dict) -> str:
         *(f"| `{op}` | {calls} |" for op, calls in index["custom_op_calls_per_step"].items()),
     ]
     for g in index["graphs"]:
-        runs = "the whole step" if g["layers"] is None else "layers " + ", ".join(map(str, g["layers"]))
+        once = "the head" if index["compilation"] == "regional" else "the whole step"
+        runs = once if g["layers"] is None else "layers " + ", ".join(map(str, g["layers"]))
         lines += ["", f"## `{g['name']}`: {runs} ({g['runs_per_step']} run(s) per step)", ""]
         lines += [f"- {_FILE_ROLES[role]}: " + (f"[`{name}`]({name})" if name else "not dumped") for role, name in g["files"].items()]
         lines += ["", "| kernel | kind | calls | ops | source nodes |", "|---|---|---|---|---|"]

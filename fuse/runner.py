@@ -162,24 +162,14 @@ def batch_symbolic_block(block: Callable) -> Callable:
     return run
 
 
-def batch_symbolic_head(head: Callable) -> Callable:
-    """The compiled head (streams -> logits) with the batch marked symbolic but for batch 1."""
+def batch_symbolic(compiled: Callable) -> Callable:
+    """A compiled function of batch-major tensors (the whole step's tokens, positions and slots;
+    the head's streams) whose batch is marked symbolic on every call but batch 1's."""
 
-    def run(streams: torch.Tensor) -> torch.Tensor:
-        if streams.shape[0] > 1:
-            mark_batch_dynamic(streams)
-        return head(streams)
-
-    return run
-
-
-def batch_symbolic_step(step: Callable) -> Callable:
-    """A compiled whole step whose batch is marked symbolic on every call but batch 1's."""
-
-    def run(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        if tokens.shape[0] > 1:
-            mark_batch_dynamic(tokens, positions, slots)
-        return step(tokens, positions, slots)
+    def run(*inputs: torch.Tensor) -> torch.Tensor:
+        if inputs[0].shape[0] > 1:
+            mark_batch_dynamic(*inputs)
+        return compiled(*inputs)
 
     return run
 
@@ -276,11 +266,11 @@ class DecodeRunner:
             if self.options.dynamic_batch:
                 blocks = [batch_symbolic_block(block) for block in blocks]
                 if head is not None:
-                    head = batch_symbolic_head(head)
+                    head = batch_symbolic(head)
             decoder = self.decoder
             return lambda tokens, positions, slots: decoder.step(tokens, positions, slots, layers=blocks, logits=head)
         step = torch.compile(self.decoder.step, fullgraph=True, dynamic=dynamic, **kwargs)
-        return batch_symbolic_step(step) if self.options.dynamic_batch else step
+        return batch_symbolic(step) if self.options.dynamic_batch else step
 
     def _static_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inputs of a bucket, filled with padding rows: token 0 at position 0 in the scratch slot."""

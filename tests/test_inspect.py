@@ -150,6 +150,19 @@ def test_index_json_and_markdown_agree(inspected):
             assert f"[`{name}`]({name})" in md_graphs[g["name"]]
 
 
+def test_compiled_head_is_dumped_as_a_graph_run_once_per_step(tmp_path, inspected):
+    """With compile_head, inspect compiles the head as the runner does: one more graph, run once
+    per step, whose wrapper computes the LM head; the blocks' graphs and op counts stay."""
+    decoder, result, _, _ = inspected
+    with_head = fuse.inspect(decoder, tmp_path / "dump", options=fuse.CompileOptions(compile_head=True))
+    blocks = [g for g in with_head.graphs if g.layers is not None]
+    (head,) = [g for g in with_head.graphs if g.layers is None]
+    assert len(blocks) == len(result.graphs) and head.runs_per_step == 1
+    assert "extern_kernels.mm" in [k.name for k in head.kernels]  # the LM head
+    assert with_head.custom_op_calls == result.custom_op_calls
+    assert f"## `{head.name}`: the head (1 run(s) per step)" in with_head.index_md.read_text()
+
+
 def test_inspect_refuses_bad_arguments(tmp_path, inspected):
     decoder = inspected[0]
     with pytest.raises(ValueError, match="target must be"):
