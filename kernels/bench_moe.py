@@ -122,7 +122,7 @@ def run(copy_gbs: float) -> str:
         shared = graph_time_us(with_shared, sets)
         gbs = bytes_read(sets) / (replay * 1e-6) / 1e9
         shared_gbs = bytes_read(sets, SHARED) / (shared * 1e-6) / 1e9
-        experts_read = sum(s[1].unique().numel() for s in sets) / len(sets)
+        experts_read = sum(distinct_experts(ids) for _, ids, *_ in sets) / len(sets)
         rows.append([
             batch, f"{experts_read:.1f}", f"{eager:.1f}", f"{replay:.1f}", f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%",
             f"{reference:.1f}", f"{reference / replay:.2f}x", f"{dense:.1f}", f"{replay / dense:.2f}",

@@ -29,9 +29,14 @@ def check_shared_expert(shared_expert: int, num_experts: int) -> None:
         raise ValueError(f"moe_experts: shared_expert must be -1 or an expert in [0, {num_experts}), got {shared_expert}")
 
 
+def with_shared_ids(expert_ids: torch.Tensor, shared_expert: int) -> torch.Tensor:
+    """ids [B, k+1]: the shared expert appended to every row."""
+    return torch.cat([expert_ids, torch.full_like(expert_ids[:, :1], shared_expert)], 1)
+
+
 def with_shared_pick(expert_ids: torch.Tensor, expert_weights: torch.Tensor, shared_expert: int):
     """ids and weights [B, k+1]: the shared expert appended to every row with weight 1."""
-    ids = torch.cat([expert_ids, torch.full_like(expert_ids[:, :1], shared_expert)], 1)
+    ids = with_shared_ids(expert_ids, shared_expert)
     weights = torch.cat([expert_weights.float(), expert_weights.new_ones(expert_weights.shape[0], 1, dtype=torch.float32)], 1)
     return ids, weights
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe import check_shared_expert
+from kernels.moe import check_shared_expert, with_shared_ids
 from kernels.triton_util import SM90_SHARED_MEMORY_PER_BLOCK, dot_precision, num_sms, shared_memory_per_block
 
 # The interpreter has no SMs; a small count keeps its grids small.
@@ -232,7 +232,7 @@ def route_pairs(
         method = "kernel" if num_pairs <= MAX_PAIRS_ONE_PROGRAM else "torch"
     if method == "torch":
         if shared_expert >= 0:
-            expert_ids = torch.cat([expert_ids, torch.full_like(expert_ids[:, :1], shared_expert)], 1)
+            expert_ids = with_shared_ids(expert_ids, shared_expert)
         return _route_pairs_torch(expert_ids.reshape(-1), num_experts, block_m, num_blocks)
     if method != "kernel":
         raise ValueError(f"route_pairs: unknown method {method!r}")
