@@ -20,6 +20,7 @@ from kernels.hc_sinkhorn import check_hc_inputs
 
 # 256 matrix cells per program (16 tokens at hc=4) over 2 warps: a few cells per thread, so each
 # of the 2 * ITERS sums is a short in-register add plus warp shuffles, and B=128 fills 8 programs.
+# 16-128 cells per program time the same on the H200 (docs/kernels.md): the rounds' chain sets it.
 CELLS_PER_PROGRAM = 256
 NUM_WARPS = 2
 SUPPORTED_HC = (1, 2, 4, 8)
@@ -200,13 +201,15 @@ HC4_TOKENS_PER_PROGRAM = 32
 
 def hc_split_sinkhorn_triton(
     mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float,
-    per_token: bool = False,
+    per_token: bool = False, cells_per_program: int = CELLS_PER_PROGRAM, num_warps: int = NUM_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [B, hc], post [B, hc], comb [B, hc, hc]), contiguous fp32, for hc a power of two up
     to 8. Arguments as `hc_split_sinkhorn_reference` (fp32, any strides); one kernel launch.
     per_token=True: the hc=4 kernel with one token per thread (no cross-thread sums; opt-in: on
     the H200 it takes 24 us against the general kernel's 11.7 us at every batch up to 128, its
-    one thread per token running the 20 dependent iterations serially, docs/kernels.md)."""
+    one thread per token running the 20 dependent iterations serially, docs/kernels.md).
+    cells_per_program (a power of two, at least hc*hc) and num_warps shape the general kernel's
+    programs (benchmarking; the defaults are the model's)."""
     if per_token and hc != 4:
         raise ValueError(f"hc_split_sinkhorn (triton): the per-token kernel takes hc=4, got hc={hc}")
     if hc not in SUPPORTED_HC:
@@ -228,13 +231,17 @@ def hc_split_sinkhorn_triton(
             num_warps=1,
         )
         return pre, post, comb
-    block_b = CELLS_PER_PROGRAM // (hc * hc)
+    if cells_per_program < hc * hc or cells_per_program & (cells_per_program - 1):
+        raise ValueError(
+            f"hc_split_sinkhorn (triton): cells_per_program must be a power of two >= hc*hc = {hc * hc}, got {cells_per_program}"
+        )
+    block_b = cells_per_program // (hc * hc)
     _hc_split_sinkhorn_kernel[(triton.cdiv(batch, block_b),)](
         mixes, scale, base,
         pre, post, comb,
         batch, eps,
         mixes.stride(0), mixes.stride(1), scale.stride(0), base.stride(0),
         HC=hc, ITERS=iters, BLOCK_B=block_b,
-        num_warps=NUM_WARPS,
+        num_warps=num_warps,
     )
     return pre, post, comb

@@ -179,6 +179,22 @@ def test_both_kernels_at_hc4_match_fp64(batch):
 
 
 @interpreter
+@pytest.mark.parametrize("cells,warps", [(16, 1), (32, 1), (64, 2)])
+def test_smaller_programs_match_fp64(cells, warps):
+    """The general kernel with fewer cells per program (1-4 tokens at hc=4): B=9 spans several
+    programs with a masked tail in each shape."""
+    mixes, scale, base = random_inputs(9, V4_HC, seed=700 + cells)
+    *expected, _ = split_sinkhorn_fp64(mixes, scale, base, V4_HC, V4_ITERS, V4_EPS)
+    outputs = hc_sinkhorn_triton.hc_split_sinkhorn_triton(
+        mixes, scale, base, V4_HC, V4_ITERS, V4_EPS, cells_per_program=cells, num_warps=warps
+    )
+    assert_matches(outputs, expected, f"{cells} cells per program")
+    for bad in (8, 48):
+        with pytest.raises(ValueError, match="cells_per_program must be a power of two >= hc\\*hc = 16"):
+            hc_sinkhorn_triton.hc_split_sinkhorn_triton(mixes, scale, base, V4_HC, V4_ITERS, V4_EPS, cells_per_program=bad)
+
+
+@interpreter
 def test_strided_inputs_and_large_eps():
     """mixes a column window of a wider tensor, scale and base strided views (the kernel takes
     strides); a large eps makes each of its uses visible in the result."""
