@@ -603,9 +603,9 @@ def index_markdown(index: dict) -> str:
         "|---|---|",
         *(f"| `{op}` | {calls} |" for op, calls in index["custom_op_calls_per_step"].items()),
     ]
+    once_per_step = "the head" if index["compilation"] == "regional" else "the whole step"
     for g in index["graphs"]:
-        once = "the head" if index["compilation"] == "regional" else "the whole step"
-        runs = once if g["layers"] is None else "layers " + ", ".join(map(str, g["layers"]))
+        runs = once_per_step if g["layers"] is None else "layers " + ", ".join(map(str, g["layers"]))
         lines += ["", f"## `{g['name']}`: {runs} ({g['runs_per_step']} run(s) per step)", ""]
         lines += [f"- {_FILE_ROLES[role]}: " + (f"[`{name}`]({name})" if name else "not dumped") for role, name in g["files"].items()]
         lines += ["", "| kernel | kind | calls | ops | source nodes |", "|---|---|---|---|---|"]

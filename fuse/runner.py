@@ -46,7 +46,7 @@ class CompileOptions:
     regional: bool = True
     # Regional compiles only: the head (hc head, final norm, LM head) as one more compiled region
     # (two more compiles with a symbolic batch), instead of ~30 eager kernels after the blocks.
-    # Off by default until measured on a GPU.
+    # Off by default: on the H200 its gain was inside the run-to-run spread (docs/bench.md).
     compile_head: bool = False
     # Matrix products with at most this many output columns (the hyper-connection mixes, the
     # gate) and 4-deep batched ones (hc_post) compile as Inductor reductions fused with their
