@@ -57,7 +57,8 @@ class CompileOptions:
     skinny_product_columns: int = 64
     # > 0: skinny products at least twice this deep are summed in pieces of K of at least this
     # depth, then over the pieces (fuse/passes.py), so that batch 1's few outputs still spread
-    # over the SMs. Off by default until measured against the unsplit reductions on a GPU.
+    # over the SMs. Off by default: on the H200 no faster at batch 1, 2% slower at 16 and 64
+    # (docs/bench.md).
     skinny_product_piece_depth: int = 0
     # Programmatic dependent launch for Inductor's kernels (Hopper and later): inside the captured
     # graph each kernel is launched while the one before it finishes and waits on the device for
