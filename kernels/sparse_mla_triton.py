@@ -23,6 +23,7 @@ combine when one split suffices. Softmax runs in base 2: scores carry scale * lo
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -382,27 +383,35 @@ def candidate_tiles(heads: int, head_dim: int, itemsize: int) -> list[TileConfig
     """The tiles the default plan chooses among: the full head block (for 64 heads: one
     warpgroup per half of the output columns), for 64 heads also whole rows on two warpgroups
     (no second gather of each row, no duplicated Q K^T; fastest when its programs alone fill the
-    SMs, H200 sweep in docs/kernels.md), and 16-head blocks (more, shorter programs at batch 1-4)."""
+    SMs, H200 sweep in docs/kernels.md), and 16-head blocks of 32 or 64 gathered rows (more,
+    shorter programs at batch 1-8; 64 rows halve the split count, so the fp32 partials, where
+    the index list is long)."""
     full = head_batched_tiles(heads, head_dim, itemsize)
     tiles = [full]
     if full.dv_split == 2:
         tiles.append(TileConfig(full.block_h, full.block_k, num_warps=8, num_stages=full.num_stages))
     if full.block_h > 16:
-        tiles.append(_tiles_for(16, head_dim, itemsize))
+        small = _tiles_for(16, head_dim, itemsize)
+        tiles.append(small)
+        if itemsize <= 2:  # fp32 tiles stay small to fit shared memory (_tiles_for)
+            tiles.append(dataclasses.replace(small, block_k=64))
     return tiles
 
 
-# Rough costs on an H100/H200-class GPU, used only to rank plans against each other: a least-squares
-# fit (about 5% RMS on log time) to ~110 H200 timings in docs/kernels.md (the plan-candidate run
-# with PDL, and the 2026-12-02 split sweep less 0.6 us for the combine's launch without PDL),
-# rotating inputs larger than L2. At decode sizes a program is latency-bound: after the first
-# KV block each one waits for its indices and then the rows they name, whatever the tile.
-_ITER_US = 2.19  # each KV block after a program's first: index load, then the dependent gather
-_PRODUCT_US = {4: 0.89, 8: 2.74}  # per 64 heads x 64 rows of Q K^T + P V, by warps per program
-_PROGRAM_US = 3.78  # a program's fixed cost: launch share, the first block's wait
-_PROGRAM_US_PER_KB = 0.025  # its Q tile in and its output tile out
-_COMBINE_US = 2.6  # the combine kernel's latency
-_PARTIAL_BYTES_PER_US = 2.4e6  # fp32 partials: written by the splits, read by the combine
+# Rough costs on an H100/H200-class GPU, used only to rank plans against each other: a weighted
+# least-squares fit (6% RMS relative error, 13% at worst) to the 77 H200 timings of the candidate
+# tiles in docs/kernels.md (the plan-candidate run and the 2026-12-03 plan check, combine
+# launched with PDL; rotating inputs larger than L2). At decode sizes a program is latency-bound:
+# after the first KV block each one waits for its indices and then the rows they name. The fit
+# leaves one warpgroup's products at 0 (hidden behind that wait; a free fit made them negative)
+# and puts the combine's fixed cost mostly into the programs'.
+_ITER_US = 0.98  # each KV block after a program's first: index load, then the dependent gather
+_ROW_US = 0.0334  # per gathered row of every block, the first included (whole 1 KB rows)
+_PRODUCT_US = {4: 0.0, 8: 1.62}  # per 64 heads x 64 rows of Q K^T + P V, by warps per program
+_PROGRAM_US = 4.03  # a program's fixed cost: launch share, the first block's wait
+_PROGRAM_US_PER_KB = 0.0087  # its Q tile in and its output tile out
+_COMBINE_US = 0.13  # the combine kernel, beyond what the programs' fixed cost covers
+_PARTIAL_BYTES_PER_US = 1.33e6  # fp32 partials: written by the splits, read by the combine
 _BYTES_PER_US = 4.0e6  # HBM bandwidth, 4 TB/s: a floor for the KV traffic
 _SMEM_BYTES = 228 * 1024  # shared memory per SM (sm_90)
 
@@ -425,9 +434,10 @@ def estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles: TileCon
     waves = triton.cdiv(programs, num_sms * _programs_per_sm(tiles, head_dim, itemsize))
     # A DV-split program does all of Q K^T but half of P V.
     products = tiles.block_k * tiles.block_h / 64**2 * (0.5 + 0.5 / tiles.dv_split)
-    block_us = _ITER_US + products * _PRODUCT_US.get(tiles.num_warps, _PRODUCT_US[8])
+    rows_us = tiles.block_k * _ROW_US
+    block_us = _ITER_US + rows_us + products * _PRODUCT_US.get(tiles.num_warps, _PRODUCT_US[8])
     out_bytes = tiles.block_h * head_dim // tiles.dv_split * (4 if splits > 1 else itemsize)
-    program_us = _PROGRAM_US + (tiles.block_h * head_dim * itemsize + out_bytes) / 1024 * _PROGRAM_US_PER_KB
+    program_us = _PROGRAM_US + rows_us + (tiles.block_h * head_dim * itemsize + out_bytes) / 1024 * _PROGRAM_US_PER_KB
     compute = waves * (program_us + (blocks_per_split - 1) * block_us)
     time = max(compute, batch * topk * head_dim * itemsize / _BYTES_PER_US)
     if splits > 1:

@@ -354,8 +354,23 @@ def test_plan_picks_tiles_by_batch_on_an_h200():
     middle, _ = smt.choose_plan(8, 64, 640, 132)
     large, splits = smt.choose_plan(128, 64, 2048, 132)
     assert small.block_h == 16
+    # A long list at batch 1 goes in 64-row blocks (half the splits, half the fp32 partials); the
+    # window's 128 rows in one-block splits of 32.
+    assert (smt.choose_tiles(1, 64, 2048, 132).block_h, smt.choose_tiles(1, 64, 2048, 132).block_k) == (16, 64)
+    assert smt.choose_plan(1, 64, 128, 132) == (smt.TileConfig(16, 32, 4, 2), 4)
     assert (middle.block_h, middle.dv_split) == (64, 2)
     assert (large.block_h, large.dv_split, large.num_warps, splits) == (64, 1, 8, 1)
+
+
+def test_fp32_candidates_fit_shared_memory():
+    """fp32 inputs (a checking mode) keep small tiles: no 64-row block of 16 heads, whose two
+    KV stages alone would take 256 KiB."""
+    bf16 = smt.candidate_tiles(64, 512, 2)
+    fp32 = smt.candidate_tiles(64, 512, 4)
+    assert smt.TileConfig(16, 64, 4, 2) in bf16
+    assert all(t.block_k <= 16 for t in fp32)
+    width = 512 * 4
+    assert all(t.block_h * width + t.num_stages * t.block_k * width <= smt._SMEM_BYTES for t in fp32)
 
 
 @pytest.mark.parametrize("topk", [128, 640, 2048])
