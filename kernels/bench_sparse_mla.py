@@ -48,6 +48,12 @@ TILE_SWEEP = (
     smt.TileConfig(64, 16, 4, 2, dv_split=2),
     smt.TileConfig(64, 32, 8, 2),  # one program per head block: Q K^T is duplicated across its two warpgroups
     smt.TileConfig(64, 16, 8, 2),
+    # The gather double-buffered by hand in registers (TileConfig.prefetch): the shapes that spill
+    # least (kernels.resource_usage), and whole 64-row blocks on two warpgroups for comparison.
+    smt.TileConfig(64, 16, 4, 1, dv_split=2, prefetch=True),
+    smt.TileConfig(64, 32, 8, 1, dv_split=2, prefetch=True),
+    smt.TileConfig(64, 16, 8, 1, prefetch=True),
+    smt.TileConfig(64, 64, 8, 1, prefetch=True),
     smt.TileConfig(32, 32, 8, 2),
     smt.TileConfig(32, 64, 8, 2),
     smt.TileConfig(16, 32, 4, 2),
@@ -61,7 +67,7 @@ TILE_SWEEP = (
 
 def tile_name(tiles: smt.TileConfig) -> str:
     name = f"{tiles.block_h}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}"
-    return name + (" dv2" if tiles.dv_split == 2 else "")
+    return name + (" dv2" if tiles.dv_split == 2 else "") + (" pf" if tiles.prefetch else "")
 
 
 class Case:

@@ -48,13 +48,17 @@ MAX_SPLITS = 64
 @dataclass(frozen=True)
 class TileConfig:
     """Launch shape of the head-batched kernel: heads and gathered rows per program, warps,
-    pipeline depth, and into how many programs (1 or 2) the output columns are split."""
+    pipeline depth, into how many programs (1 or 2) the output columns are split, and whether
+    the kernel double-buffers the gather by hand (prefetch: the next block's rows are requested
+    before this block's products, the indices two blocks ahead; meant for num_stages=1, which
+    leaves Triton's own pipelining out)."""
 
     block_h: int
     block_k: int
     num_warps: int
     num_stages: int
     dv_split: int = 1
+    prefetch: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,6 +223,20 @@ def _combine_if_last(
 
 
 @triton.jit
+def _block_update(q, q_other, kv, kv_other, valid, m_i, l_i, acc, scale_log2, DV_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One gathered KV block into the running softmax and accumulator: S = Q K^T (from both
+    column halves when DV_SPLIT=2; q_other and kv_other are unused otherwise), then acc += P V on
+    this program's columns."""
+    s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K] fp32
+    if DV_SPLIT == 2:
+        s = tl.dot(q_other, tl.trans(kv_other), s, input_precision=DOT_PRECISION)
+    p, alpha, m_i, l_i = _online_softmax_step(s * scale_log2, valid, m_i, l_i)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _head_batched_kernel(
     q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
     H, K, D, rows_per_slot, blocks_per_split, scale_log2,
@@ -229,7 +247,7 @@ def _head_batched_kernel(
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DV_SPLIT: tl.constexpr,
     FLAT_ROWS: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, BLOCK_DC: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr = False,
+    LAUNCH_DEPENDENTS: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     """Program (head block x column part, split, sequence).
 
@@ -239,7 +257,8 @@ def _head_batched_kernel(
     and lse. SPLIT=True: writes the partial output (normalised by its own sum, zeros when the split
     has no valid index) and its base-2 LSE (-inf when empty) to the fp32 scratch. FUSED_COMBINE
     (with SPLIT): every column part writes its own LSE (its Q K^T sums in its own order), and the
-    last split program of the block merges the splits (_combine_if_last)."""
+    last split program of the block merges the splits (_combine_if_last). PREFETCH: the gather
+    is double-buffered by hand (TileConfig.prefetch)."""
     BLOCK_DV: tl.constexpr = BLOCK_D // DV_SPLIT
     if LAUNCH_DEPENDENTS:
         # Let the combine launch now: its programs wait on the device until this grid is done.
@@ -258,6 +277,8 @@ def _head_batched_kernel(
         offs_do = (1 - part) * BLOCK_DV + tl.arange(0, BLOCK_DV)  # the other half, for Q K^T only
         do_ok = offs_do < D
         q_other = tl.load(q_row_ptr + offs_do[None, :] * stride_qd, mask=h_ok[:, None] & do_ok[None, :], other=0.0)
+    else:
+        q_other = q  # unused: one column part computes Q K^T from its own columns
 
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -265,19 +286,50 @@ def _head_batched_kernel(
     k_begin = split * blocks_per_split * BLOCK_K
     k_end = tl.minimum(k_begin + blocks_per_split * BLOCK_K, K)
     idx_row_ptr = idx_ptr + b * stride_ib
-    for start in range(k_begin, k_end, BLOCK_K):
-        offs_k = start + tl.arange(0, BLOCK_K)
+    if PREFETCH:
+        # Block i's products run while block i+1's rows are on their way (requested before them)
+        # and block i+2's indices too, so no block waits for its indices and then its rows in
+        # turn. Blocks past k_end are fully masked: their loads move no bytes.
+        offs_k = k_begin + tl.arange(0, BLOCK_K)
         row_off, valid = _row_offsets(
             idx_row_ptr, offs_k, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS
         )
         kv = _load_rows(kv_ptr, row_off, valid, offs_dv, dv_ok, stride_d)
-        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K] fp32
         if DV_SPLIT == 2:
             kv_other = _load_rows(kv_ptr, row_off, valid, offs_do, do_ok, stride_d)
-            s = tl.dot(q_other, tl.trans(kv_other), s, input_precision=DOT_PRECISION)
-        p, alpha, m_i, l_i = _online_softmax_step(s * scale_log2, valid, m_i, l_i)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=DOT_PRECISION)
+        next_off, next_valid = _row_offsets(
+            idx_row_ptr, offs_k + BLOCK_K, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS
+        )
+        for start in range(k_begin, k_end, BLOCK_K):
+            kv_next = _load_rows(kv_ptr, next_off, next_valid, offs_dv, dv_ok, stride_d)
+            if DV_SPLIT == 2:
+                kv_other_next = _load_rows(kv_ptr, next_off, next_valid, offs_do, do_ok, stride_d)
+            after_off, after_valid = _row_offsets(
+                idx_row_ptr, start + 2 * BLOCK_K + tl.arange(0, BLOCK_K), k_end,
+                stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS,
+            )
+            if DV_SPLIT == 2:
+                acc, m_i, l_i = _block_update(
+                    q, q_other, kv, kv_other, valid, m_i, l_i, acc, scale_log2, DV_SPLIT, DOT_PRECISION
+                )
+                kv_other = kv_other_next
+            else:
+                acc, m_i, l_i = _block_update(q, q, kv, kv, valid, m_i, l_i, acc, scale_log2, DV_SPLIT, DOT_PRECISION)
+            kv, valid = kv_next, next_valid
+            next_off, next_valid = after_off, after_valid
+    else:
+        for start in range(k_begin, k_end, BLOCK_K):
+            offs_k = start + tl.arange(0, BLOCK_K)
+            row_off, valid = _row_offsets(
+                idx_row_ptr, offs_k, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS
+            )
+            kv = _load_rows(kv_ptr, row_off, valid, offs_dv, dv_ok, stride_d)
+            kv_other = kv  # unused unless DV_SPLIT == 2
+            if DV_SPLIT == 2:
+                kv_other = _load_rows(kv_ptr, row_off, valid, offs_do, do_ok, stride_d)
+            acc, m_i, l_i = _block_update(
+                q, q_other, kv, kv_other, valid, m_i, l_i, acc, scale_log2, DV_SPLIT, DOT_PRECISION
+            )
 
     if SPLIT:
         # l_i >= 1 whenever any index was valid (the max term is exp2(0)); the floor only keeps an
@@ -635,7 +687,7 @@ def _launch_head_batched(
         FLAT_ROWS=_flat_rows(kv_cache), SPLIT=part_out is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FUSED_COMBINE=fused,
         BLOCK_DC=_fused_combine_columns(tiles, head_dim) if fused else 1, SPLITS_PER_STEP=COMBINE_SPLITS_PER_STEP,
-        LAUNCH_DEPENDENTS=launch_dependents,
+        LAUNCH_DEPENDENTS=launch_dependents, PREFETCH=tiles.prefetch,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
