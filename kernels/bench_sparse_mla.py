@@ -361,8 +361,11 @@ def run_fused_sweep(l2_bytes: int, num_sms: int) -> str:
     return markdown_table(header, rows)
 
 
-PLAN_SHAPES = ((1, 128), (1, 160), (1, 640), (2, 640), (4, 640), (8, 640), (64, 640), (128, 640),
-               (1, 2048), (16, 2048), (32, 2048), (64, 2048), (128, 2048))
+# The model's index lists (window 128; ratio-128 layers 160 at 4K context; ratio-4 layers 640)
+# and the long list, at the batches where the candidates' ranking changes.
+PLAN_SHAPES = ((1, 128), (8, 128), (16, 128), (32, 128), (1, 160), (8, 160), (16, 160), (32, 160),
+               (1, 640), (2, 640), (4, 640), (8, 640), (64, 640), (128, 640),
+               (1, 2048), (2, 2048), (16, 2048), (32, 2048), (64, 2048), (128, 2048))
 
 
 def run_plan_sweep(l2_bytes: int, num_sms: int) -> str:
