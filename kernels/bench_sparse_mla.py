@@ -24,6 +24,7 @@ import torch
 
 from kernels.benchutil import markdown_table, median_time_us
 from kernels.sparse_mla import sparse_mla_decode_reference
+from kernels import sparse_mla_plan as plan
 from kernels import sparse_mla_triton as smt
 from kernels.triton_util import launches_dependents
 
@@ -36,36 +37,36 @@ TOPKS = (640, 2048)
 SHORT_TOPKS, SHORT_BATCHES = (128, 160), (1, 2, 4)
 MAX_SETS = 256
 TILE_SWEEP = (
-    smt.TileConfig(64, 32, 4, 3, dv_split=2),
-    smt.TileConfig(64, 32, 4, 1, dv_split=2),  # no software pipelining, but two programs fit per SM
-    smt.TileConfig(64, 64, 4, 2, dv_split=2),  # the default at full occupancy
+    plan.TileConfig(64, 32, 4, 3, dv_split=2),
+    plan.TileConfig(64, 32, 4, 1, dv_split=2),  # no software pipelining, but two programs fit per SM
+    plan.TileConfig(64, 64, 4, 2, dv_split=2),  # the default at full occupancy
     # Two warpgroups per 64-head program: whole rows without the DV split's second gather, or
     # with it and no spills (kernels.resource_usage); and a deep pipeline of small tiles.
-    smt.TileConfig(64, 64, 8, 2),
-    smt.TileConfig(64, 64, 8, 2, dv_split=2),
-    smt.TileConfig(64, 32, 8, 3),
-    smt.TileConfig(64, 16, 4, 6, dv_split=2),
-    smt.TileConfig(64, 16, 4, 2, dv_split=2),
-    smt.TileConfig(64, 32, 8, 2),  # one program per head block: Q K^T is duplicated across its two warpgroups
-    smt.TileConfig(64, 16, 8, 2),
+    plan.TileConfig(64, 64, 8, 2),
+    plan.TileConfig(64, 64, 8, 2, dv_split=2),
+    plan.TileConfig(64, 32, 8, 3),
+    plan.TileConfig(64, 16, 4, 6, dv_split=2),
+    plan.TileConfig(64, 16, 4, 2, dv_split=2),
+    plan.TileConfig(64, 32, 8, 2),  # one program per head block: Q K^T is duplicated across its two warpgroups
+    plan.TileConfig(64, 16, 8, 2),
     # The gather double-buffered by hand in registers (TileConfig.prefetch): the shapes that spill
     # least (kernels.resource_usage), and whole 64-row blocks on two warpgroups for comparison.
-    smt.TileConfig(64, 16, 4, 1, dv_split=2, prefetch=True),
-    smt.TileConfig(64, 32, 8, 1, dv_split=2, prefetch=True),
-    smt.TileConfig(64, 16, 8, 1, prefetch=True),
-    smt.TileConfig(64, 64, 8, 1, prefetch=True),
-    smt.TileConfig(32, 32, 8, 2),
-    smt.TileConfig(32, 64, 8, 2),
-    smt.TileConfig(16, 32, 4, 2),
-    smt.TileConfig(16, 64, 4, 3),
+    plan.TileConfig(64, 16, 4, 1, dv_split=2, prefetch=True),
+    plan.TileConfig(64, 32, 8, 1, dv_split=2, prefetch=True),
+    plan.TileConfig(64, 16, 8, 1, prefetch=True),
+    plan.TileConfig(64, 64, 8, 1, prefetch=True),
+    plan.TileConfig(32, 32, 8, 2),
+    plan.TileConfig(32, 64, 8, 2),
+    plan.TileConfig(16, 32, 4, 2),
+    plan.TileConfig(16, 64, 4, 3),
     # Pipelines deep enough that the gather runs two blocks ahead of its use (three KV buffers in
     # the sm_90 compile, kernels.resource_usage); shallower ones keep one gather in flight.
-    smt.TileConfig(64, 32, 8, 5),
-    smt.TileConfig(64, 32, 4, 5, dv_split=2),
+    plan.TileConfig(64, 32, 8, 5),
+    plan.TileConfig(64, 32, 4, 5, dv_split=2),
 )
 
 
-def tile_name(tiles: smt.TileConfig) -> str:
+def tile_name(tiles: plan.TileConfig) -> str:
     name = f"{tiles.block_h}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}"
     return name + (" dv2" if tiles.dv_split == 2 else "") + (" pf" if tiles.prefetch else "")
 
@@ -152,7 +153,7 @@ def split_k_pdl(*args):
     return smt.sparse_mla_decode_split_k(*args, pdl=True)
 
 
-def plan_call(tiles: smt.TileConfig, splits: int, pdl: bool = False):
+def plan_call(tiles: plan.TileConfig, splits: int, pdl: bool = False):
     """A call running this plan as the default path does: the head-batched kernel alone at one
     split, split-K with the combine (launched with PDL if asked) at more."""
     if splits == 1:
@@ -165,13 +166,13 @@ class FusedCombine:
     split count, or num_splits). Every call must leave the arrival counters at zero again:
     check_reset raises if one did not."""
 
-    def __init__(self, case: Case, num_splits: int | None = None, tiles: smt.TileConfig | None = None):
+    def __init__(self, case: Case, num_splits: int | None = None, tiles: plan.TileConfig | None = None):
         self.batch, self.num_splits, self.tiles = case.batch, num_splits, tiles
         device = case.kv_cache.device
         if num_splits is None:
-            self.workspace = smt.sparse_mla_workspace(case.batch, HEADS, DIM, case.topk, device, DTYPE, fused_combine=True)
+            self.workspace = plan.sparse_mla_workspace(case.batch, HEADS, DIM, case.topk, device, DTYPE, fused_combine=True)
         else:
-            numel = smt.workspace_numel(case.batch, HEADS, DIM, num_splits, fused_combine=True)
+            numel = plan.workspace_numel(case.batch, HEADS, DIM, num_splits, fused_combine=True)
             self.workspace = torch.zeros(numel, dtype=torch.float32, device=device)
 
     def __call__(self, *args):
@@ -180,7 +181,7 @@ class FusedCombine:
         )
 
     def check_reset(self, name: str, case: Case) -> None:
-        if smt.fused_counters(self.workspace, self.batch, HEADS).any():
+        if plan.fused_counters(self.workspace, self.batch, HEADS).any():
             raise AssertionError(f"sparse_mla {name} at B={case.batch}, K={case.topk}: arrival counters not reset")
 
 
@@ -207,8 +208,8 @@ def run_main_table(copy_gbs: float, l2_bytes: int, num_sms: int):
             times[FUSED] = checked_time_us(FUSED, FusedCombine(case), case)
             if pdl_supported:
                 times[PDL] = checked_time_us(PDL, split_k_pdl, case)
-            tiles = smt.choose_tiles(batch, HEADS, topk, num_sms)
-            splits = smt.choose_num_splits(batch, HEADS, topk, num_sms)
+            tiles = plan.choose_tiles(batch, HEADS, topk, num_sms)
+            splits = plan.choose_num_splits(batch, HEADS, topk, num_sms)
             gbs = case.bytes_per_call / (times["default"] * 1e-6) / 1e9
             best_other = min(t for name, t in times.items() if name in VARIANTS and name != "default")
             results[(batch, topk)] = dict(times=times, gbs=gbs, splits=splits, tiles=tiles)
@@ -278,8 +279,8 @@ def run_split_sweep(l2_bytes: int, num_sms: int) -> str:
     shapes = [(b, k) for k in TOPKS for b in BATCHES] + [(b, k) for k in SHORT_TOPKS for b in SHORT_BATCHES]
     for batch, topk in shapes:
         case = Case(batch, topk, l2_bytes, seed=1 + batch)
-        tiles = smt.choose_tiles(batch, HEADS, topk, num_sms)
-        chosen = smt.choose_num_splits(batch, HEADS, topk, num_sms)
+        tiles = plan.choose_tiles(batch, HEADS, topk, num_sms)
+        chosen = plan.choose_num_splits(batch, HEADS, topk, num_sms)
         n_blocks = -(-topk // tiles.block_k)
         cells = []
         for splits in counts:
@@ -305,7 +306,7 @@ def run_tile_sweep(l2_bytes: int, num_sms: int) -> str:
             if fixed_splits == 1:
                 fn = plan_call(tiles, 1)
             else:
-                splits = smt.choose_num_splits(batch, HEADS, topk, num_sms, tiles=tiles)
+                splits = plan.choose_num_splits(batch, HEADS, topk, num_sms, tiles=tiles)
                 fn = lambda *a, t=tiles, s=splits: smt.sparse_mla_decode_split_k(*a, num_splits=s, tiles=t)  # noqa: E731
             try:
                 check_against_reference(f"tiles {tiles}", fn, case)
@@ -322,9 +323,9 @@ def run_tile_sweep(l2_bytes: int, num_sms: int) -> str:
 
 
 FUSED_SWEEP_TILES = (
-    smt.TileConfig(16, 32, 4, 2),  # the default at B <= 2
-    smt.TileConfig(16, 32, 4, 2, dv_split=2),  # twice the programs, so twice the combiners, each merging half the columns
-    smt.TileConfig(16, 64, 4, 3),
+    plan.TileConfig(16, 32, 4, 2),  # the default at B <= 2
+    plan.TileConfig(16, 32, 4, 2, dv_split=2),  # twice the programs, so twice the combiners, each merging half the columns
+    plan.TileConfig(16, 64, 4, 3),
 )
 FUSED_SWEEP_SPLITS = {640: (4, 5, 7, 10, 20), 2048: (8, 11, 16, 22, 32, 64)}
 
@@ -339,7 +340,7 @@ def run_fused_sweep(l2_bytes: int, num_sms: int) -> str:
         for batch in (1, 2):
             case = Case(batch, topk, l2_bytes, seed=3 + batch)
             for tiles in FUSED_SWEEP_TILES:
-                chosen = smt.choose_num_splits(batch, HEADS, topk, num_sms, tiles=tiles)
+                chosen = plan.choose_num_splits(batch, HEADS, topk, num_sms, tiles=tiles)
                 n_blocks = -(-topk // tiles.block_k)
                 cells = []
                 for splits in counts:
@@ -376,13 +377,13 @@ def run_plan_sweep(l2_bytes: int, num_sms: int) -> str:
     rows = []
     for batch, topk in PLAN_SHAPES:
         case = Case(batch, topk, l2_bytes, seed=5 + batch)
-        chosen = smt.choose_plan(batch, HEADS, topk, num_sms)
-        for tiles in smt.candidate_tiles(HEADS, DIM, 2):
-            splits = smt.choose_num_splits(batch, HEADS, topk, num_sms, tiles=tiles)
+        chosen = plan.choose_plan(batch, HEADS, topk, num_sms)
+        for tiles in plan.candidate_tiles(HEADS, DIM, 2):
+            splits = plan.choose_num_splits(batch, HEADS, topk, num_sms, tiles=tiles)
             fn = plan_call(tiles, splits, pdl)
             check_against_reference(f"plan candidate {tiles}", fn, case)
             us, _ = time_per_call_us(fn, case)
-            estimate = smt.estimated_us(batch, HEADS, topk, DIM, 2, num_sms, tiles, splits)
+            estimate = plan.estimated_us(batch, HEADS, topk, DIM, 2, num_sms, tiles, splits)
             bold = "**" if (tiles, splits) == chosen else ""
             rows.append([batch, topk, f"{bold}{tile_name(tiles)}, S={splits}{bold}", f"{us:.1f}", f"{estimate:.1f}"])
         del case

@@ -22,6 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels import sparse_mla_plan as plan
 from kernels import sparse_mla_triton as smt
 
 # The argument types of _head_batched_kernel at the model's dtypes (bf16 activations and cache).
@@ -47,11 +48,11 @@ def _cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def head_batched_usage(tiles: smt.TileConfig, head_dim: int = 512, split: bool = False, arch: int = 90) -> Usage:
+def head_batched_usage(tiles: plan.TileConfig, head_dim: int = 512, split: bool = False, arch: int = 90) -> Usage:
     """Compile the head-batched kernel at these tiles for sm_`arch` and read its resource usage."""
     fn = smt._head_batched_kernel
     constants = dict(
-        BLOCK_H=tiles.block_h, BLOCK_K=tiles.block_k, BLOCK_D=smt._block_d(head_dim), DV_SPLIT=tiles.dv_split,
+        BLOCK_H=tiles.block_h, BLOCK_K=tiles.block_k, BLOCK_D=plan._block_d(head_dim), DV_SPLIT=tiles.dv_split,
         FLAT_ROWS=True, SPLIT=split, DOT_PRECISION="tf32", FUSED_COMBINE=False, BLOCK_DC=1,
         SPLITS_PER_STEP=smt.COMBINE_SPLITS_PER_STEP, PREFETCH=tiles.prefetch,
         D=head_dim, stride_qd=1, stride_d=1,  # contiguous head dim, as the runtime specialises it
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
     args = parser.parse_args(argv)
-    planned = smt.candidate_tiles(64, 512, 2)
+    planned = plan.candidate_tiles(64, 512, 2)
     print(f"sparse MLA head-batched kernel, H=64 blocks, D=512, bf16, sm_{args.arch}, triton {triton.__version__}\n")
     print("| tiles | registers | spilled bytes per thread | shared KiB | wgmma | mma.sync | cp.async | KV buffers |")
     print("|---|---|---|---|---|---|---|---|")

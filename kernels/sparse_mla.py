@@ -44,7 +44,7 @@ def sparse_mla_decode_op(
     """CPU (and any non-CUDA device): the reference. `workspace` has no default on purpose: some
     torch versions drop a trailing argument equal to its default before the in-place bookkeeping
     of mutated arguments runs, and then fail to find it. `workspace` is split-K scratch for the CUDA
-    kernels (see kernels.sparse_mla_triton.sparse_mla_workspace); it carries no result."""
+    kernels (see kernels.sparse_mla_plan.sparse_mla_workspace); it carries no result."""
     return sparse_mla_decode_reference(q, kv_cache, indices, sink, scale)
 
 
@@ -88,7 +88,7 @@ IMPLS = ("default", "reference", "simt", "head_batched", "split_k")
 def sparse_mla_workspace(batch: int, heads: int, head_dim: int, topk: int, device, dtype=torch.bfloat16) -> torch.Tensor:
     """Split-K scratch for the CUDA path at these shapes, to allocate per batch bucket before a
     CUDA-graph capture and pass as `workspace` (empty when the plan needs no split)."""
-    from kernels.sparse_mla_triton import sparse_mla_workspace as triton_workspace
+    from kernels.sparse_mla_plan import sparse_mla_workspace as triton_workspace
 
     return triton_workspace(batch, heads, head_dim, topk, device, dtype)
 

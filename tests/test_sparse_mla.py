@@ -30,6 +30,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 triton = pytest.importorskip("triton")
 
 from cuda_graphs import capture  # noqa: E402
+from kernels import sparse_mla_plan as plan  # noqa: E402
 from kernels import sparse_mla_triton as smt  # noqa: E402
 from kernels.sparse_mla import (  # noqa: E402
     sparse_mla_decode,
@@ -37,6 +38,7 @@ from kernels.sparse_mla import (  # noqa: E402
     sparse_mla_decode_reference,
     sparse_mla_workspace,
 )
+from kernels.triton_util import INTERPRETER_NUM_SMS  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERPRET, reason="interpreter tests run where TRITON_INTERPRET=1 (set without CUDA)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (and no TRITON_INTERPRET)")
@@ -82,11 +84,11 @@ def assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale):
     torch.testing.assert_close(lse, ref_lse, atol=lse_tol, rtol=lse_tol)
 
 
-SMALL_TILES = smt.TileConfig(block_h=16, block_k=16, num_warps=4, num_stages=2)
-DV_SPLIT_TILES = smt.TileConfig(block_h=16, block_k=16, num_warps=4, num_stages=2, dv_split=2)
+SMALL_TILES = plan.TileConfig(block_h=16, block_k=16, num_warps=4, num_stages=2)
+DV_SPLIT_TILES = plan.TileConfig(block_h=16, block_k=16, num_warps=4, num_stages=2, dv_split=2)
 # The gather double-buffered by hand (one Triton stage: the kernel pipelines it itself).
-PREFETCH_TILES = smt.TileConfig(block_h=16, block_k=16, num_warps=4, num_stages=1, prefetch=True)
-PREFETCH_DV_SPLIT_TILES = smt.TileConfig(block_h=16, block_k=16, num_warps=4, num_stages=1, dv_split=2, prefetch=True)
+PREFETCH_TILES = plan.TileConfig(block_h=16, block_k=16, num_warps=4, num_stages=1, prefetch=True)
+PREFETCH_DV_SPLIT_TILES = plan.TileConfig(block_h=16, block_k=16, num_warps=4, num_stages=1, dv_split=2, prefetch=True)
 
 # (name, call) with call(q, kv_cache, indices, sink, scale) -> (out, lse)
 VARIANTS = {
@@ -101,13 +103,13 @@ VARIANTS = {
     "split_k_7_some_empty": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=7, tiles=SMALL_TILES),
     "split_k_3_dv_split": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=3, tiles=DV_SPLIT_TILES),
     # 64 heads on two warpgroups, whole rows (the default plan's tiles at large batch); GPU only.
-    "split_k_2_whole_rows": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=2, tiles=smt.TileConfig(64, 64, 8, 2)),
+    "split_k_2_whole_rows": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=2, tiles=plan.TileConfig(64, 64, 8, 2)),
     "head_batched_prefetch": lambda *a: smt.sparse_mla_decode_head_batched(*a, tiles=PREFETCH_TILES),
     "head_batched_prefetch_dv_split": lambda *a: smt.sparse_mla_decode_head_batched(*a, tiles=PREFETCH_DV_SPLIT_TILES),
     "split_k_3_prefetch": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=3, tiles=PREFETCH_TILES),
     "split_k_7_some_empty_prefetch": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=7, tiles=PREFETCH_TILES),
     "split_k_2_whole_rows_prefetch": lambda *a: smt.sparse_mla_decode_split_k(
-        *a, num_splits=2, tiles=smt.TileConfig(64, 64, 8, 1, prefetch=True)
+        *a, num_splits=2, tiles=plan.TileConfig(64, 64, 8, 1, prefetch=True)
     ),
     "default": lambda *a: smt.sparse_mla_decode_triton(*a),
     # Fused combine, workspace allocated per call.
@@ -214,7 +216,7 @@ def test_strided_inputs_and_int64_indices(variant):
 @interp
 def test_workspace_is_used_and_checked():
     q, kv_cache, indices, sink, scale = make_inputs(3, 8, 64, 40, torch.float32, seed=5)
-    needed = smt.workspace_numel(3, 8, 64, 3)
+    needed = plan.workspace_numel(3, 8, 64, 3)
     workspace = torch.full((needed + 100,), float("nan"))  # stale NaNs must never leak into the result
     out, lse = smt.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, 3, workspace, SMALL_TILES)
     assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
@@ -230,9 +232,9 @@ def test_default_path_with_its_workspace():
     """One sequence and a long index list: the default plan splits it (checked), using the
     workspace sized by sparse_mla_workspace."""
     q, kv_cache, indices, sink, scale = make_inputs(1, 8, 64, 640, torch.float16, seed=9, pattern="scattered")
-    workspace = smt.sparse_mla_workspace(1, 8, 64, 640, "cpu", torch.float16)
-    splits = smt.choose_num_splits(1, 8, 640, smt.INTERPRETER_NUM_SMS, 64, 2)
-    assert splits > 1 and workspace.numel() == smt.workspace_numel(1, 8, 64, splits)
+    workspace = plan.sparse_mla_workspace(1, 8, 64, 640, "cpu", torch.float16)
+    splits = plan.choose_num_splits(1, 8, 640, INTERPRETER_NUM_SMS, 64, 2)
+    assert splits > 1 and workspace.numel() == plan.workspace_numel(1, 8, 64, splits)
     out, lse = smt.sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace=workspace)
     assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
 
@@ -240,14 +242,14 @@ def test_default_path_with_its_workspace():
 def fused_workspace(batch, heads, dim, num_splits, fill=float("nan")):
     """A fused-combine workspace whose partial region holds stale `fill` (which must never reach
     the result) and whose counters are zero, as after allocation."""
-    workspace = torch.full((smt.workspace_numel(batch, heads, dim, num_splits, fused_combine=True),), fill)
-    smt.fused_counters(workspace, batch, heads).zero_()
+    workspace = torch.full((plan.workspace_numel(batch, heads, dim, num_splits, fused_combine=True),), fill)
+    plan.fused_counters(workspace, batch, heads).zero_()
     return workspace
 
 
 def assert_counters_reset(workspace, batch, heads):
-    counters = smt.fused_counters(workspace, batch, heads)
-    assert counters.dtype == torch.int32 and counters.numel() >= batch * heads * smt.MAX_DV_SPLIT
+    counters = plan.fused_counters(workspace, batch, heads)
+    assert counters.dtype == torch.int32 and counters.numel() >= batch * heads * plan.MAX_DV_SPLIT
     assert torch.equal(counters, torch.zeros_like(counters))
 
 
@@ -270,21 +272,21 @@ def test_fused_combine_reuses_its_workspace(tiles, splits):
         )
         assert_matches_reference(out, lse, *inputs)
         assert_counters_reset(workspace, batch, heads)
-    assert torch.isfinite(workspace[smt.num_fused_counters(batch, heads):]).any()  # the partials went there
+    assert torch.isfinite(workspace[plan.num_fused_counters(batch, heads):]).any()  # the partials went there
 
 
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize(
     "tiles",
-    [smt.TileConfig(32, 16, 4, 2), smt.TileConfig(64, 16, 4, 2, dv_split=2)],
+    [plan.TileConfig(32, 16, 4, 2), plan.TileConfig(64, 16, 4, 2, dv_split=2)],
     ids=["h32", "h64_dv_split"],
 )
 def test_fused_combine_in_column_chunks(tiles, dtype):
     """Wide rows (D=300, padded to 512) and more heads per block than the 20 there are: the
     combine merges each column part in several chunks, the last one partly past D."""
     batch, heads, dim, topk = 2, 20, 300, 40
-    assert smt._fused_combine_columns(tiles, dim) < smt._block_d(dim) // tiles.dv_split  # several chunks
+    assert smt._fused_combine_columns(tiles, dim) < plan._block_d(dim) // tiles.dv_split  # several chunks
     inputs = make_inputs(batch, heads, dim, topk, dtype, seed=50)
     workspace = fused_workspace(batch, heads, dim, 3)
     out, lse = smt.sparse_mla_decode_split_k(*inputs, num_splits=3, workspace=workspace, tiles=tiles, fused_combine=True)
@@ -299,8 +301,8 @@ def test_fused_combine_at_the_h200_plan(batch):
     blocks and 20 one-block splits at B=1; 64-head blocks with split columns, merged in column chunks,
     and 5 splits at B=8 (with all-masked and ragged sequences)."""
     heads, dim, topk = 64, 512, 640
-    tiles = smt.choose_tiles(batch, heads, topk, 132)
-    splits = smt.choose_num_splits(batch, heads, topk, 132)
+    tiles = plan.choose_tiles(batch, heads, topk, 132)
+    splits = plan.choose_num_splits(batch, heads, topk, 132)
     assert splits > 1 and (tiles.dv_split == 2) == (batch == 8)
     inputs = make_inputs(
         batch, heads, dim, topk, torch.float16, slots=batch + 1, rows=1024, seed=60 + batch,
@@ -317,17 +319,17 @@ def test_fused_combine_at_the_h200_plan(batch):
 @interp
 def test_fused_combine_workspace_is_sized_and_checked():
     q, kv_cache, indices, sink, scale = make_inputs(1, 8, 64, 640, torch.float16, seed=9, pattern="scattered")
-    workspace = smt.sparse_mla_workspace(1, 8, 64, 640, "cpu", torch.float16, fused_combine=True)
-    splits = smt.choose_num_splits(1, 8, 640, smt.INTERPRETER_NUM_SMS, 64, 2)
-    assert splits > 1 and workspace.numel() == smt.workspace_numel(1, 8, 64, splits, fused_combine=True)
-    assert workspace.numel() > smt.workspace_numel(1, 8, 64, splits)  # room for counters and per-part LSEs
+    workspace = plan.sparse_mla_workspace(1, 8, 64, 640, "cpu", torch.float16, fused_combine=True)
+    splits = plan.choose_num_splits(1, 8, 640, INTERPRETER_NUM_SMS, 64, 2)
+    assert splits > 1 and workspace.numel() == plan.workspace_numel(1, 8, 64, splits, fused_combine=True)
+    assert workspace.numel() > plan.workspace_numel(1, 8, 64, splits)  # room for counters and per-part LSEs
     assert torch.equal(workspace, torch.zeros_like(workspace))
     out, lse = smt.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, workspace=workspace, fused_combine=True)
     assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
     assert_counters_reset(workspace, 1, 8)
     # A plan with one split still gets scratch: the fused path always goes through it.
-    assert smt.choose_num_splits(64, 8, 40, smt.INTERPRETER_NUM_SMS, 64, 2) == 1
-    assert smt.sparse_mla_workspace(64, 8, 64, 40, "cpu", torch.float16, fused_combine=True).numel() > 0
+    assert plan.choose_num_splits(64, 8, 40, INTERPRETER_NUM_SMS, 64, 2) == 1
+    assert plan.sparse_mla_workspace(64, 8, 64, 40, "cpu", torch.float16, fused_combine=True).numel() > 0
     with pytest.raises(ValueError, match="fused_combine=True"):
         smt.sparse_mla_decode_split_k(
             q, kv_cache, indices, sink, scale, workspace=workspace[:-1], fused_combine=True
@@ -360,14 +362,14 @@ def test_plan_picks_tiles_by_batch_on_an_h200():
     """At 132 SMs, H=64, D=512: 16-head blocks where 64-head programs would leave SMs idle
     (batch 1), 64-head blocks with split output columns in between, and whole rows on two
     warpgroups once those programs fill the GPU on their own (batch 128)."""
-    small, _ = smt.choose_plan(1, 64, 640, 132)
-    middle, _ = smt.choose_plan(8, 64, 640, 132)
-    large, splits = smt.choose_plan(128, 64, 2048, 132)
+    small, _ = plan.choose_plan(1, 64, 640, 132)
+    middle, _ = plan.choose_plan(8, 64, 640, 132)
+    large, splits = plan.choose_plan(128, 64, 2048, 132)
     assert small.block_h == 16
     # A long list at batch 1 goes in 64-row blocks (half the splits, half the fp32 partials); the
     # window's 128 rows in one-block splits of 32.
-    assert (smt.choose_tiles(1, 64, 2048, 132).block_h, smt.choose_tiles(1, 64, 2048, 132).block_k) == (16, 64)
-    assert smt.choose_plan(1, 64, 128, 132) == (smt.TileConfig(16, 32, 4, 2), 4)
+    assert (plan.choose_tiles(1, 64, 2048, 132).block_h, plan.choose_tiles(1, 64, 2048, 132).block_k) == (16, 64)
+    assert plan.choose_plan(1, 64, 128, 132) == (plan.TileConfig(16, 32, 4, 2), 4)
     assert (middle.block_h, middle.dv_split) == (64, 2)
     assert (large.block_h, large.dv_split, large.num_warps, splits) == (64, 1, 8, 1)
 
@@ -375,23 +377,23 @@ def test_plan_picks_tiles_by_batch_on_an_h200():
 def test_fp32_candidates_fit_shared_memory():
     """fp32 inputs (a checking mode) keep small tiles: no 64-row block of 16 heads, whose two
     KV stages alone would take 256 KiB."""
-    bf16 = smt.candidate_tiles(64, 512, 2)
-    fp32 = smt.candidate_tiles(64, 512, 4)
-    assert smt.TileConfig(16, 64, 4, 2) in bf16
+    bf16 = plan.candidate_tiles(64, 512, 2)
+    fp32 = plan.candidate_tiles(64, 512, 4)
+    assert plan.TileConfig(16, 64, 4, 2) in bf16
     assert all(t.block_k <= 16 for t in fp32)
     width = 512 * 4
-    assert all(t.block_h * width + t.num_stages * t.block_k * width <= smt._SMEM_BYTES for t in fp32)
+    assert all(t.block_h * width + t.num_stages * t.block_k * width <= plan._SMEM_BYTES for t in fp32)
 
 
 @pytest.mark.parametrize("topk", [128, 640, 2048])
 @pytest.mark.parametrize("batch", [1, 2, 4, 8, 16, 32, 64, 128, 256])
 def test_plan_is_a_sane_pure_function(batch, topk):
     heads, num_sms = 64, 132
-    tiles = smt.choose_tiles(batch, heads, topk, num_sms)
-    splits = smt.choose_num_splits(batch, heads, topk, num_sms)
-    assert splits == smt.choose_num_splits(batch, heads, topk, num_sms)  # no hidden state
+    tiles = plan.choose_tiles(batch, heads, topk, num_sms)
+    splits = plan.choose_num_splits(batch, heads, topk, num_sms)
+    assert splits == plan.choose_num_splits(batch, heads, topk, num_sms)  # no hidden state
     n_blocks = triton.cdiv(topk, tiles.block_k)
-    assert 1 <= splits <= min(n_blocks, smt.MAX_SPLITS)
+    assert 1 <= splits <= min(n_blocks, plan.MAX_SPLITS)
     blocks_per_split = triton.cdiv(n_blocks, splits)
     assert (splits - 1) * blocks_per_split < n_blocks  # the default never plans an empty split
     programs = batch * triton.cdiv(heads, tiles.block_h) * tiles.dv_split
@@ -507,7 +509,7 @@ def test_gpu_cuda_graph_per_batch_bucket(topk):
     heads, dim, scale = 64, 512, 512**-0.5
     buckets = [1, 8, 128]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = [smt.choose_num_splits(b, heads, topk, num_sms) for b in buckets]
+    splits = [plan.choose_num_splits(b, heads, topk, num_sms) for b in buckets]
     assert splits[0] > 1 and splits[-1] == 1  # the graphs cover both the split-K and the single-split path
     kv_cache = make_gpu_cache(max(buckets) + 1)
     graphs = {}
@@ -552,7 +554,7 @@ def test_gpu_fused_combine_matches_reference(batch, topk):
     a program combined before another's partial had landed)."""
     heads, dim, scale = 64, 512, 512**-0.5
     kv_cache = make_gpu_cache(batch + 1, seed=topk)
-    workspace = smt.sparse_mla_workspace(batch, heads, dim, topk, "cuda", torch.bfloat16, fused_combine=True)
+    workspace = plan.sparse_mla_workspace(batch, heads, dim, topk, "cuda", torch.bfloat16, fused_combine=True)
     for call in range(2):
         q, indices, sink = make_gpu_query(batch, topk, seed=100 * call + batch)
         out, lse = fused_call(q, kv_cache, indices, sink, scale, workspace)
@@ -573,7 +575,7 @@ def test_gpu_fused_combine_other_plans(plan):
     tiles with 8 warps). The workspace comes per call here."""
     batch, topk, dtype, kwargs = 1, 640, torch.bfloat16, {}
     if plan == "dv_split_16_heads":
-        kwargs["tiles"] = smt.TileConfig(16, 32, 4, 2, dv_split=2)
+        kwargs["tiles"] = plan.TileConfig(16, 32, 4, 2, dv_split=2)
     elif plan == "64_splits_some_empty":
         kwargs["num_splits"] = 64
     else:
@@ -596,7 +598,7 @@ def test_gpu_fused_combine_in_cuda_graph(batch, topk, preallocated):
     kv_cache = make_gpu_cache(batch + 1)
     q, indices, sink = make_gpu_query(batch, topk, seed=batch)
     workspace = (
-        smt.sparse_mla_workspace(batch, heads, dim, topk, "cuda", torch.bfloat16, fused_combine=True)
+        plan.sparse_mla_workspace(batch, heads, dim, topk, "cuda", torch.bfloat16, fused_combine=True)
         if preallocated
         else None
     )
@@ -654,9 +656,9 @@ def test_offline_resource_usage_of_three_tiles():
         pytest.skip("this Triton ships no cuobjdump")
     code = (
         "import dataclasses, json\n"
-        "from kernels import sparse_mla_triton as smt\n"
+        "from kernels import sparse_mla_plan as plan\n"
         "from kernels.resource_usage import head_batched_usage\n"
-        "tiles = [smt.TileConfig(16, 32, 4, 2), smt.head_batched_tiles(64), smt.TileConfig(64, 32, 8, 5)]\n"
+        "tiles = [plan.TileConfig(16, 32, 4, 2), plan.head_batched_tiles(64), plan.TileConfig(64, 32, 8, 5)]\n"
         "print(json.dumps([dataclasses.asdict(head_batched_usage(t)) for t in tiles]))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -1,0 +1,231 @@
+"""How the CUDA path of sparse MLA decode is launched (kernels/sparse_mla_triton.py): the tiles
+of the head-batched kernel, the split count, and the split-K scratch a CUDA-graph caller
+preallocates. Every choice is a pure function of the shapes and the SM count, so one capture per
+batch bucket stays valid: the plan ranks a few candidate tiles and every split count with a cost
+model fitted to H200 timings (docs/kernels.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernels.triton_util import num_sms as device_sm_count
+
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape of the head-batched kernel: heads and gathered rows per program, warps,
+    pipeline depth, into how many programs (1 or 2) the output columns are split, and whether
+    the kernel double-buffers the gather by hand (prefetch: the next block's rows are requested
+    before this block's products, the indices two blocks ahead; meant for num_stages=1, which
+    leaves Triton's own pipelining out)."""
+
+    block_h: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    dv_split: int = 1
+    prefetch: bool = False
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _tiles_for(block_h: int, head_dim: int, itemsize: int) -> TileConfig:
+    """Tiles for a head block. The [block_h, head_dim] fp32 accumulator lives in registers:
+    - up to 32 x 512 elements: one program, 8 warps (64 per thread) or 4 for smaller ones;
+    - 64 x 512 (V4 at full occupancy): two programs each own 256 output columns (DV split) with a
+      single warpgroup, so both products run as M=64 wgmma without duplicating Q K^T across
+      warpgroups.
+    fp32 inputs (a checking mode) use smaller tiles so Q and two KV stages fit in shared memory."""
+    block_k = 32
+    if itemsize > 2:
+        block_h, block_k = min(block_h, 32), 16
+    acc = block_h * _block_d(head_dim)
+    if acc > 32 * 512:
+        # 64 gathered rows per step, two stages: fastest in the H200 tile sweep (docs/kernels.md).
+        return TileConfig(block_h, 64, num_warps=4, num_stages=2, dv_split=2)
+    return TileConfig(block_h, block_k, num_warps=8 if acc == 32 * 512 else 4, num_stages=2)
+
+
+def head_batched_tiles(heads: int, head_dim: int = 512, itemsize: int = 2) -> TileConfig:
+    """Tiles of the head-batched kernel at full occupancy: up to 64 heads per program, so each
+    gathered row is read from HBM once per sequence and the M=64 products can use Hopper's wgmma."""
+    return _tiles_for(min(64, max(16, triton.next_power_of_2(heads))), head_dim, itemsize)
+
+
+def candidate_tiles(heads: int, head_dim: int, itemsize: int) -> list[TileConfig]:
+    """The tiles the default plan chooses among: the full head block (for 64 heads: one
+    warpgroup per half of the output columns), for 64 heads also whole rows on two warpgroups
+    (no second gather of each row, no duplicated Q K^T; fastest when its programs alone fill the
+    SMs, H200 sweep in docs/kernels.md), and 16-head blocks of 32 or 64 gathered rows (more,
+    shorter programs at batch 1-8; 64 rows halve the split count, so the fp32 partials, where
+    the index list is long)."""
+    full = head_batched_tiles(heads, head_dim, itemsize)
+    tiles = [full]
+    if full.dv_split == 2:
+        tiles.append(TileConfig(full.block_h, full.block_k, num_warps=8, num_stages=full.num_stages))
+    if full.block_h > 16:
+        small = _tiles_for(16, head_dim, itemsize)
+        tiles.append(small)
+        if itemsize <= 2:  # fp32 tiles stay small to fit shared memory (_tiles_for)
+            tiles.append(dataclasses.replace(small, block_k=64))
+    return tiles
+
+
+# Rough costs on an H100/H200-class GPU, used only to rank plans against each other: a weighted
+# least-squares fit (6% RMS relative error, 13% at worst) to the 77 H200 timings of the candidate
+# tiles in docs/kernels.md (the plan-candidate run and the 2026-12-03 plan check, combine
+# launched with PDL; rotating inputs larger than L2). At decode sizes a program is latency-bound:
+# after the first KV block each one waits for its indices and then the rows they name. The fit
+# leaves one warpgroup's products at 0 (hidden behind that wait; a free fit made them negative)
+# and puts the combine's fixed cost mostly into the programs'.
+_ITER_US = 0.98  # each KV block after a program's first: index load, then the dependent gather
+_ROW_US = 0.0334  # per gathered row of every block, the first included (whole 1 KB rows)
+_PRODUCT_US = {4: 0.0, 8: 1.62}  # per 64 heads x 64 rows of Q K^T + P V, by warps per program
+_PROGRAM_US = 4.03  # a program's fixed cost: launch share, the first block's wait
+_PROGRAM_US_PER_KB = 0.0087  # its Q tile in and its output tile out
+_COMBINE_US = 0.13  # the combine kernel, beyond what the programs' fixed cost covers
+_PARTIAL_BYTES_PER_US = 1.33e6  # fp32 partials: written by the splits, read by the combine
+_BYTES_PER_US = 4.0e6  # HBM bandwidth, 4 TB/s: a floor for the KV traffic
+_SMEM_BYTES = 228 * 1024  # shared memory per SM (sm_90)
+
+
+def _programs_per_sm(tiles: TileConfig, head_dim: int, itemsize: int) -> int:
+    """How many programs of these tiles share an SM, by shared memory: the Q tile plus the
+    pipelined KV tiles (whole rows: a DV-split program loads both halves for Q K^T)."""
+    width = _block_d(head_dim) * itemsize
+    smem = tiles.block_h * width + tiles.num_stages * tiles.block_k * width
+    return max(1, _SMEM_BYTES // smem)
+
+
+def estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles: TileConfig, splits: int) -> float:
+    """Waves of programs x per-program latency, bounded below by HBM traffic; splitting adds the
+    fp32 partials and the combine."""
+    n_blocks = triton.cdiv(max(topk, 1), tiles.block_k)
+    blocks_per_split = triton.cdiv(n_blocks, splits)
+    head_blocks = triton.cdiv(heads, tiles.block_h)
+    programs = batch * head_blocks * tiles.dv_split * splits
+    waves = triton.cdiv(programs, num_sms * _programs_per_sm(tiles, head_dim, itemsize))
+    # A DV-split program does all of Q K^T but half of P V.
+    products = tiles.block_k * tiles.block_h / 64**2 * (0.5 + 0.5 / tiles.dv_split)
+    rows_us = tiles.block_k * _ROW_US
+    block_us = _ITER_US + rows_us + products * _PRODUCT_US.get(tiles.num_warps, _PRODUCT_US[8])
+    out_bytes = tiles.block_h * head_dim // tiles.dv_split * (4 if splits > 1 else itemsize)
+    program_us = _PROGRAM_US + rows_us + (tiles.block_h * head_dim * itemsize + out_bytes) / 1024 * _PROGRAM_US_PER_KB
+    compute = waves * (program_us + (blocks_per_split - 1) * block_us)
+    time = max(compute, batch * topk * head_dim * itemsize / _BYTES_PER_US)
+    if splits > 1:
+        partial_bytes = batch * head_blocks * splits * tiles.block_h * (head_dim + 1) * 4
+        time += _COMBINE_US + partial_bytes / _PARTIAL_BYTES_PER_US
+    return time
+
+
+def _split_candidates(batch: int, heads: int, topk: int, num_sms: int, tiles: TileConfig) -> list[int]:
+    """Split counts worth ranking for these tiles: only 1 when batch x head blocks already fills
+    the SMs (partials would only add traffic) or the index list is one block; otherwise every
+    distinct count of whole KV blocks per split up to MAX_SPLITS (none leaves a split empty)."""
+    n_blocks = triton.cdiv(max(topk, 1), tiles.block_k)
+    if batch * triton.cdiv(heads, tiles.block_h) * tiles.dv_split >= num_sms or n_blocks == 1:
+        return [1]
+    return sorted({triton.cdiv(n_blocks, triton.cdiv(n_blocks, s)) for s in range(1, min(n_blocks, MAX_SPLITS) + 1)})
+
+
+@functools.lru_cache(maxsize=None)
+def choose_plan(
+    batch: int, heads: int, topk: int, num_sms: int, head_dim: int = 512, itemsize: int = 2
+) -> tuple[TileConfig, int]:
+    """Tiles and split count of the default path: a pure function of the shapes and the SM count
+    (CUDA-graph safe), the pair with the lowest estimated time. Memoised: ranking every candidate
+    takes ~0.2-0.8 ms of Python, which eager calls would otherwise pay per layer."""
+    shape = (batch, heads, topk, num_sms, head_dim, itemsize)
+    plans = [(tiles, _best_splits(*shape, tiles)) for tiles in candidate_tiles(heads, head_dim, itemsize)]
+    # min keeps the first of equal estimates: the candidates' order breaks ties, as _best_splits
+    # breaks them towards fewer splits.
+    return min(plans, key=lambda plan: estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, *plan))
+
+
+def choose_tiles(batch: int, heads: int, topk: int, num_sms: int, head_dim: int = 512, itemsize: int = 2) -> TileConfig:
+    """The default plan's tiles (choose_plan)."""
+    return choose_plan(batch, heads, topk, num_sms, head_dim, itemsize)[0]
+
+
+def choose_num_splits(
+    batch: int,
+    heads: int,
+    topk: int,
+    num_sms: int,
+    head_dim: int = 512,
+    itemsize: int = 2,
+    tiles: TileConfig | None = None,
+) -> int:
+    """The default plan's split count, or with `tiles` given the best split count for those tiles."""
+    if tiles is None:
+        return choose_plan(batch, heads, topk, num_sms, head_dim, itemsize)[1]
+    return _best_splits(batch, heads, topk, num_sms, head_dim, itemsize, tiles)
+
+
+@functools.lru_cache(maxsize=None)
+def _best_splits(batch, heads, topk, num_sms, head_dim, itemsize, tiles: TileConfig) -> int:
+    costs = [
+        (estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles, splits), splits)
+        for splits in _split_candidates(batch, heads, topk, num_sms, tiles)
+    ]
+    return min(costs)[1]
+
+
+# The fused combine keeps one LSE and one arrival counter per column part; a head block has at
+# most two parts (TileConfig.dv_split).
+MAX_DV_SPLIT = 2
+
+
+def num_fused_counters(batch: int, heads: int) -> int:
+    """int32 arrival counters at the front of a fused-combine workspace: one per (sequence, head
+    block, column part) needs at most batch x heads x MAX_DV_SPLIT whatever the tiles, so one
+    workspace serves any tiles and split count at this batch and head count. Rounded up to 32
+    (128 bytes) to keep the partials behind them aligned."""
+    return -(-batch * heads * MAX_DV_SPLIT // 32) * 32
+
+
+def workspace_numel(batch: int, heads: int, head_dim: int, num_splits: int, fused_combine: bool = False) -> int:
+    """fp32 elements of split-K scratch: partial outputs [B, S, H, D] then partial LSEs [B, S, H].
+    With fused_combine: the arrival counters (num_fused_counters, int32 bits), then the partial
+    outputs [B, S, H, D], then partial LSEs per column part [B, S, H, dv_split] (room for
+    MAX_DV_SPLIT parts)."""
+    if fused_combine:
+        return num_fused_counters(batch, heads) + batch * num_splits * heads * (head_dim + MAX_DV_SPLIT)
+    return batch * num_splits * heads * (head_dim + 1)
+
+
+def sparse_mla_workspace(
+    batch: int, heads: int, head_dim: int, topk: int, device, dtype: torch.dtype = torch.bfloat16,
+    fused_combine: bool = False,
+) -> torch.Tensor:
+    """Scratch for the default path at these shapes (activation dtype `dtype`), to allocate before
+    a CUDA-graph capture and pass as `workspace`. May be empty when one split suffices.
+
+    fused_combine=True: scratch for sparse_mla_decode_split_k(..., fused_combine=True) at the
+    default split count (sized even when that count is 1), zero-filled because the arrival
+    counters must start at 0; every call leaves them at 0 again. Use it for one batch and head
+    count (the per-bucket pattern) and only with fused_combine=True: the two-kernel path would
+    write partials over the counters."""
+    device = torch.device(device)
+    itemsize = dtype.itemsize
+    splits = choose_num_splits(batch, heads, topk, device_sm_count(device), head_dim, itemsize)
+    if fused_combine:
+        numel = workspace_numel(batch, heads, head_dim, splits, fused_combine=True)
+        return torch.zeros(numel, dtype=torch.float32, device=device)
+    numel = workspace_numel(batch, heads, head_dim, splits) if splits > 1 else 0
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+def fused_counters(workspace: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """The int32 arrival counters of a fused-combine workspace (all 0 between calls)."""
+    return workspace[: num_fused_counters(batch, heads)].view(torch.int32)
