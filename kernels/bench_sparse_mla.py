@@ -390,11 +390,32 @@ def run_plan_sweep(l2_bytes: int, num_sms: int) -> str:
     return markdown_table(["B", "K", "candidate (tiles, splits)", "measured us", "model us"], rows)
 
 
-PARTS = ("main", "split", "tiles", "fused", "plan")  # the main table with its acceptance, then the sweeps
+def run_overlap_check(l2_bytes: int, num_sms: int) -> str:
+    """The default plan (combine with PDL) against the same plan whose split kernel is launched as
+    a programmatic dependent of the kernel before it (`overlap_launch`, opt-in): in the graph of
+    back-to-back calls that is the previous call's combine."""
+    rows = []
+    for batch, topk in PLAN_SHAPES:
+        tiles, splits = plan.choose_plan(batch, HEADS, topk, num_sms)
+        if splits == 1:
+            continue
+        case = Case(batch, topk, l2_bytes, seed=7 + batch)
+        timed = []
+        for overlap in (False, True):
+            fn = lambda *a, o=overlap: smt.sparse_mla_decode_split_k(  # noqa: E731
+                *a, num_splits=splits, tiles=tiles, pdl=True, overlap_launch=o
+            )
+            timed.append(checked_time_us(f"overlap_launch={overlap}", fn, case))
+        rows.append([batch, topk, f"{tile_name(tiles)}, S={splits}", f"{timed[0]:.1f}", f"{timed[1]:.1f}", f"{timed[0] / timed[1]:.2f}x"])
+        del case
+    return markdown_table(["B", "K", "default plan", "us", "us, split kernel overlapping", "speed-up"], rows)
+
+
+PARTS = ("main", "split", "tiles", "fused", "plan", "overlap")  # the main table with its acceptance, then the sweeps
 
 
 def run(copy_gbs: float, parts: tuple[str, ...] = PARTS) -> str:
-    """The section's markdown; `parts` picks tables (all five take ~12 minutes on an H200)."""
+    """The section's markdown; `parts` picks tables (the first five took ~12 minutes on an H200)."""
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise ValueError(f"unknown parts {unknown}; choose from {list(PARTS)}")
@@ -435,6 +456,11 @@ def run(copy_gbs: float, parts: tuple[str, ...] = PARTS) -> str:
         out += [
             "### The default plan's candidates (each at its best split count by the cost model; bold = the default)",
             run_plan_sweep(l2_bytes, num_sms),
+        ]
+    if "overlap" in parts:
+        out += [
+            "### The split kernel launched as a programmatic dependent of the kernel before it (opt-in `overlap_launch`)",
+            run_overlap_check(l2_bytes, num_sms),
         ]
     if "fused" in parts:
         out += [

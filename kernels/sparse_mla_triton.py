@@ -236,6 +236,7 @@ def _head_batched_kernel(
     FLAT_ROWS: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, BLOCK_DC: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    WAIT_FOR_PREDECESSOR: tl.constexpr = False,
 ):
     """Program (head block x column part, split, sequence).
 
@@ -246,11 +247,16 @@ def _head_batched_kernel(
     has no valid index) and its base-2 LSE (-inf when empty) to the fp32 scratch. FUSED_COMBINE
     (with SPLIT): every column part writes its own LSE (its Q K^T sums in its own order), and the
     last split program of the block merges the splits (_combine_if_last). PREFETCH: the gather
-    is double-buffered by hand (TileConfig.prefetch)."""
+    is double-buffered by hand (TileConfig.prefetch). WAIT_FOR_PREDECESSOR: launched with PDL
+    after whatever ran before it (sparse_mla_decode_split_k's overlap_launch)."""
     BLOCK_DV: tl.constexpr = BLOCK_D // DV_SPLIT
     if LAUNCH_DEPENDENTS:
         # Let the combine launch now: its programs wait on the device until this grid is done.
         tl.extra.cuda.gdc_launch_dependents()
+    if WAIT_FOR_PREDECESSOR:
+        # Launched as a programmatic dependent of the kernel before it: nothing that kernel may
+        # have written (q, the indices, the cache) is read before it is done.
+        tl.extra.cuda.gdc_wait()
     hb = tl.program_id(0) // DV_SPLIT
     part = tl.program_id(0) % DV_SPLIT
     split = tl.program_id(1)
@@ -455,10 +461,12 @@ def _fused_combine_columns(tiles: TileConfig, head_dim: int) -> int:
 
 def _launch_head_batched(
     q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse, counters=None,
-    launch_dependents=False,
+    launch_dependents=False, wait_for_predecessor=False,
 ):
     """counters (int32) given: split-K with the combine fused into the split programs.
-    launch_dependents: the next kernel (the combine, launched with PDL) may start early."""
+    launch_dependents: the next kernel (the combine, launched with PDL) may start early.
+    wait_for_predecessor: this kernel is launched with PDL itself and waits on the device for the
+    kernel before it."""
     batch, heads, head_dim = q.shape
     rows_per_slot, *kv_strides = _kv_strides(kv_cache)
     grid = (triton.cdiv(heads, tiles.block_h) * tiles.dv_split, num_splits, batch)
@@ -473,8 +481,9 @@ def _launch_head_batched(
         FLAT_ROWS=_flat_rows(kv_cache), SPLIT=part_out is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FUSED_COMBINE=fused,
         BLOCK_DC=_fused_combine_columns(tiles, head_dim) if fused else 1, SPLITS_PER_STEP=COMBINE_SPLITS_PER_STEP,
-        LAUNCH_DEPENDENTS=launch_dependents, PREFETCH=tiles.prefetch,
+        LAUNCH_DEPENDENTS=launch_dependents, PREFETCH=tiles.prefetch, WAIT_FOR_PREDECESSOR=wait_for_predecessor,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **({"launch_pdl": True} if wait_for_predecessor else {}),
     )
 
 
@@ -544,6 +553,7 @@ def sparse_mla_decode_split_k(
     tiles: TileConfig | None = None,
     fused_combine: bool = False,
     pdl: bool = False,
+    overlap_launch: bool = False,
 ):
     """Split-K path: partial outputs per split into fp32 scratch, then the LSE combine, always
     (even with one split). num_splits defaults to choose_num_splits. Returns (out, lse).
@@ -551,6 +561,9 @@ def sparse_mla_decode_split_k(
     pdl=True (Hopper and later): the combine is launched as a programmatic dependent of the split
     kernel, so its launch overlaps the splits' work and it waits on the device for their partials
     (also inside a CUDA graph). No effect under the interpreter, which has no grids to overlap.
+    overlap_launch=True (Hopper and later; opt-in until timed): the split kernel too is launched
+    as a programmatic dependent, of whatever kernel precedes it, and waits on the device for it
+    before its first load, so its launch overlaps that kernel's tail.
 
     fused_combine=True: one launch, the last split program of each block does the combine. Its
     workspace (sparse_mla_workspace(..., fused_combine=True), or one allocated per call when None)
@@ -566,8 +579,9 @@ def sparse_mla_decode_split_k(
         raise ValueError(f"sparse_mla_decode: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if pdl and fused_combine:
         raise ValueError("sparse_mla_decode: pdl=True launches the separate combine; fused_combine=True has none")
-    if pdl and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
-        raise ValueError(f"sparse_mla_decode: pdl=True needs compute capability 9.0 or later, {q.device} has less")
+    for name, wanted in (("pdl", pdl), ("overlap_launch", overlap_launch)):
+        if wanted and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
+            raise ValueError(f"sparse_mla_decode: {name}=True needs compute capability 9.0 or later, {q.device} has less")
     out, lse = _new_outputs(q)
     if batch == 0:
         return out, lse
@@ -576,14 +590,15 @@ def sparse_mla_decode_split_k(
     if fused_combine:
         counters, part_out, part_lse = _fused_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
         _launch_head_batched(
-            q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse, counters
+            q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse, counters,
+            wait_for_predecessor=overlap_launch and not interpreting(),
         )
         return out, lse
     part_out, part_lse = _split_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
     pdl = pdl and not interpreting()
     _launch_head_batched(
         q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse,
-        launch_dependents=pdl,
+        launch_dependents=pdl, wait_for_predecessor=overlap_launch and not interpreting(),
     )
     block_s = triton.next_power_of_2(num_splits)
     block_dc = max(16, min(_block_d(head_dim), 4096 // block_s))

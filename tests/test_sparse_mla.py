@@ -107,6 +107,10 @@ VARIANTS = {
     "head_batched_prefetch": lambda *a: smt.sparse_mla_decode_head_batched(*a, tiles=PREFETCH_TILES),
     "head_batched_prefetch_dv_split": lambda *a: smt.sparse_mla_decode_head_batched(*a, tiles=PREFETCH_DV_SPLIT_TILES),
     "split_k_3_prefetch": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=3, tiles=PREFETCH_TILES),
+    # Launch-order options (GPU: programmatic dependent launch; no-ops under the interpreter).
+    "split_k_3_overlapped": lambda *a: smt.sparse_mla_decode_split_k(
+        *a, num_splits=3, tiles=SMALL_TILES, pdl=True, overlap_launch=True
+    ),
     "split_k_7_some_empty_prefetch": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=7, tiles=PREFETCH_TILES),
     "split_k_2_whole_rows_prefetch": lambda *a: smt.sparse_mla_decode_split_k(
         *a, num_splits=2, tiles=plan.TileConfig(64, 64, 8, 1, prefetch=True)
@@ -643,6 +647,41 @@ def test_gpu_split_k_with_pdl_in_cuda_graph(batch, topk):
     for round_ in range(3):
         replay_on_fresh_inputs(graph, round_, kv_cache, q, indices, sink)
         assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch,topk", [(1, 640), (2, 2048), (16, 2048)])
+def test_gpu_split_kernel_overlapping_its_predecessor_reads_its_output(batch, topk):
+    """overlap_launch: the split kernel starts while the kernel before it runs. Inside the graph
+    that kernel writes q, the indices and the cache (copies from staging tensors), so a split
+    kernel that read any of them early would see the previous round's values."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    heads, dim, scale = 64, 512, 512**-0.5
+    staged_cache = make_gpu_cache(batch + 1, seed=topk)
+    staged = make_gpu_query(batch, topk, seed=batch)
+    kv_cache, (q, indices, sink) = staged_cache.clone(), tuple(t.clone() for t in staged)
+    workspace = sparse_mla_workspace(batch, heads, dim, topk, "cuda", torch.bfloat16)
+
+    def call():
+        for static, source in zip((kv_cache, q, indices, sink), (staged_cache, *staged)):
+            static.copy_(source)
+        return smt.sparse_mla_decode_split_k(
+            q, kv_cache, indices, sink, scale, workspace=workspace, pdl=True, overlap_launch=True
+        )
+
+    out, lse = call()
+    assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
+    graph, (out, lse) = capture(call)
+    for round_ in range(3):
+        staged_cache.copy_(make_gpu_cache(batch + 1, seed=round_ + 1))
+        for target, fresh in zip(staged, make_gpu_query(batch, topk, seed=1000 * (round_ + 1) + batch)):
+            target.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(out, lse, *(t.clone() for t in (q, kv_cache, indices, sink)), scale)
+        assert torch.equal(q, staged[0]) and torch.equal(indices, staged[1])
 
 
 def test_offline_resource_usage_of_three_tiles():
