@@ -6,15 +6,15 @@ model fitted to H200 timings (docs/kernels.md).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 
 from kernels.triton_util import num_sms as device_sm_count
 
+# The combine loads every split's partial of its column chunk at once (BLOCK_S >= splits).
 MAX_SPLITS = 64
 
 
@@ -76,7 +76,7 @@ def candidate_tiles(heads: int, head_dim: int, itemsize: int) -> list[TileConfig
         small = _tiles_for(16, head_dim, itemsize)
         tiles.append(small)
         if itemsize <= 2:  # fp32 tiles stay small to fit shared memory (_tiles_for)
-            tiles.append(dataclasses.replace(small, block_k=64))
+            tiles.append(replace(small, block_k=64))
     return tiles
 
 
