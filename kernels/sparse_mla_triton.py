@@ -212,9 +212,9 @@ def _combine_if_last(
 
 @triton.jit
 def _block_update(q, q_other, kv, kv_other, valid, m_i, l_i, acc, scale_log2, DV_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One gathered KV block into the running softmax and accumulator: S = Q K^T (from both
-    column halves when DV_SPLIT=2; q_other and kv_other are unused otherwise), then acc += P V on
-    this program's columns."""
+    """One gathered KV block into the running softmax and accumulator (the prefetching loop's
+    body): S = Q K^T (from both column halves when DV_SPLIT=2; q_other and kv_other are unused
+    otherwise), then acc += P V on this program's columns."""
     s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K] fp32
     if DV_SPLIT == 2:
         s = tl.dot(q_other, tl.trans(kv_other), s, input_precision=DOT_PRECISION)
@@ -271,8 +271,6 @@ def _head_batched_kernel(
         offs_do = (1 - part) * BLOCK_DV + tl.arange(0, BLOCK_DV)  # the other half, for Q K^T only
         do_ok = offs_do < D
         q_other = tl.load(q_row_ptr + offs_do[None, :] * stride_qd, mask=h_ok[:, None] & do_ok[None, :], other=0.0)
-    else:
-        q_other = q  # unused: one column part computes Q K^T from its own columns
 
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -307,7 +305,7 @@ def _head_batched_kernel(
                     q, q_other, kv, kv_other, valid, m_i, l_i, acc, scale_log2, DV_SPLIT, DOT_PRECISION
                 )
                 kv_other = kv_other_next
-            else:
+            else:  # q and kv stand in for the other half, which one column part does not have
                 acc, m_i, l_i = _block_update(q, q, kv, kv, valid, m_i, l_i, acc, scale_log2, DV_SPLIT, DOT_PRECISION)
             kv, valid = kv_next, next_valid
             next_off, next_valid = after_off, after_valid
@@ -318,12 +316,15 @@ def _head_batched_kernel(
                 idx_row_ptr, offs_k, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS
             )
             kv = _load_rows(kv_ptr, row_off, valid, offs_dv, dv_ok, stride_d)
-            kv_other = kv  # unused unless DV_SPLIT == 2
+            # _block_update's math, with the other half's gather issued after the first product
+            # (the order the default tiles were timed with).
+            s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K] fp32
             if DV_SPLIT == 2:
                 kv_other = _load_rows(kv_ptr, row_off, valid, offs_do, do_ok, stride_d)
-            acc, m_i, l_i = _block_update(
-                q, q_other, kv, kv_other, valid, m_i, l_i, acc, scale_log2, DV_SPLIT, DOT_PRECISION
-            )
+                s = tl.dot(q_other, tl.trans(kv_other), s, input_precision=DOT_PRECISION)
+            p, alpha, m_i, l_i = _online_softmax_step(s * scale_log2, valid, m_i, l_i)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=DOT_PRECISION)
 
     if SPLIT:
         # l_i >= 1 whenever any index was valid (the max term is exp2(0)); the floor only keeps an
