@@ -88,9 +88,9 @@ IMPLS = ("default", "reference", "simt", "head_batched", "split_k")
 def sparse_mla_workspace(batch: int, heads: int, head_dim: int, topk: int, device, dtype=torch.bfloat16) -> torch.Tensor:
     """Split-K scratch for the CUDA path at these shapes, to allocate per batch bucket before a
     CUDA-graph capture and pass as `workspace` (empty when the plan needs no split)."""
-    from kernels.sparse_mla_plan import sparse_mla_workspace as triton_workspace
+    from kernels.sparse_mla_plan import sparse_mla_workspace as plan_workspace
 
-    return triton_workspace(batch, heads, head_dim, topk, device, dtype)
+    return plan_workspace(batch, heads, head_dim, topk, device, dtype)
 
 
 def sparse_mla_decode(

@@ -19,7 +19,8 @@ Three kernels compute the same thing:
 
 `sparse_mla_decode_triton` is the default: its tiles and split count come from
 kernels/sparse_mla_plan.py, pure functions of the shapes and the SM count (so one CUDA-graph
-capture per batch bucket stays valid), and it skips the combine when one split suffices. Softmax runs in base 2: scores carry scale * log2(e).
+capture per batch bucket stays valid), and it skips the combine when one split suffices.
+Softmax runs in base 2: scores carry scale * log2(e).
 """
 from __future__ import annotations
 
@@ -211,13 +212,9 @@ def _combine_if_last(
 
 
 @triton.jit
-def _block_update(q, q_other, kv, kv_other, valid, m_i, l_i, acc, scale_log2, DV_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One gathered KV block into the running softmax and accumulator (the prefetching loop's
-    body): S = Q K^T (from both column halves when DV_SPLIT=2; q_other and kv_other are unused
-    otherwise), then acc += P V on this program's columns."""
-    s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K] fp32
-    if DV_SPLIT == 2:
-        s = tl.dot(q_other, tl.trans(kv_other), s, input_precision=DOT_PRECISION)
+def _softmax_and_pv(s, kv, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """A block's scores S = Q K^T [BLOCK_H, BLOCK_K] into the running softmax, and acc += P V on
+    this program's columns of the block's rows kv."""
     p, alpha, m_i, l_i = _online_softmax_step(s * scale_log2, valid, m_i, l_i)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=DOT_PRECISION)
@@ -300,13 +297,11 @@ def _head_batched_kernel(
                 idx_row_ptr, start + 2 * BLOCK_K + tl.arange(0, BLOCK_K), k_end,
                 stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS,
             )
+            s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K] fp32
             if DV_SPLIT == 2:
-                acc, m_i, l_i = _block_update(
-                    q, q_other, kv, kv_other, valid, m_i, l_i, acc, scale_log2, DV_SPLIT, DOT_PRECISION
-                )
+                s = tl.dot(q_other, tl.trans(kv_other), s, input_precision=DOT_PRECISION)
                 kv_other = kv_other_next
-            else:  # q and kv stand in for the other half, which one column part does not have
-                acc, m_i, l_i = _block_update(q, q, kv, kv, valid, m_i, l_i, acc, scale_log2, DV_SPLIT, DOT_PRECISION)
+            acc, m_i, l_i = _softmax_and_pv(s, kv, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION)
             kv, valid = kv_next, next_valid
             next_off, next_valid = after_off, after_valid
     else:
@@ -316,15 +311,11 @@ def _head_batched_kernel(
                 idx_row_ptr, offs_k, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS
             )
             kv = _load_rows(kv_ptr, row_off, valid, offs_dv, dv_ok, stride_d)
-            # _block_update's math, with the other half's gather issued after the first product
-            # (the order the default tiles were timed with).
             s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K] fp32
             if DV_SPLIT == 2:
                 kv_other = _load_rows(kv_ptr, row_off, valid, offs_do, do_ok, stride_d)
                 s = tl.dot(q_other, tl.trans(kv_other), s, input_precision=DOT_PRECISION)
-            p, alpha, m_i, l_i = _online_softmax_step(s * scale_log2, valid, m_i, l_i)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=DOT_PRECISION)
+            acc, m_i, l_i = _softmax_and_pv(s, kv, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION)
 
     if SPLIT:
         # l_i >= 1 whenever any index was valid (the max term is exp2(0)); the floor only keeps an
@@ -586,20 +577,21 @@ def sparse_mla_decode_split_k(
     out, lse = _new_outputs(q)
     if batch == 0:
         return out, lse
+    overlap_launch = overlap_launch and not interpreting()
     # Whole KV blocks per split; with more splits than blocks the trailing splits are empty.
     blocks_per_split = max(1, triton.cdiv(triton.cdiv(topk, tiles.block_k), num_splits))
     if fused_combine:
         counters, part_out, part_lse = _fused_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
         _launch_head_batched(
             q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse, counters,
-            wait_for_predecessor=overlap_launch and not interpreting(),
+            wait_for_predecessor=overlap_launch,
         )
         return out, lse
     part_out, part_lse = _split_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
     pdl = pdl and not interpreting()
     _launch_head_batched(
         q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse,
-        launch_dependents=pdl, wait_for_predecessor=overlap_launch and not interpreting(),
+        launch_dependents=pdl, wait_for_predecessor=overlap_launch,
     )
     block_s = triton.next_power_of_2(num_splits)
     block_dc = max(16, min(_block_d(head_dim), 4096 // block_s))

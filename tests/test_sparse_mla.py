@@ -675,12 +675,8 @@ def test_gpu_split_kernel_overlapping_its_predecessor_reads_its_output(batch, to
     assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
     graph, (out, lse) = capture(call)
     for round_ in range(3):
-        staged_cache.copy_(make_gpu_cache(batch + 1, seed=round_ + 1))
-        for target, fresh in zip(staged, make_gpu_query(batch, topk, seed=1000 * (round_ + 1) + batch)):
-            target.copy_(fresh)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_matches_reference(out, lse, *(t.clone() for t in (q, kv_cache, indices, sink)), scale)
+        replay_on_fresh_inputs(graph, round_, staged_cache, *staged)  # fills the staging tensors
+        assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
         assert torch.equal(q, staged[0]) and torch.equal(indices, staged[1])
 
 
