@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--device", default="cuda")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="fuse-out/bench")
+    bench.add_argument(
+        "--inductor-option", action="append", type=_inductor_option, default=[], metavar="KEY=VALUE",
+        help="an Inductor config patch for the compile_decode variant, e.g. combo_kernels=True (repeatable)",
+    )
     bench.add_argument("--start-time-child", action="store_true", help=argparse.SUPPRESS)
     bench.add_argument("--buckets", type=_ints, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -73,6 +77,19 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(t) for t in text.split(","))
 
 
+def _inductor_option(text: str) -> tuple[str, object]:
+    """KEY=VALUE with VALUE a Python literal (True, 4, 'name'); anything else is taken as a string."""
+    import ast
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
 def _bench(args) -> int:
     import json
     import os
@@ -83,7 +100,7 @@ def _bench(args) -> int:
         preset=args.preset, layers=args.layers, contexts=args.contexts, batches=args.batches,
         variants=args.variants or bench.DEFAULT_VARIANTS, steps=args.steps, eager_steps=args.eager_steps,
         repeats=args.repeats, fp32_products=args.fp32_products,
-        device=args.device, seed=args.seed, out_dir=args.out,
+        device=args.device, seed=args.seed, out_dir=args.out, inductor_options=tuple(args.inductor_option),
     )
     if args.start_time_child:  # one timed start in this fresh process (see bench.measure_start_times)
         print(json.dumps(bench.start_time_child(settings, args.buckets or bench.START_BUCKETS)))

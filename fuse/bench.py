@@ -65,6 +65,9 @@ class BenchSettings:
     device: str = "cuda"  # "cpu" runs eager and fuse only (no CUDA graphs there), in fp32
     seed: int = 0
     out_dir: str = "fuse-out/bench"
+    # Inductor config patches for the compile_decode variant (CompileOptions.inductor_options),
+    # as (key, value) pairs: e.g. (("combo_kernels", True),) to time a setting against the default.
+    inductor_options: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self):
         unknown = sorted(set(self.variants) - set(VARIANTS))
@@ -75,6 +78,8 @@ class BenchSettings:
             raise ValueError(
                 f"{' and '.join(compiled)} would share Dynamo's cache of the same blocks; run them in separate invocations"
             )
+        if self.inductor_options and not compiled:
+            raise ValueError("inductor_options patch the compile_decode variant's compile; none of the variants runs it")
         if not self.batches or min(self.batches) < 1 or not self.contexts or min(self.contexts) < 1:
             raise ValueError(f"batches and contexts must be positive, got {self.batches} and {self.contexts}")
 
@@ -174,7 +179,10 @@ def graph_pool_gib() -> float:
     return sum(seg["total_size"] for seg in private) / 2**30
 
 
-def build_variant(name: str, decoder: Decoder, batches: tuple[int, ...], warm_inputs: Callable[[int], tuple]) -> Variant:
+def build_variant(
+    name: str, decoder: Decoder, batches: tuple[int, ...], warm_inputs: Callable[[int], tuple],
+    inductor_options: tuple[tuple[str, object], ...] = (),
+) -> Variant:
     """Build, compile and capture one variant for every batch size; time and count doing so."""
     memory0 = graph_pool_gib()
     compiles0, _ = _dynamo_totals()
@@ -188,6 +196,7 @@ def build_variant(name: str, decoder: Decoder, batches: tuple[int, ...], warm_in
                 decoder, buckets=batches, compile=name != "eager-graphs", dynamic_batch=name != "fuse-static",
                 pdl=name == "fuse-pdl", skinny_product_piece_depth=PIECE_DEPTH if name == "fuse-pieces" else 0,
                 compile_head=name == "fuse-head", progress=False,
+                inductor_options=dict(inductor_options) if name != "eager-graphs" else None,
             )
             run = runner.run_checked
             note = runner.describe().replace("\n", "; ")
@@ -352,7 +361,7 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
     # the process's compile cache (new processes with an empty one: --start-times).
     for name in sorted(settings.variants, key=lambda v: (v not in COMPILE_DECODE_VARIANTS, VARIANTS.index(v))):
         log(f"building {name} ...")
-        variants[name] = build_variant(name, decoder, batches, warm)
+        variants[name] = build_variant(name, decoder, batches, warm, settings.inductor_options)
         v = variants[name]
         log(f"  {name}: ready in {v.start_seconds:.1f} s, {v.compiles} compiles, {v.captures} graph captures, "
             f"{v.graph_memory_gib:.2f} GiB in graph pools {v.note}")
@@ -438,16 +447,22 @@ def ratio(row: dict, a: str, b: str) -> str:
     return f"{row[b]['ms'] / row[a]['ms']:.2f}x" if a in row and b in row else "-"
 
 
+def command_line(settings: dict) -> str:
+    """The `fuse bench` command that reproduces a run with these settings (asdict of BenchSettings)."""
+    return (
+        f"python -m fuse bench --preset {settings['preset']}" + (f" --layers {settings['layers']}" if settings["layers"] else "")
+        + f" --contexts {','.join(map(str, settings['contexts']))} --batches {','.join(map(str, settings['batches']))}"
+        + (f" --fp32-products {settings['fp32_products']}" if settings["fp32_products"] != "exact" else "")
+        + (f" --variants {','.join(settings['variants'])}" if tuple(settings["variants"]) != DEFAULT_VARIANTS else "")
+        + "".join(f" --inductor-option {key}={value!r}" for key, value in settings.get("inductor_options", ()))
+    )
+
+
 def to_markdown(result: dict) -> str:
     s = result["settings"]
     names = [v for v in VARIANTS if v in result["variants"]]
     ours = next((v for v in names if v in COMPILE_DECODE_VARIANTS), "fuse")  # the compile_decode variant run
-    command = (
-        f"python -m fuse bench --preset {s['preset']}" + (f" --layers {s['layers']}" if s["layers"] else "")
-        + f" --contexts {','.join(map(str, s['contexts']))} --batches {','.join(map(str, s['batches']))}"
-        + (f" --fp32-products {s['fp32_products']}" if s["fp32_products"] != "exact" else "")
-        + (f" --variants {','.join(s['variants'])}" if tuple(s["variants"]) != DEFAULT_VARIANTS else "")
-    )
+    command = command_line(s)
     lines = [
         f"# Decode step benchmark: {s['preset']} preset, {result['layers']} layers",
         "",

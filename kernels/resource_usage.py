@@ -54,7 +54,7 @@ def head_batched_usage(tiles: plan.TileConfig, head_dim: int = 512, split: bool 
     constants = dict(
         BLOCK_H=tiles.block_h, BLOCK_K=tiles.block_k, BLOCK_D=plan._block_d(head_dim), DV_SPLIT=tiles.dv_split,
         FLAT_ROWS=True, SPLIT=split, DOT_PRECISION="tf32", FUSED_COMBINE=False, BLOCK_DC=1,
-        SPLITS_PER_STEP=smt.COMBINE_SPLITS_PER_STEP, PREFETCH=tiles.prefetch,
+        SPLITS_PER_STEP=smt.COMBINE_SPLITS_PER_STEP,
         D=head_dim, stride_qd=1, stride_d=1,  # contiguous head dim, as the runtime specialises it
     )
     signature = {

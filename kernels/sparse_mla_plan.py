@@ -22,17 +22,13 @@ MAX_SPLITS = 64
 @dataclass(frozen=True)
 class TileConfig:
     """Launch shape of the head-batched kernel: heads and gathered rows per program, warps,
-    pipeline depth, into how many programs (1 or 2) the output columns are split, and whether
-    the kernel double-buffers the gather by hand (prefetch: the next block's rows are requested
-    before this block's products, the indices two blocks ahead; meant for num_stages=1, which
-    leaves Triton's own pipelining out)."""
+    pipeline depth, and into how many programs (1 or 2) the output columns are split."""
 
     block_h: int
     block_k: int
     num_warps: int
     num_stages: int
     dv_split: int = 1
-    prefetch: bool = False
 
 
 def _block_d(head_dim: int) -> int:
@@ -139,18 +135,35 @@ def _split_candidates(batch: int, heads: int, topk: int, num_sms: int, tiles: Ti
     return sorted({triton.cdiv(n_blocks, triton.cdiv(n_blocks, s)) for s in range(1, min(n_blocks, MAX_SPLITS) + 1)})
 
 
+# Candidate tiles that run a split of a single KV block faster without software pipelining
+# (num_stages=1). H200, the default plan against the same plan with one stage, interleaved
+# rounds (docs/kernels.md): 16x32 w4 1.00-1.04x, 64x64 w4 dv2 1.10-1.13x; 16x64 w4 0.96-0.98x
+# and every split of two or more blocks lose, so they keep their stages.
+_SINGLE_BLOCK_UNPIPELINED = (TileConfig(16, 32, 4, 2), TileConfig(64, 64, 4, 2, dv_split=2))
+
+
+def _staged(tiles: TileConfig, topk: int, splits: int) -> TileConfig:
+    """The plan's tiles with one pipeline stage where each split is one block of such tiles."""
+    blocks_per_split = triton.cdiv(triton.cdiv(max(topk, 1), tiles.block_k), splits)
+    if splits > 1 and blocks_per_split == 1 and tiles in _SINGLE_BLOCK_UNPIPELINED:
+        return replace(tiles, num_stages=1)
+    return tiles
+
+
 @functools.lru_cache(maxsize=None)
 def choose_plan(
     batch: int, heads: int, topk: int, num_sms: int, head_dim: int = 512, itemsize: int = 2
 ) -> tuple[TileConfig, int]:
     """Tiles and split count of the default path: a pure function of the shapes and the SM count
-    (CUDA-graph safe), the pair with the lowest estimated time. Memoised: ranking every candidate
+    (CUDA-graph safe), the pair with the lowest estimated time (splits of one block of some tiles
+    then without pipelining, _SINGLE_BLOCK_UNPIPELINED). Memoised: ranking every candidate
     takes ~0.2-0.8 ms of Python, which eager calls would otherwise pay per layer."""
     shape = (batch, heads, topk, num_sms, head_dim, itemsize)
     plans = [(tiles, _best_splits(*shape, tiles)) for tiles in candidate_tiles(heads, head_dim, itemsize)]
     # min keeps the first of equal estimates: the candidates' order breaks ties, as _best_splits
     # breaks them towards fewer splits.
-    return min(plans, key=lambda plan: estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, *plan))
+    tiles, splits = min(plans, key=lambda plan: estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, *plan))
+    return _staged(tiles, topk, splits), splits
 
 
 def choose_tiles(batch: int, heads: int, topk: int, num_sms: int, head_dim: int = 512, itemsize: int = 2) -> TileConfig:

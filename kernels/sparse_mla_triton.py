@@ -35,7 +35,6 @@ from kernels.sparse_mla_plan import (
     _block_d,
     choose_num_splits,
     choose_plan,
-    choose_tiles,
     fused_counters,
     head_batched_tiles,
     num_fused_counters,
@@ -232,7 +231,7 @@ def _head_batched_kernel(
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DV_SPLIT: tl.constexpr,
     FLAT_ROWS: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, BLOCK_DC: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
     WAIT_FOR_PREDECESSOR: tl.constexpr = False,
 ):
     """Program (head block x column part, split, sequence).
@@ -243,8 +242,7 @@ def _head_batched_kernel(
     and lse. SPLIT=True: writes the partial output (normalised by its own sum, zeros when the split
     has no valid index) and its base-2 LSE (-inf when empty) to the fp32 scratch. FUSED_COMBINE
     (with SPLIT): every column part writes its own LSE (its Q K^T sums in its own order), and the
-    last split program of the block merges the splits (_combine_if_last). PREFETCH: the gather
-    is double-buffered by hand (TileConfig.prefetch). WAIT_FOR_PREDECESSOR: launched with PDL
+    last split program of the block merges the splits (_combine_if_last). WAIT_FOR_PREDECESSOR: launched with PDL
     after whatever ran before it (sparse_mla_decode_split_k's overlap_launch)."""
     BLOCK_DV: tl.constexpr = BLOCK_D // DV_SPLIT
     if LAUNCH_DEPENDENTS:
@@ -275,47 +273,17 @@ def _head_batched_kernel(
     k_begin = split * blocks_per_split * BLOCK_K
     k_end = tl.minimum(k_begin + blocks_per_split * BLOCK_K, K)
     idx_row_ptr = idx_ptr + b * stride_ib
-    if PREFETCH:
-        # Block i's products run while block i+1's rows are on their way (requested before them)
-        # and block i+2's indices too, so no block waits for its indices and then its rows in
-        # turn. Blocks past k_end are fully masked: their loads move no bytes.
-        offs_k = k_begin + tl.arange(0, BLOCK_K)
+    for start in range(k_begin, k_end, BLOCK_K):
+        offs_k = start + tl.arange(0, BLOCK_K)
         row_off, valid = _row_offsets(
             idx_row_ptr, offs_k, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS
         )
         kv = _load_rows(kv_ptr, row_off, valid, offs_dv, dv_ok, stride_d)
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K] fp32
         if DV_SPLIT == 2:
             kv_other = _load_rows(kv_ptr, row_off, valid, offs_do, do_ok, stride_d)
-        next_off, next_valid = _row_offsets(
-            idx_row_ptr, offs_k + BLOCK_K, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS
-        )
-        for start in range(k_begin, k_end, BLOCK_K):
-            kv_next = _load_rows(kv_ptr, next_off, next_valid, offs_dv, dv_ok, stride_d)
-            if DV_SPLIT == 2:
-                kv_other_next = _load_rows(kv_ptr, next_off, next_valid, offs_do, do_ok, stride_d)
-            after_off, after_valid = _row_offsets(
-                idx_row_ptr, start + 2 * BLOCK_K + tl.arange(0, BLOCK_K), k_end,
-                stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS,
-            )
-            s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K] fp32
-            if DV_SPLIT == 2:
-                s = tl.dot(q_other, tl.trans(kv_other), s, input_precision=DOT_PRECISION)
-                kv_other = kv_other_next
-            acc, m_i, l_i = _softmax_and_pv(s, kv, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION)
-            kv, valid = kv_next, next_valid
-            next_off, next_valid = after_off, after_valid
-    else:
-        for start in range(k_begin, k_end, BLOCK_K):
-            offs_k = start + tl.arange(0, BLOCK_K)
-            row_off, valid = _row_offsets(
-                idx_row_ptr, offs_k, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS
-            )
-            kv = _load_rows(kv_ptr, row_off, valid, offs_dv, dv_ok, stride_d)
-            s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K] fp32
-            if DV_SPLIT == 2:
-                kv_other = _load_rows(kv_ptr, row_off, valid, offs_do, do_ok, stride_d)
-                s = tl.dot(q_other, tl.trans(kv_other), s, input_precision=DOT_PRECISION)
-            acc, m_i, l_i = _softmax_and_pv(s, kv, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+            s = tl.dot(q_other, tl.trans(kv_other), s, input_precision=DOT_PRECISION)
+        acc, m_i, l_i = _softmax_and_pv(s, kv, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION)
 
     if SPLIT:
         # l_i >= 1 whenever any index was valid (the max term is exp2(0)); the floor only keeps an
@@ -473,7 +441,7 @@ def _launch_head_batched(
         FLAT_ROWS=_flat_rows(kv_cache), SPLIT=part_out is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FUSED_COMBINE=fused,
         BLOCK_DC=_fused_combine_columns(tiles, head_dim) if fused else 1, SPLITS_PER_STEP=COMBINE_SPLITS_PER_STEP,
-        LAUNCH_DEPENDENTS=launch_dependents, PREFETCH=tiles.prefetch, WAIT_FOR_PREDECESSOR=wait_for_predecessor,
+        LAUNCH_DEPENDENTS=launch_dependents, WAIT_FOR_PREDECESSOR=wait_for_predecessor,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **({"launch_pdl": True} if wait_for_predecessor else {}),
     )
@@ -548,14 +516,15 @@ def sparse_mla_decode_split_k(
     overlap_launch: bool = False,
 ):
     """Split-K path: partial outputs per split into fp32 scratch, then the LSE combine, always
-    (even with one split). num_splits defaults to choose_num_splits. Returns (out, lse).
+    (even with one split). tiles and num_splits default to the default plan's (choose_plan; given
+    tiles, the best split count for them). Returns (out, lse).
 
     pdl=True (Hopper and later): the combine is launched as a programmatic dependent of the split
     kernel, so its launch overlaps the splits' work and it waits on the device for their partials
     (also inside a CUDA graph). No effect under the interpreter, which has no grids to overlap.
-    overlap_launch=True (Hopper and later; opt-in until timed): the split kernel too is launched
-    as a programmatic dependent, of whatever kernel precedes it, and waits on the device for it
-    before its first load, so its launch overlaps that kernel's tail.
+    overlap_launch=True (Hopper and later): the split kernel too is launched as a programmatic
+    dependent, of whatever kernel precedes it, and waits on the device for it before its first
+    load (and so before any write), so its launch overlaps that kernel's tail.
 
     fused_combine=True: one launch, the last split program of each block does the combine. Its
     workspace (sparse_mla_workspace(..., fused_combine=True), or one allocated per call when None)
@@ -564,8 +533,10 @@ def sparse_mla_decode_split_k(
     batch, heads, head_dim = q.shape
     topk = indices.shape[1]
     num_sms = device_sm_count(q.device)
-    tiles = tiles or choose_tiles(batch, heads, topk, num_sms, head_dim, q.element_size())
-    if num_splits is None:
+    if tiles is None:
+        tiles, planned_splits = choose_plan(batch, heads, topk, num_sms, head_dim, q.element_size())
+        num_splits = planned_splits if num_splits is None else num_splits
+    elif num_splits is None:
         num_splits = choose_num_splits(batch, heads, topk, num_sms, head_dim, q.element_size(), tiles)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"sparse_mla_decode: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
@@ -607,14 +578,17 @@ def sparse_mla_decode_split_k(
 
 def sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace=None):
     """Default path: tiles and split count from the shapes (choose_plan); one split runs the
-    head-batched kernel alone, several run split-K with the combine, launched as a programmatic
-    dependent where the GPU has it (0.3-1 us less per call on the H200). Returns (out, lse)."""
+    head-batched kernel alone, several run split-K with the combine. Where the GPU has
+    programmatic dependent launch, the combine starts while the splits run and the split kernel
+    while the kernel before it finishes (0.3-1 us and 0.1-0.5 us less per call on the H200,
+    docs/kernels.md). Returns (out, lse)."""
     _check(q, kv_cache, indices, sink)
     batch, heads, head_dim = q.shape
     topk = indices.shape[1]
     tiles, num_splits = choose_plan(batch, heads, topk, device_sm_count(q.device), head_dim, q.element_size())
     if num_splits == 1:
         return sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale, tiles)
+    overlap = launches_dependents(q.device)
     return sparse_mla_decode_split_k(
-        q, kv_cache, indices, sink, scale, num_splits, workspace, tiles, pdl=launches_dependents(q.device)
+        q, kv_cache, indices, sink, scale, num_splits, workspace, tiles, pdl=overlap, overlap_launch=overlap
     )

@@ -2,6 +2,8 @@
 it divides by, the context it synthesizes, and a short run end to end."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 
@@ -128,6 +130,25 @@ def test_bad_settings_are_named():
         bench.BenchSettings(variants=("eager-graphs", "fuse", "fuse-pdl"))
     with pytest.raises(ValueError, match="batches and contexts must be positive"):
         bench.BenchSettings(batches=(0, 4))
+    with pytest.raises(ValueError, match="inductor_options patch the compile_decode variant's compile; none of the variants"):
+        bench.BenchSettings(variants=("eager", "eager-graphs"), inductor_options=(("combo_kernels", True),))
+
+
+def test_inductor_options_on_the_command_line():
+    from fuse.__main__ import _inductor_option
+
+    assert _inductor_option("combo_kernels=True") == ("combo_kernels", True)
+    assert _inductor_option("combo_kernel_max_num_nodes=4") == ("combo_kernel_max_num_nodes", 4)
+    assert _inductor_option("triton.persistent_reductions=False") == ("triton.persistent_reductions", False)
+    assert _inductor_option("max_autotune_gemm_backends=ATEN,TRITON") == ("max_autotune_gemm_backends", "ATEN,TRITON")
+    for bad in ("combo_kernels", "=True"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected KEY=VALUE"):
+            _inductor_option(bad)
+    settings = bench.BenchSettings(contexts=(4096,), inductor_options=(("combo_kernels", True), ("x.y", "a b")))
+    assert bench.command_line(dataclasses.asdict(settings)) == (
+        "python -m fuse bench --preset bench --contexts 4096 --batches 1,16,32,64"
+        " --inductor-option combo_kernels=True --inductor-option x.y='a b'"
+    )
 
 
 def test_graph_memory_counts_private_pools_only(monkeypatch):

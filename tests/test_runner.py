@@ -176,6 +176,18 @@ def test_options_are_checked():
     for whole_or_eager in (dict(regional=False), dict(compile=False)):
         with pytest.raises(ValueError, match="compile_head=True .* needs compile=True and regional=True"):
             fuse.CompileOptions(compile_head=True, **whole_or_eager)
+    with pytest.raises(ValueError, match="torch._inductor.config does not have: \\['combo_kernel'\\]"):
+        fuse.CompileOptions(inductor_options={"combo_kernel": True, "combo_kernels": True})
+
+
+def test_inductor_options_reach_the_backend_last():
+    from fuse.runner import compile_backend
+
+    options = fuse.CompileOptions(inductor_options={"combo_kernels": True, "split_reductions": True})
+    patches = compile_backend(options, torch.device("cuda")).config_patches
+    assert patches["combo_kernels"] is True
+    assert patches["split_reductions"] is True  # the user's patch wins over compile_decode's own
+    assert compile_backend(fuse.CompileOptions(), torch.device("cuda")).config_patches["split_reductions"] is False
 
 
 def test_compiled_head_adds_its_two_graphs_and_matches_eager(pair):

@@ -86,9 +86,6 @@ def assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale):
 
 SMALL_TILES = plan.TileConfig(block_h=16, block_k=16, num_warps=4, num_stages=2)
 DV_SPLIT_TILES = plan.TileConfig(block_h=16, block_k=16, num_warps=4, num_stages=2, dv_split=2)
-# The gather double-buffered by hand (one Triton stage: the kernel pipelines it itself).
-PREFETCH_TILES = plan.TileConfig(block_h=16, block_k=16, num_warps=4, num_stages=1, prefetch=True)
-PREFETCH_DV_SPLIT_TILES = plan.TileConfig(block_h=16, block_k=16, num_warps=4, num_stages=1, dv_split=2, prefetch=True)
 
 # (name, call) with call(q, kv_cache, indices, sink, scale) -> (out, lse)
 VARIANTS = {
@@ -104,16 +101,9 @@ VARIANTS = {
     "split_k_3_dv_split": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=3, tiles=DV_SPLIT_TILES),
     # 64 heads on two warpgroups, whole rows (the default plan's tiles at large batch); GPU only.
     "split_k_2_whole_rows": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=2, tiles=plan.TileConfig(64, 64, 8, 2)),
-    "head_batched_prefetch": lambda *a: smt.sparse_mla_decode_head_batched(*a, tiles=PREFETCH_TILES),
-    "head_batched_prefetch_dv_split": lambda *a: smt.sparse_mla_decode_head_batched(*a, tiles=PREFETCH_DV_SPLIT_TILES),
-    "split_k_3_prefetch": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=3, tiles=PREFETCH_TILES),
     # Launch-order options (GPU: programmatic dependent launch; no-ops under the interpreter).
     "split_k_3_overlapped": lambda *a: smt.sparse_mla_decode_split_k(
         *a, num_splits=3, tiles=SMALL_TILES, pdl=True, overlap_launch=True
-    ),
-    "split_k_7_some_empty_prefetch": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=7, tiles=PREFETCH_TILES),
-    "split_k_2_whole_rows_prefetch": lambda *a: smt.sparse_mla_decode_split_k(
-        *a, num_splits=2, tiles=plan.TileConfig(64, 64, 8, 1, prefetch=True)
     ),
     "default": lambda *a: smt.sparse_mla_decode_triton(*a),
     # Fused combine, workspace allocated per call.
@@ -157,7 +147,7 @@ def test_variant_matches_reference(variant, batch, heads, dim, topk, dtype):
     "variant",
     [
         "simt", "head_batched", "head_batched_dv_split", "split_k_3", "split_k_7_some_empty", "default",
-        "fused_3", "fused_7_some_empty", "fused_3_dv_split", "head_batched_prefetch", "split_k_7_some_empty_prefetch",
+        "fused_3", "fused_7_some_empty", "fused_3_dv_split",
     ],
 )
 def test_all_masked_rows_give_zeros_and_the_sink_as_lse(variant):
@@ -173,13 +163,13 @@ def test_masked_block_before_valid_rows():
     """A whole masked tile first, then valid rows: the running max starts at -inf and must recover."""
     q, kv_cache, indices, sink, scale = make_inputs(2, 4, 32, 48, torch.float32, seed=3, pattern="scattered")
     indices[:, :16] = -1
-    for variant in ("simt", "head_batched_k16", "head_batched_dv_split", "split_k_2", "fused_3", "head_batched_prefetch_dv_split"):
+    for variant in ("simt", "head_batched_k16", "head_batched_dv_split", "split_k_2", "fused_3", "split_k_3_dv_split"):
         out, lse = VARIANTS[variant](q, kv_cache, indices, sink, scale)
         assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
 
 
 @interp
-@pytest.mark.parametrize("variant", ["simt", "head_batched", "head_batched_dv_split", "split_k_2", "default", "head_batched_prefetch"])
+@pytest.mark.parametrize("variant", ["simt", "head_batched", "head_batched_dv_split", "split_k_2", "default", "split_k_3_overlapped"])
 def test_probabilities_are_rounded_to_the_activation_dtype(variant):
     """Two rows with payloads +100 and -100: the output is 100 (1 - p) / denom, so the fp16
     rounding of p = exp(s2 - s1) (placed between two fp16 values) moves it far beyond the
@@ -373,9 +363,17 @@ def test_plan_picks_tiles_by_batch_on_an_h200():
     # A long list at batch 1 goes in 64-row blocks (half the splits, half the fp32 partials); the
     # window's 128 rows in one-block splits of 32.
     assert (plan.choose_tiles(1, 64, 2048, 132).block_h, plan.choose_tiles(1, 64, 2048, 132).block_k) == (16, 64)
-    assert plan.choose_plan(1, 64, 128, 132) == (plan.TileConfig(16, 32, 4, 2), 4)
+    assert plan.choose_plan(1, 64, 128, 132) == (plan.TileConfig(16, 32, 4, 1), 4)
     assert (middle.block_h, middle.dv_split) == (64, 2)
     assert (large.block_h, large.dv_split, large.num_warps, splits) == (64, 1, 8, 1)
+
+
+def test_plan_pipelines_only_splits_of_several_blocks():
+    """Splits of one KV block run unpipelined for the tiles measured faster so (16x32, and 64
+    heads in two column halves of 64 rows); 16x64 tiles and longer splits keep two stages."""
+    for batch, topk, tiles in ((1, 640, plan.TileConfig(16, 32, 4, 1)), (4, 640, plan.TileConfig(64, 64, 4, 1, 2)),
+                               (2, 640, plan.TileConfig(16, 64, 4, 2)), (8, 640, plan.TileConfig(64, 64, 4, 2, 2))):
+        assert plan.choose_plan(batch, 64, topk, 132)[0] == tiles, (batch, topk)
 
 
 def test_fp32_candidates_fit_shared_memory():
@@ -472,7 +470,7 @@ def make_gpu_inputs(batch, topk, dtype=torch.bfloat16, heads=64, dim=512, seed=0
 @pytest.mark.parametrize("batch", [1, 3, 16, 64])
 @pytest.mark.parametrize(
     "variant",
-    ["simt", "head_batched", "split_k_default", "split_k_2", "split_k_64", "split_k_3_dv_split", "split_k_2_whole_rows", "split_k_2_whole_rows_prefetch", "head_batched_prefetch_dv_split", "default"],
+    ["simt", "head_batched", "split_k_default", "split_k_2", "split_k_64", "split_k_3_dv_split", "split_k_2_whole_rows", "default"],
 )
 def test_gpu_variant_matches_reference(variant, batch, topk):
     """split_k_64 uses the default tiles: at K=640 that is 20 blocks, so 44 splits are empty."""
