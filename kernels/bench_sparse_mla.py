@@ -19,6 +19,8 @@ valid KV rows (D x 2 bytes each) plus q and out (B x H x D x 2 bytes each); indi
 from __future__ import annotations
 
 import math
+import statistics
+from dataclasses import replace
 
 import torch
 
@@ -405,7 +407,44 @@ def run_overlap_check(l2_bytes: int, num_sms: int) -> str:
     return markdown_table(["B", "K", "default plan", "us, split kernel after its predecessor", "us, overlapping (default)", "speed-up"], rows)
 
 
-PARTS = ("main", "split", "tiles", "fused", "plan", "overlap")  # the main table with its acceptance, then the sweeps
+STAGE_ROUNDS = 5  # interleaved rounds of the stage check: its differences are a few percent
+
+
+def run_stage_check(l2_bytes: int, num_sms: int) -> str:
+    """The default plan against the same tiles and split count with the other pipeline depth (one
+    stage where the plan pipelines, two where it does not), interleaved rounds, median."""
+    rows = []
+    for batch, topk in PLAN_SHAPES:
+        tiles, splits = plan.choose_plan(batch, HEADS, topk, num_sms)
+        if splits == 1:
+            continue
+        other = replace(tiles, num_stages=2 if tiles.num_stages == 1 else 1)
+        case = Case(batch, topk, l2_bytes, seed=11 + batch)
+        calls = {
+            "default": smt.sparse_mla_decode_triton,
+            "other": lambda *a, t=other: smt.sparse_mla_decode_split_k(
+                *a, num_splits=splits, tiles=t, pdl=True, overlap_launch=True
+            ),
+        }
+        for name, fn in calls.items():
+            check_against_reference(name, fn, case)
+        times = {name: [] for name in calls}
+        for round_ in range(STAGE_ROUNDS):
+            for name, fn in calls.items() if round_ % 2 == 0 else reversed(calls.items()):
+                times[name].append(time_per_call_us(fn, case)[0])
+        default_us, other_us = (statistics.median(times[name]) for name in calls)
+        blocks_per_split = math.ceil(math.ceil(topk / tiles.block_k) / splits)
+        rows.append([
+            batch, topk, f"{tile_name(tiles)}, S={splits}", blocks_per_split, f"{default_us:.2f}",
+            f"{tile_name(other)}: {other_us:.2f}", f"{other_us / default_us:.2f}x",
+        ])
+        del case
+    return markdown_table(
+        ["B", "K", "default plan", "blocks per split", "default us", "other depth us", "other / default"], rows
+    )
+
+
+PARTS = ("main", "split", "tiles", "fused", "plan", "overlap", "stages")  # the main table with its acceptance, then the sweeps
 
 
 def run(copy_gbs: float, parts: tuple[str, ...] = PARTS) -> str:
@@ -455,6 +494,11 @@ def run(copy_gbs: float, parts: tuple[str, ...] = PARTS) -> str:
         out += [
             "### The split kernel launched as a programmatic dependent of the kernel before it (`overlap_launch`, the default on Hopper)",
             run_overlap_check(l2_bytes, num_sms),
+        ]
+    if "stages" in parts:
+        out += [
+            "### Pipeline depth of the default plan's splits (the other depth at the same tiles and split count)",
+            run_stage_check(l2_bytes, num_sms),
         ]
     if "fused" in parts:
         out += [
