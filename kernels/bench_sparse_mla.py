@@ -464,7 +464,7 @@ def run(copy_gbs: float, parts: tuple[str, ...] = PARTS) -> str:
             "bytes / time. Variants: SIMT = one program per (sequence, head); head-batched = blocks of 64 heads (two "
             "programs per block, one per half of the output columns), no split; split-K = default tiles and split "
             "count, always with the combine; default = the op's CUDA path (head-batched alone when the plan has one "
-            "split); split-K fused = split-K at the default tiles and split count with the combine done by the last "
+            "split; on Hopper the split kernel and the combine launched with PDL); split-K fused = split-K at the default tiles and split count with the combine done by the last "
             "split program of each block (one launch; opt-in, the default never uses it). Tiles: heads x rows per "
             "program, warps, pipeline stages, dv2 = output columns split in two programs. 'best other / default' "
             "< 0.91 means the default is over 10% slower than some variant it could have picked (the fused one "

@@ -570,18 +570,18 @@ def test_gpu_fused_combine_matches_reference(batch, topk):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("plan", ["dv_split_16_heads", "64_splits_some_empty", "fp16", "fp32"])
-def test_gpu_fused_combine_other_plans(plan):
+@pytest.mark.parametrize("case", ["dv_split_16_heads", "64_splits_some_empty", "fp16", "fp32"])
+def test_gpu_fused_combine_other_plans(case):
     """Plans the default does not take at bf16: 16-head blocks with split columns (twice the
     combining programs), 64 splits over 20 KV blocks (44 empty), and fp16/fp32 (32-head fp32
     tiles with 8 warps). The workspace comes per call here."""
     batch, topk, dtype, kwargs = 1, 640, torch.bfloat16, {}
-    if plan == "dv_split_16_heads":
+    if case == "dv_split_16_heads":
         kwargs["tiles"] = plan.TileConfig(16, 32, 4, 2, dv_split=2)
-    elif plan == "64_splits_some_empty":
+    elif case == "64_splits_some_empty":
         kwargs["num_splits"] = 64
     else:
-        batch, dtype = 5, {"fp16": torch.float16, "fp32": torch.float32}[plan]
+        batch, dtype = 5, {"fp16": torch.float16, "fp32": torch.float32}[case]
     inputs = make_gpu_inputs(batch, topk, dtype=dtype, seed=31)
     out, lse = fused_call(*inputs, workspace=None, **kwargs)
     assert_matches_reference(out, lse, *inputs)
