@@ -136,9 +136,10 @@ def _split_candidates(batch: int, heads: int, topk: int, num_sms: int, tiles: Ti
 
 
 # Candidate tiles that run a split of a single KV block faster without software pipelining
-# (num_stages=1). H200, the default plan against the same plan with one stage, interleaved
-# rounds (docs/kernels.md): 16x32 w4 1.00-1.04x, 64x64 w4 dv2 1.10-1.13x; 16x64 w4 0.96-0.98x
-# and every split of two or more blocks lose, so they keep their stages.
+# (num_stages=1). H200, each plan against the same tiles and split count at the other depth,
+# interleaved rounds (`python -m kernels.bench --only sparse_mla --sparse-mla-parts stages`,
+# docs/kernels.md): one stage is 1.00-1.04x faster for 16x32 w4 and 1.10-1.13x for 64x64 w4 dv2;
+# 16x64 w4 (0.94-1.00x) and every split of two or more blocks (0.83-0.91x) keep two stages.
 _SINGLE_BLOCK_UNPIPELINED = (TileConfig(16, 32, 4, 2), TileConfig(64, 64, 4, 2, dv_split=2))
 
 

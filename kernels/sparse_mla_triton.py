@@ -242,8 +242,8 @@ def _head_batched_kernel(
     and lse. SPLIT=True: writes the partial output (normalised by its own sum, zeros when the split
     has no valid index) and its base-2 LSE (-inf when empty) to the fp32 scratch. FUSED_COMBINE
     (with SPLIT): every column part writes its own LSE (its Q K^T sums in its own order), and the
-    last split program of the block merges the splits (_combine_if_last). WAIT_FOR_PREDECESSOR: launched with PDL
-    after whatever ran before it (sparse_mla_decode_split_k's overlap_launch)."""
+    last split program of the block merges the splits (_combine_if_last). WAIT_FOR_PREDECESSOR:
+    launched with PDL after whatever ran before it (sparse_mla_decode_split_k's overlap_launch)."""
     BLOCK_DV: tl.constexpr = BLOCK_D // DV_SPLIT
     if LAUNCH_DEPENDENTS:
         # Let the combine launch now: its programs wait on the device until this grid is done.
