@@ -80,9 +80,10 @@ class CompileOptions:
             raise ValueError("pdl=True launches Inductor's kernels; with compile=False there are none")
         if self.compile_head and not (self.compile and self.regional):
             raise ValueError("compile_head=True compiles the head as a region of a regional compile; it needs compile=True and regional=True")
-        unknown = sorted(set(self.inductor_options or {}) - set(torch._inductor.config.get_config_copy()))
-        if unknown:
-            raise ValueError(f"inductor_options names settings torch._inductor.config does not have: {unknown}")
+        if self.inductor_options:  # only then: reading Inductor's whole config copies it
+            unknown = sorted(set(self.inductor_options) - set(torch._inductor.config.get_config_copy()))
+            if unknown:
+                raise ValueError(f"inductor_options names settings torch._inductor.config does not have: {unknown}")
         if self.mode and "reduce-overhead" in self.mode:
             raise ValueError("mode 'reduce-overhead' turns on PyTorch's cudagraph trees; compile_decode captures its own graphs")
 

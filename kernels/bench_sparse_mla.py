@@ -149,12 +149,15 @@ def split_k_pdl(*args):
     return smt.sparse_mla_decode_split_k(*args, pdl=True)
 
 
-def plan_call(tiles: plan.TileConfig, splits: int, pdl: bool = False):
+def plan_call(tiles: plan.TileConfig, splits: int, pdl: bool = False, overlap_launch: bool = False):
     """A call running this plan as the default path does: the head-batched kernel alone at one
-    split, split-K with the combine (launched with PDL if asked) at more."""
+    split, split-K with the combine at more (the combine, and with overlap_launch the split kernel
+    too, launched with PDL if asked)."""
     if splits == 1:
         return lambda *a: smt.sparse_mla_decode_head_batched(*a, tiles=tiles)
-    return lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=splits, tiles=tiles, pdl=pdl)
+    return lambda *a: smt.sparse_mla_decode_split_k(
+        *a, num_splits=splits, tiles=tiles, pdl=pdl, overlap_launch=overlap_launch
+    )
 
 
 class FusedCombine:
@@ -398,9 +401,7 @@ def run_overlap_check(l2_bytes: int, num_sms: int) -> str:
         case = Case(batch, topk, l2_bytes, seed=7 + batch)
         timed = []
         for overlap in (False, True):
-            fn = lambda *a, o=overlap: smt.sparse_mla_decode_split_k(  # noqa: E731
-                *a, num_splits=splits, tiles=tiles, pdl=True, overlap_launch=o
-            )
+            fn = plan_call(tiles, splits, pdl=True, overlap_launch=overlap)
             timed.append(checked_time_us(f"overlap_launch={overlap}", fn, case))
         rows.append([batch, topk, f"{tile_name(tiles)}, S={splits}", f"{timed[0]:.1f}", f"{timed[1]:.1f}", f"{timed[0] / timed[1]:.2f}x"])
         del case
@@ -420,12 +421,7 @@ def run_stage_check(l2_bytes: int, num_sms: int) -> str:
             continue
         other = replace(tiles, num_stages=2 if tiles.num_stages == 1 else 1)
         case = Case(batch, topk, l2_bytes, seed=11 + batch)
-        calls = {
-            "default": smt.sparse_mla_decode_triton,
-            "other": lambda *a, t=other: smt.sparse_mla_decode_split_k(
-                *a, num_splits=splits, tiles=t, pdl=True, overlap_launch=True
-            ),
-        }
+        calls = {"default": smt.sparse_mla_decode_triton, "other": plan_call(other, splits, pdl=True, overlap_launch=True)}
         for name, fn in calls.items():
             check_against_reference(name, fn, case)
         times = {name: [] for name in calls}
@@ -433,9 +429,8 @@ def run_stage_check(l2_bytes: int, num_sms: int) -> str:
             for name, fn in calls.items() if round_ % 2 == 0 else reversed(calls.items()):
                 times[name].append(time_per_call_us(fn, case)[0])
         default_us, other_us = (statistics.median(times[name]) for name in calls)
-        blocks_per_split = math.ceil(math.ceil(topk / tiles.block_k) / splits)
         rows.append([
-            batch, topk, f"{tile_name(tiles)}, S={splits}", blocks_per_split, f"{default_us:.2f}",
+            batch, topk, f"{tile_name(tiles)}, S={splits}", plan.blocks_per_split(topk, tiles.block_k, splits), f"{default_us:.2f}",
             f"{tile_name(other)}: {other_us:.2f}", f"{other_us / default_us:.2f}x",
         ])
         del case

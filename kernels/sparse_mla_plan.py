@@ -103,11 +103,16 @@ def _programs_per_sm(tiles: TileConfig, head_dim: int, itemsize: int) -> int:
     return max(1, _SMEM_BYTES // smem)
 
 
+def blocks_per_split(topk: int, block_k: int, splits: int) -> int:
+    """Whole KV blocks each split covers (at least one; with more splits than blocks the trailing
+    splits are empty)."""
+    return triton.cdiv(triton.cdiv(max(topk, 1), block_k), splits)
+
+
 def estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles: TileConfig, splits: int) -> float:
     """Waves of programs x per-program latency, bounded below by HBM traffic; splitting adds the
     fp32 partials and the combine."""
-    n_blocks = triton.cdiv(max(topk, 1), tiles.block_k)
-    blocks_per_split = triton.cdiv(n_blocks, splits)
+    split_blocks = blocks_per_split(topk, tiles.block_k, splits)
     head_blocks = triton.cdiv(heads, tiles.block_h)
     programs = batch * head_blocks * tiles.dv_split * splits
     waves = triton.cdiv(programs, num_sms * _programs_per_sm(tiles, head_dim, itemsize))
@@ -117,7 +122,7 @@ def estimated_us(batch, heads, topk, head_dim, itemsize, num_sms, tiles: TileCon
     block_us = _ITER_US + rows_us + products * _PRODUCT_US.get(tiles.num_warps, _PRODUCT_US[8])
     out_bytes = tiles.block_h * head_dim // tiles.dv_split * (4 if splits > 1 else itemsize)
     program_us = _PROGRAM_US + rows_us + (tiles.block_h * head_dim * itemsize + out_bytes) / 1024 * _PROGRAM_US_PER_KB
-    compute = waves * (program_us + (blocks_per_split - 1) * block_us)
+    compute = waves * (program_us + (split_blocks - 1) * block_us)
     time = max(compute, batch * topk * head_dim * itemsize / _BYTES_PER_US)
     if splits > 1:
         partial_bytes = batch * head_blocks * splits * tiles.block_h * (head_dim + 1) * 4
@@ -145,8 +150,7 @@ _SINGLE_BLOCK_UNPIPELINED = (TileConfig(16, 32, 4, 2), TileConfig(64, 64, 4, 2, 
 
 def _staged(tiles: TileConfig, topk: int, splits: int) -> TileConfig:
     """The plan's tiles with one pipeline stage where each split is one block of such tiles."""
-    blocks_per_split = triton.cdiv(triton.cdiv(max(topk, 1), tiles.block_k), splits)
-    if splits > 1 and blocks_per_split == 1 and tiles in _SINGLE_BLOCK_UNPIPELINED:
+    if splits > 1 and blocks_per_split(topk, tiles.block_k, splits) == 1 and tiles in _SINGLE_BLOCK_UNPIPELINED:
         return replace(tiles, num_stages=1)
     return tiles
 

@@ -33,6 +33,7 @@ from kernels.sparse_mla_plan import (
     MAX_SPLITS,
     TileConfig,
     _block_d,
+    blocks_per_split,
     choose_num_splits,
     choose_plan,
     fused_counters,
@@ -549,19 +550,18 @@ def sparse_mla_decode_split_k(
     if batch == 0:
         return out, lse
     overlap_launch = overlap_launch and not interpreting()
-    # Whole KV blocks per split; with more splits than blocks the trailing splits are empty.
-    blocks_per_split = max(1, triton.cdiv(triton.cdiv(topk, tiles.block_k), num_splits))
+    split_blocks = blocks_per_split(topk, tiles.block_k, num_splits)
     if fused_combine:
         counters, part_out, part_lse = _fused_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
         _launch_head_batched(
-            q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse, counters,
+            q, kv_cache, indices, sink, scale, tiles, num_splits, split_blocks, out, lse, part_out, part_lse, counters,
             wait_for_predecessor=overlap_launch,
         )
         return out, lse
     part_out, part_lse = _split_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
     pdl = pdl and not interpreting()
     _launch_head_batched(
-        q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse,
+        q, kv_cache, indices, sink, scale, tiles, num_splits, split_blocks, out, lse, part_out, part_lse,
         launch_dependents=pdl, wait_for_predecessor=overlap_launch,
     )
     block_s = triton.next_power_of_2(num_splits)
