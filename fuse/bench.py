@@ -4,16 +4,20 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
   eager            the step as written, one launch per op;
   eager-graphs     the eager step captured in one CUDA graph per batch bucket (serving stacks' default);
   reduce-overhead  stock `torch.compile(step, mode="reduce-overhead")` (whole step, cudagraph trees);
-  fuse             `fuse.compile_decode(dynamic_batch=True)` (regional Inductor compile with a
-                   symbolic batch size, one CUDA graph per bucket);
+  fuse             `fuse.compile_decode()` (the whole step one Inductor compile with each layer
+                   kind a nested region compiled once, a symbolic batch size, one CUDA graph per
+                   bucket);
   fuse-static      `fuse.compile_decode(dynamic_batch=False)`: one compile per bucket (not run by
                    default; for the compile-time / step-time trade-off).
   fuse-pdl         `fuse.compile_decode(pdl=True)`: fuse with programmatic dependent launch of
                    Inductor's kernels (Hopper and later; not run by default).
   fuse-pieces      `fuse.compile_decode(skinny_product_piece_depth=PIECE_DEPTH)`: fuse with deep
                    skinny products summed in pieces of K (not run by default).
-  fuse-head        `fuse.compile_decode(compile_head=True)`: fuse with the head (hc head, final
-                   norm, LM head) compiled as one more region (not run by default).
+  fuse-regional    `fuse.compile_decode(compilation="regional")`: each block compiled on its own,
+                   the head eager (not run by default).
+  fuse-head        `fuse.compile_decode(compilation="regional", compile_head=True)`: fuse-regional
+                   with the head (hc head, final norm, LM head) compiled as one more region (not
+                   run by default).
 Caches are filled with random rows as if every sequence were `context` tokens in (decode cost
 depends on the positions, not on the values). The floor is the bytes a step must read (weights
 it touches, attended KV rows, the indexer cache) over a copy bandwidth measured in the same run.
@@ -41,9 +45,13 @@ from fuse.report import padded_batch_size, padded_inputs, relative_error, restor
 from fuse.runner import _dynamo_totals, compile_decode
 from model import Decoder, ModelConfig
 
-VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-pdl", "fuse-pieces", "fuse-head")
-# Variants that compile the same blocks: Dynamo would share their cache entries in one process.
-COMPILE_DECODE_VARIANTS = ("fuse", "fuse-static", "fuse-pdl", "fuse-pieces", "fuse-head")
+VARIANTS = (
+    "eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-pdl", "fuse-pieces", "fuse-regional", "fuse-head",
+)
+# compile_decode variants by the code they compile: Dynamo would share the cache entries of two
+# variants of one group in one process.
+COMPILE_DECODE_GROUPS = (("fuse", "fuse-static", "fuse-pdl", "fuse-pieces"), ("fuse-regional", "fuse-head"))
+COMPILE_DECODE_VARIANTS = tuple(v for group in COMPILE_DECODE_GROUPS for v in group)
 # The piece depth fuse-pieces tries (fuse/passes.py): the mixes' 16384 values in 8 pieces.
 PIECE_DEPTH = 2048
 DEFAULT_VARIANTS = VARIANTS[:4]
@@ -74,10 +82,12 @@ class BenchSettings:
         if unknown:
             raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
         compiled = [v for v in self.variants if v in COMPILE_DECODE_VARIANTS]
-        if len(compiled) > 1:
-            raise ValueError(
-                f"{' and '.join(compiled)} would share Dynamo's cache of the same blocks; run them in separate invocations"
-            )
+        for group in COMPILE_DECODE_GROUPS:
+            sharing = [v for v in self.variants if v in group]
+            if len(sharing) > 1:
+                raise ValueError(
+                    f"{' and '.join(sharing)} would share Dynamo's cache of the same code; run them in separate invocations"
+                )
         if self.inductor_options and not compiled:
             raise ValueError("inductor_options patch the compile_decode variant's compile; none of the variants runs it")
         if not self.batches or min(self.batches) < 1 or not self.contexts or min(self.contexts) < 1:
@@ -195,6 +205,7 @@ def build_variant(
             runner = compile_decode(
                 decoder, buckets=batches, compile=name != "eager-graphs", dynamic_batch=name != "fuse-static",
                 pdl=name == "fuse-pdl", skinny_product_piece_depth=PIECE_DEPTH if name == "fuse-pieces" else 0,
+                compilation="regional" if name in COMPILE_DECODE_GROUPS[1] else "nested",
                 compile_head=name == "fuse-head", progress=False,
                 inductor_options=dict(inductor_options) if name != "eager-graphs" else None,
             )

@@ -1,12 +1,13 @@
 """fuse.inspect: open the code Inductor generates for the decode step.
 
 `inspect(target, out_dir)` compiles a fresh copy of the decode step the way a `DecodeRunner`
-would (regional or whole step, mode, Inductor options, dynamic batch), runs it once on padding
+would (nested regions, regional or whole step, mode, Inductor options, dynamic batch), runs it once on padding
 rows under `depyf.prepare_debug(out_dir)`, and writes an index of what the generated code
 launches. No real sequence's cache is touched: the run uses only the decoder's scratch slot.
 
-The dump, per compiled graph `__compiled_fn_N` (N is Dynamo's id; with regional compilation
-there is one graph per distinct layer kind, shared by every layer of that kind):
+The dump, per compiled graph `__compiled_fn_N` (N is Dynamo's id; the nested and whole-step
+compilations have one graph for the step, the regional one a graph per distinct layer kind,
+shared by every layer of that kind):
 
 - `__transformed_code_K_for_forward.py` (`..._for_step.py` for the whole step): the bytecode
   Dynamo substituted for the compiled frame, decompiled to Python. It gathers the graph's inputs
@@ -28,16 +29,19 @@ there is one graph per distinct layer kind, shared by every layer of that kind):
   CUDA, each Triton kernel under comments naming the source nodes and ATen ops it fused), then
   `call(args)`, the wrapper: read it top to bottom, it is this graph's launch sequence
   (buffer allocations, generated kernels, `extern_kernels.*` library calls such as mm, and the
-  opaque custom ops `torch.ops.v4.*`). Triton kernels that Inductor loads as modules of their
+  opaque custom ops `torch.ops.v4.*`). With nested compilation a layer kind that several layers
+  share is a function of its own above the wrapper (`..._subgraph_K(args)`), which the wrapper
+  calls once per such layer; a kind only one layer has is inlined into the wrapper. Triton kernels that Inductor loads as modules of their
   own (CUDA) may appear as further kernel_K files; the index points at the one with `call`.
   The C++ backend writes no origin comments: a C++ kernel's name lists the ops it fused.
 - `index.json` and `index.md` (written here): per graph its files, the decoder layers that run
   it, and every kernel and call of its wrapper (see `Kernel`); then the custom-op calls of one
   decode step.
 
-Counts: `Kernel.calls` is per run of its graph (what its wrapper does); with regional
-compilation a graph runs once per layer listed under it, so `Inspection.custom_op_calls`, per
-decode step, is the sum over graphs of calls times layers.
+Counts: `Kernel.calls` is per run of its graph (what its wrapper does, a subgraph function's
+launches counted once per call of it); with regional compilation a graph runs once per layer
+listed under it, so `Inspection.custom_op_calls`, per decode step, is the sum over graphs of
+calls times layers.
 """
 from __future__ import annotations
 
@@ -57,7 +61,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from fuse.runner import CompileOptions, DecodeRunner, batch_symbolic, batch_symbolic_block, compile_backend
+from fuse.runner import CompileOptions, DecodeRunner, batch_symbolic, batch_symbolic_block, compile_backend, nested_region_step
 
 # Prefix of Triton kernel names (`triton_<category[:3]>_fused_...`) -> kernel kind.
 _TRITON_KINDS = {
@@ -104,7 +108,7 @@ class CompiledGraph:
     """One Dynamo graph, its dump files and what its wrapper launches."""
 
     name: str  # `__compiled_fn_N`
-    layers: tuple[int, ...] | None  # decoder layers that run it (regional); None: once per step (the whole step, or the compiled head)
+    layers: tuple[int, ...] | None  # decoder layers that run it (regional); None: once per step (the step, or the compiled head)
     files: dict[str, Path | None]  # transformed_code, captured_graph, aot_forward_graph, post_grad_graph, output_code
     other_files: tuple[Path, ...]  # the remaining stages depyf dumped for this graph
     kernels: tuple[Kernel, ...]
@@ -129,7 +133,7 @@ class Inspection:
     graphs: tuple[CompiledGraph, ...]
     kernels: tuple[Kernel, ...]  # of every graph, in graph order (`Kernel.graph` says which)
     custom_op_calls: dict[str, int]  # custom op -> calls per decode step
-    regional: bool
+    compilation: str  # CompileOptions.compilation
     batch: int
 
 
@@ -175,7 +179,7 @@ def inspect(target, out_dir: str | os.PathLike, *, batch: int = 1, options: Comp
         graphs=graphs,
         kernels=kernels,
         custom_op_calls=dict(sorted(per_step.items())),
-        regional=options.regional,
+        compilation=options.compilation,
         batch=batch,
     )
     index = index_dict(inspection, options, str(device))
@@ -228,16 +232,21 @@ def _fresh_function(fn: types.FunctionType) -> types.FunctionType:
 
 def _fresh_compiled_step(decoder, options: CompileOptions, kwargs: dict, graph_layers: dict[str, list[int]]):
     """(step(tokens, positions, slots), the code objects of the graphs that run once per step:
-    the whole step's, or the compiled head's). Regional: every block compiled from one shared code
-    copy, as the runner shares Block.forward, and after each block call the graph it ran is
-    recorded in `graph_layers`; the head compiled as the runner compiles it (compile_head)."""
+    the step's, or the compiled head's). Nested: the step with its blocks as nested compile
+    regions, as the runner builds it. Regional: every block compiled from one shared code copy, as
+    the runner shares Block.forward, and after each block call the graph it ran is recorded in
+    `graph_layers`; the head compiled as the runner compiles it (compile_head)."""
     # dynamic_batch: batch 1 runs a graph of its own (Dynamo specialises sizes 0 and 1); any
     # other batch, the batch-symbolic graph the runner's buckets share.
     dynamic = None if options.dynamic_batch else False
     compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=dynamic, **kwargs)
-    if not options.regional:
-        fresh = _fresh_function(type(decoder).step)
-        compiled = compile_(types.MethodType(fresh, decoder))
+    if options.compilation != "regional":
+        if options.compilation == "nested":
+            fresh = _fresh_function(nested_region_step(decoder))
+            compiled = compile_(fresh)
+        else:
+            fresh = _fresh_function(type(decoder).step)
+            compiled = compile_(types.MethodType(fresh, decoder))
         return (batch_symbolic(compiled) if options.dynamic_batch else compiled), [fresh.__code__]
 
     copies: dict[types.FunctionType, types.FunctionType] = {}
@@ -427,10 +436,12 @@ def parse_output_code(source: str) -> list[Kernel]:
 
     opaque: dict[str, dict] = {}
     launch = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, defined)) + r")(?:\.run)?\(") if defined else None
+    lines = _TRIPLE_QUOTED.sub("''", source).splitlines()
+    runs = _runs_per_call(lines)
     # Inductor writes a launch's origin comment directly above it (on CUDA with the stream line
     # between); any other line in between means the comment was not about a launch.
     pending: tuple[tuple[str, ...], tuple[str, ...]] | None = None
-    for line in _TRIPLE_QUOTED.sub("''", source).splitlines():
+    for line, times in zip(lines, runs):
         text = line.strip()
         if text.startswith("#"):
             if "Original ATen:" in text or "Source Nodes:" in text:
@@ -441,17 +452,53 @@ def parse_output_code(source: str) -> list[Kernel]:
         if "async_compile." not in text:
             for match in launch.finditer(text) if launch else ():
                 entry = defined[match.group(1)]
-                entry["calls"] += 1
+                entry["calls"] += times
                 if pending and not entry["ops"] and not entry["source_nodes"]:
                     entry["source_nodes"], entry["ops"] = pending
             for name, kind in _opaque_calls(text):
                 entry = opaque.setdefault(name, {"kind": kind, "ops": (), "source_nodes": (), "calls": 0})
-                entry["calls"] += 1
+                entry["calls"] += times
                 if pending:
                     entry["source_nodes"] = _union(entry["source_nodes"], pending[0])
                     entry["ops"] = _union(entry["ops"], pending[1])
         pending = None
     return [Kernel(name, **entry) for name, entry in (*defined.items(), *opaque.items())]
+
+
+_DEF = re.compile(r"^(?P<indent>\s*)def (?P<name>\w+)\(")
+_WRAPPER_ENTRY = "call"
+
+
+def _runs_per_call(lines: list[str]) -> list[int]:
+    """For each line of a wrapper module, how often it runs per call of the wrapper: 1 in
+    `call`, n in a function that code running once calls n times (the nested compile regions'
+    subgraph functions), 0 elsewhere (module level, `get_args`, the benchmark harness)."""
+    owner: list[str | None] = []  # innermost function each line belongs to
+    stack: list[tuple[int, str]] = []
+    for line in lines:
+        if line.strip():
+            indent = len(line) - len(line.lstrip())
+            while stack and indent <= stack[-1][0]:
+                stack.pop()
+        owner.append(stack[-1][1] if stack else None)
+        if (match := _DEF.match(line)) is not None:
+            stack.append((len(match["indent"]), match["name"]))
+    functions = {name for name in owner if name}
+    callers: dict[str, list[int]] = {name: [] for name in functions}
+    if functions - {_WRAPPER_ENTRY}:
+        called = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, sorted(functions - {_WRAPPER_ENTRY}))) + r")\(")
+        for i, line in enumerate(lines):
+            if not _DEF.match(line):
+                for match in called.finditer(line):
+                    callers[match.group(1)].append(i)
+    memo: dict[str | None, int] = {None: 0, _WRAPPER_ENTRY: 1}
+
+    def runs(name: str | None, seen: frozenset = frozenset()) -> int:
+        if name not in memo:
+            memo[name] = 0 if name in seen else sum(runs(owner[i], seen | {name}) for i in callers[name])
+        return memo[name]
+
+    return [runs(name) for name in owner]
 
 
 def triton_kernel_info(
@@ -556,7 +603,7 @@ def index_dict(inspection: Inspection, options: CompileOptions, device: str) -> 
         "depyf": depyf.__version__,
         "device": device,
         "batch": inspection.batch,
-        "compilation": "regional" if inspection.regional else "whole step",
+        "compilation": inspection.compilation,
         "dynamic_batch": options.dynamic_batch,
         "mode": options.mode,
         "full_code": sorted(p.name for p in inspection.out_dir.glob("full_code_for_*.py")),
@@ -603,7 +650,7 @@ def index_markdown(index: dict) -> str:
         "|---|---|",
         *(f"| `{op}` | {calls} |" for op, calls in index["custom_op_calls_per_step"].items()),
     ]
-    once_per_step = "the head" if index["compilation"] == "regional" else "the whole step"
+    once_per_step = "the head" if index["compilation"] == "regional" else "the step"
     for g in index["graphs"]:
         runs = once_per_step if g["layers"] is None else "layers " + ", ".join(map(str, g["layers"]))
         lines += ["", f"## `{g['name']}`: {runs} ({g['runs_per_step']} run(s) per step)", ""]

@@ -11,6 +11,7 @@ What it takes care of:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -28,6 +29,9 @@ from fuse.passes import SkinnyProducts
 log = logging.getLogger("fuse")
 
 
+COMPILATIONS = ("nested", "regional", "whole")
+
+
 @dataclass(frozen=True)
 class CompileOptions:
     """How `compile_decode` builds its runner."""
@@ -40,13 +44,18 @@ class CompileOptions:
     # graph, as Dynamo specialises sizes 0 and 1): start-up stays flat as buckets are added, for
     # steps ~2-3% slower than per-bucket graphs (docs/compile_decode.md).
     dynamic_batch: bool = True
-    # Compile each block on its own: identical layers share one compiled graph, so compile time
-    # grows with the distinct layer kinds (window / ratio 4 / ratio 128, hash / score routing),
-    # not with the layer count. False: the whole step as one graph (fuses across layers too).
-    regional: bool = True
+    # What one compile covers (one of COMPILATIONS):
+    # "nested": the whole step is one graph in which every block is a nested compile region
+    #   (torch.compiler.nested_compile_region): Inductor compiles each distinct layer kind (window /
+    #   ratio 4 / ratio 128, hash / score routing) once and calls it from every layer of that kind,
+    #   so compile time grows with the layer kinds, not the layer count, while the step's own glue
+    #   (embedding, rotary tables, head) compiles too, and Dynamo compiles one graph per shape.
+    # "regional": each block compiled on its own, one Dynamo graph per layer kind and shape; the
+    #   head stays eager unless compile_head.
+    # "whole": the whole step as one flat graph (fuses across layers; compile time grows with depth).
+    compilation: str = "nested"
     # Regional compiles only: the head (hc head, final norm, LM head) as one more compiled region
     # (two more compiles with a symbolic batch), instead of ~30 eager kernels after the blocks.
-    # Off by default: on the H200 its gain was inside the run-to-run spread (docs/bench.md).
     compile_head: bool = False
     # Matrix products with at most this many output columns (the hyper-connection mixes, the
     # gate) and 4-deep batched ones (hc_post) compile as Inductor reductions fused with their
@@ -78,8 +87,13 @@ class CompileOptions:
             raise ValueError(f"skinny_product_piece_depth must be >= 0 (0: no pieces), got {self.skinny_product_piece_depth}")
         if self.pdl and not self.compile:
             raise ValueError("pdl=True launches Inductor's kernels; with compile=False there are none")
-        if self.compile_head and not (self.compile and self.regional):
-            raise ValueError("compile_head=True compiles the head as a region of a regional compile; it needs compile=True and regional=True")
+        if self.compilation not in COMPILATIONS:
+            raise ValueError(f"compilation must be one of {COMPILATIONS}, got {self.compilation!r}")
+        if self.compile_head and not (self.compile and self.compilation == "regional"):
+            raise ValueError(
+                "compile_head=True compiles the head as a region of a regional compile; it needs compile=True and "
+                "compilation='regional' (the other compilations compile the head with the step)"
+            )
         if self.inductor_options:  # only then: reading Inductor's whole config copies it
             unknown = sorted(set(self.inductor_options) - set(torch._inductor.config.get_config_copy()))
             if unknown:
@@ -179,6 +193,25 @@ def batch_symbolic(compiled: Callable) -> Callable:
     return run
 
 
+def nested_region_step(decoder, forward: Callable | None = None) -> Callable:
+    """decoder.step(tokens, positions, slots) with every block's call a nested compile region.
+    One region function serves all blocks (`forward`, default the blocks' class's forward), so
+    Dynamo traces each distinct layer kind once and reuses the traced region for every other layer
+    of that kind, and Inductor compiles each region once. Outside torch.compile it is the step."""
+    forwards = {type(layer).forward for layer in decoder.layers}
+    if forward is None:
+        if len(forwards) != 1:
+            raise ValueError(f"nested compilation needs the decoder's blocks to share one forward, got {len(forwards)}")
+        forward = forwards.pop()
+    region = torch.compiler.nested_compile_region(forward)
+    blocks = [functools.partial(region, layer) for layer in decoder.layers]
+
+    def step(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return decoder.step(tokens, positions, slots, layers=blocks)
+
+    return step
+
+
 @dataclass
 class RunnerStats:
     compiles: int = 0  # graphs Dynamo compiled (all warm-up, unless a recompile happened)
@@ -263,7 +296,8 @@ class DecodeRunner:
             os.environ["TRITON_CACHE_DIR"] = os.path.join(self.options.cache_dir, "triton")
         kwargs = {"backend": compile_backend(self.options, self.device)}
         dynamic = None if self.options.dynamic_batch else False
-        if self.options.regional:
+        compilation = self.options.compilation
+        if compilation == "regional":
             blocks = [torch.compile(layer, fullgraph=True, dynamic=dynamic, **kwargs) for layer in self.decoder.layers]
             head = None
             if self.options.compile_head:
@@ -274,7 +308,8 @@ class DecodeRunner:
                     head = batch_symbolic(head)
             decoder = self.decoder
             return lambda tokens, positions, slots: decoder.step(tokens, positions, slots, layers=blocks, logits=head)
-        step = torch.compile(self.decoder.step, fullgraph=True, dynamic=dynamic, **kwargs)
+        step = nested_region_step(self.decoder) if compilation == "nested" else self.decoder.step
+        step = torch.compile(step, fullgraph=True, dynamic=dynamic, **kwargs)
         return batch_symbolic(step) if self.options.dynamic_batch else step
 
     def _static_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

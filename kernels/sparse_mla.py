@@ -7,8 +7,6 @@ indices are all masked returns zeros, and its LSE is the sink.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
@@ -32,32 +30,49 @@ def sparse_mla_decode_reference(
     return out.to(q.dtype), row_max + torch.log(denom)
 
 
-@torch.library.custom_op("v4::sparse_mla_decode", mutates_args=("workspace",))
+# Two ops, one computation. The model calls the functional one: the split-K scratch is allocated
+# per call (from the capturing pool inside a CUDA graph). A caller that preallocates the scratch
+# per batch bucket passes it to the second, which declares it mutated. Mutable arguments stay out
+# of the op the model traces: nested compile regions (fuse's default) cannot functionalise them.
+@torch.library.custom_op("v4::sparse_mla_decode", mutates_args=())
 def sparse_mla_decode_op(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    indices: torch.Tensor,
-    sink: torch.Tensor,
-    scale: float,
-    workspace: Optional[torch.Tensor],
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU (and any non-CUDA device): the reference. `workspace` has no default on purpose: some
-    torch versions drop a trailing argument equal to its default before the in-place bookkeeping
-    of mutated arguments runs, and then fail to find it. `workspace` is split-K scratch for the CUDA
-    kernels (see kernels.sparse_mla_plan.sparse_mla_workspace); it carries no result."""
+    """CPU (and any non-CUDA device): the reference."""
     return sparse_mla_decode_reference(q, kv_cache, indices, sink, scale)
 
 
 @sparse_mla_decode_op.register_kernel("cuda")
-def _(q, kv_cache, indices, sink, scale, workspace):
+def _(q, kv_cache, indices, sink, scale):
     from kernels.sparse_mla_triton import sparse_mla_decode_triton  # triton only where CUDA runs
+
+    return sparse_mla_decode_triton(q, kv_cache, indices, sink, scale)
+
+
+@sparse_mla_decode_op.register_fake
+def _(q, kv_cache, indices, sink, scale):
+    # Both implementations return a contiguous out, whatever q's strides.
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("v4::sparse_mla_decode_with_workspace", mutates_args=("workspace",))
+def sparse_mla_decode_with_workspace_op(
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float, workspace: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`workspace` is split-K scratch for the CUDA kernels (see sparse_mla_workspace); it carries
+    no result, and the CPU path does not touch it."""
+    return sparse_mla_decode_reference(q, kv_cache, indices, sink, scale)
+
+
+@sparse_mla_decode_with_workspace_op.register_kernel("cuda")
+def _(q, kv_cache, indices, sink, scale, workspace):
+    from kernels.sparse_mla_triton import sparse_mla_decode_triton
 
     return sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace=workspace)
 
 
-@sparse_mla_decode_op.register_fake
+@sparse_mla_decode_with_workspace_op.register_fake
 def _(q, kv_cache, indices, sink, scale, workspace):
-    # Both implementations return a contiguous out, whatever q's strides.
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
@@ -87,7 +102,8 @@ IMPLS = ("default", "reference", "simt", "head_batched", "split_k")
 
 def sparse_mla_workspace(batch: int, heads: int, head_dim: int, topk: int, device, dtype=torch.bfloat16) -> torch.Tensor:
     """Split-K scratch for the CUDA path at these shapes, to allocate per batch bucket before a
-    CUDA-graph capture and pass as `workspace` (empty when the plan needs no split)."""
+    CUDA-graph capture and pass as `workspace` (empty when the plan needs no split). A captured
+    graph writes into it on every replay: keep it alive as long as the graph."""
     from kernels.sparse_mla_plan import sparse_mla_workspace as plan_workspace
 
     return plan_workspace(batch, heads, head_dim, topk, device, dtype)
@@ -104,8 +120,10 @@ def sparse_mla_decode(
     benchmarks and tests). `workspace` (from sparse_mla_workspace) lets a CUDA-graph caller
     preallocate the split-K scratch per batch bucket; without it the scratch is allocated per call."""
     check_sparse_mla_inputs(q, kv_cache, indices, sink)
-    if impl == "default":
-        out, lse = sparse_mla_decode_op(q, kv_cache, indices, sink, float(scale), workspace)
+    if impl == "default" and workspace is None:
+        out, lse = sparse_mla_decode_op(q, kv_cache, indices, sink, float(scale))
+    elif impl == "default":
+        out, lse = sparse_mla_decode_with_workspace_op(q, kv_cache, indices, sink, float(scale), workspace)
     elif impl == "reference":
         out, lse = sparse_mla_decode_reference(q, kv_cache, indices, sink, float(scale))
     elif impl in ("simt", "head_batched", "split_k"):

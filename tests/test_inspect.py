@@ -1,7 +1,8 @@
 """fuse.inspect: the depyf dump of the compiled decode step and its kernel index.
 
-One inspect call on the tiny preset (CPU, fp32, regional compilation, batch 1) is shared by the
-CPU tests; the Triton side of the parser is tested on a hand-written piece of CUDA output code."""
+One inspect call on the tiny preset (CPU, fp32, the default nested compilation, batch 1) is shared
+by the CPU tests, and one more looks at the regional compilation; the Triton side of the parser is
+tested on a hand-written piece of CUDA output code."""
 from __future__ import annotations
 
 import json
@@ -64,7 +65,7 @@ def test_dump_has_bytecode_graphs_and_output_code(inspected):
     for graph in result.graphs:
         files = graph.files
         transformed = files["transformed_code"].read_text()
-        assert re.search(r"def __transformed_code_\d+_for_forward\(self, streams, step, hadamard\)", transformed)
+        assert re.search(r"def __transformed_code_\d+_for_step\(tokens, positions, slots\)", transformed)
         assert re.search(rf"{graph.name}[_(]", transformed)  # it calls this graph
         assert "class GraphModule(torch.nn.Module)" in files["captured_graph"].read_text()
         assert "torch.ops.aten." in files["aot_forward_graph"].read_text()
@@ -72,7 +73,7 @@ def test_dump_has_bytecode_graphs_and_output_code(inspected):
         output = files["output_code"].read_text()
         assert "def call(" in output and "async_compile.cpp_pybinding" in output
         assert all(p.parent == result.out_dir for p in files.values())
-    assert list(result.out_dir.glob("full_code_for_forward_*.py"))
+    assert list(result.out_dir.glob("full_code_for_step_*.py"))
 
 
 def test_index_lists_fused_kernels(inspected):
@@ -81,20 +82,52 @@ def test_index_lists_fused_kernels(inspected):
     assert generated and all(k.name.startswith("cpp_") and k.calls >= 1 for k in generated)
     assert any(len(k.ops) >= 2 and all(op.startswith(("aten.", "v4.")) for op in k.ops) for k in generated)
     assert any(k.kind == "extern" and k.name == "extern_kernels.mm" for k in result.kernels)
-    for graph in result.graphs:  # every launch of a generated kernel in the wrapper is counted
-        wrapper = graph.files["output_code"].read_text().split("def call(", 1)[1]
+    for graph in result.graphs:  # every launch of a generated kernel is counted, once per run of its function
+        output = graph.files["output_code"].read_text()
+        functions = dict(re.findall(r"^def (\w+subgraph\w*)\(args\):\n(.*?)(?=^\S)", output, re.M | re.S))
+        wrapper = output.split("def call(", 1)[1]
+        runs = {name: len(re.findall(rf"= {name}\(", wrapper)) for name in functions}
         for k in graph.kernels:
             if k.kind == "cpp":
-                assert k.calls == len(re.findall(rf"^\s+{k.name}\(", wrapper, re.M)), k.name
+                launches = lambda code: len(re.findall(rf"^\s+{k.name}\(", code, re.M))
+                expected = launches(wrapper) + sum(launches(body) * runs[name] for name, body in functions.items())
+                assert k.calls == expected, k.name
 
 
-def test_graphs_and_custom_op_counts_match_the_model(inspected):
+def test_nested_compilation_is_one_graph_with_shared_layer_functions(inspected):
+    """The default compile: the step is one graph; a layer kind several layers share is one
+    function its wrapper calls once per such layer, and the custom ops each layer calls are
+    counted per step through those calls."""
     decoder, result, _, _ = inspected
+    (graph,) = result.graphs
+    assert graph.layers is None and graph.runs_per_step == 1
+    output = graph.files["output_code"].read_text()
+    shared = re.findall(r"^def (\w+subgraph\w*)\(args\):", output, re.M)
+    kinds = Counter(layer_kinds(decoder.config).values())
+    assert len(shared) == sum(1 for n in kinds.values() if n > 1)
+    for name in shared:
+        assert len(re.findall(rf"= {name}\(", output)) >= 2
+    ratios = Counter(decoder.config.layer_ratios)
+    n_layers = decoder.config.n_layers
+    assert result.custom_op_calls == {"v4.indexer_topk": ratios[4], "v4.moe_experts": n_layers, "v4.sparse_mla_decode": n_layers}
+
+
+def test_regional_graphs_per_layer_kind_and_the_compiled_head(tmp_path, inspected):
+    """Regional compilation with compile_head: one graph per distinct layer kind, every layer runs
+    one of them, each calls its layer's custom ops once; the head is one more graph, run once per
+    step, whose wrapper computes the LM head."""
+    decoder, nested, _, _ = inspected
+    result = fuse.inspect(decoder, tmp_path / "dump", options=fuse.CompileOptions(compilation="regional", compile_head=True))
     kinds = layer_kinds(decoder.config)
-    # Regional compilation: one graph per distinct layer kind, and every layer runs one of them.
-    assert len(result.graphs) == len(set(kinds.values()))
-    assert sorted(i for g in result.graphs for i in g.layers) == list(range(decoder.config.n_layers))
-    for graph in result.graphs:
+    (head,) = [g for g in result.graphs if g.layers is None]
+    assert head.runs_per_step == 1 and "extern_kernels.mm" in [k.name for k in head.kernels]  # the LM head
+    assert f"## `{head.name}`: the head (1 run(s) per step)" in result.index_md.read_text()
+    blocks = [g for g in result.graphs if g.layers is not None]
+    assert len(blocks) == len(set(kinds.values()))
+    assert sorted(i for g in blocks for i in g.layers) == list(range(decoder.config.n_layers))
+    for graph in blocks:
+        transformed = graph.files["transformed_code"].read_text()
+        assert re.search(r"def __transformed_code_\d+_for_forward\(self, streams, step, hadamard\)", transformed)
         (kind,) = {kinds[i] for i in graph.layers}
         ratio = kind[0]
         # Per run of the graph (one block): attention and experts once, the indexer on ratio-4 layers.
@@ -105,9 +138,8 @@ def test_graphs_and_custom_op_counts_match_the_model(inspected):
             **({"v4.indexer_topk": 1} if ratio == 4 else {}),
         }, (graph.name, graph.layers)
         assert graph.runs_per_step == len(graph.layers)
-    ratios = Counter(decoder.config.layer_ratios)
-    n_layers = decoder.config.n_layers
-    assert result.custom_op_calls == {"v4.indexer_topk": ratios[4], "v4.moe_experts": n_layers, "v4.sparse_mla_decode": n_layers}
+    assert result.custom_op_calls == nested.custom_op_calls
+    assert json.loads(result.index_json.read_text())["compilation"] == "regional"
 
 
 def test_real_slots_and_global_state_are_untouched(inspected):
@@ -126,7 +158,7 @@ def test_real_slots_and_global_state_are_untouched(inspected):
 def test_index_json_and_markdown_agree(inspected):
     _, result, _, _ = inspected
     index = json.loads(result.index_json.read_text())
-    assert index["compilation"] == "regional" and index["batch"] == 1
+    assert index["compilation"] == "nested" and index["batch"] == 1
     assert index["custom_op_calls_per_step"] == result.custom_op_calls
     assert [g["name"] for g in index["graphs"]] == [g.name for g in result.graphs]
     assert [k["name"] for g in index["graphs"] for k in g["kernels"]] == [k.name for k in result.kernels]
@@ -148,19 +180,6 @@ def test_index_json_and_markdown_agree(inspected):
         ]
         for name in g["files"].values():
             assert f"[`{name}`]({name})" in md_graphs[g["name"]]
-
-
-def test_compiled_head_is_dumped_as_a_graph_run_once_per_step(tmp_path, inspected):
-    """With compile_head, inspect compiles the head as the runner does: one more graph, run once
-    per step, whose wrapper computes the LM head; the blocks' graphs and op counts stay."""
-    decoder, result, _, _ = inspected
-    with_head = fuse.inspect(decoder, tmp_path / "dump", options=fuse.CompileOptions(compile_head=True))
-    blocks = [g for g in with_head.graphs if g.layers is not None]
-    (head,) = [g for g in with_head.graphs if g.layers is None]
-    assert len(blocks) == len(result.graphs) and head.runs_per_step == 1
-    assert "extern_kernels.mm" in [k.name for k in head.kernels]  # the LM head
-    assert with_head.custom_op_calls == result.custom_op_calls
-    assert f"## `{head.name}`: the head (1 run(s) per step)" in with_head.index_md.read_text()
 
 
 def test_inspect_refuses_bad_arguments(tmp_path, inspected):
@@ -322,6 +341,48 @@ def test_triton_output_code_is_parsed():
     assert (kernels["aten.index_put_"].kind, kernels["aten.index_put_"].calls) == ("extern", 1)
     topk = kernels["v4.indexer_topk"]  # the comment above the alias line is not about this call
     assert (topk.kind, topk.calls, topk.ops, topk.source_nodes) == ("custom op", 1, (), ())
+
+
+NESTED_OUTPUT_CODE = '''
+triton_poi_fused_add_0 = async_compile.triton('triton_poi_fused_add_0', \'\'\'
+def triton_poi_fused_add_0(in_ptr0, xnumel, XBLOCK : tl.constexpr):
+    pass
+\'\'\', device_str='cuda')
+triton_poi_fused_mul_1 = async_compile.triton('triton_poi_fused_mul_1', \'\'\'
+def triton_poi_fused_mul_1(in_ptr0, xnumel, XBLOCK : tl.constexpr):
+    pass
+\'\'\', device_str='cuda')
+
+def subgraph_0(args):
+    arg0_1, arg1_1 = args
+    triton_poi_fused_add_0.run(arg0_1, 64, stream=stream0)
+    buf0 = torch.ops.v4.moe_experts.default(arg0_1, arg1_1, 10.0)
+    return (buf0,)
+
+class Runner:
+    def call(self, args):
+        arg0_1, arg1_1 = args
+        triton_poi_fused_mul_1.run(arg0_1, 64, stream=stream0)
+        buf0 = subgraph_0([arg0_1, arg1_1])
+        buf1 = subgraph_0([buf0[0], arg1_1])
+        buf2 = subgraph_0([buf1[0], arg1_1])
+        triton_poi_fused_add_0.run(buf2[0], 64, stream=stream0)
+        return (buf2[0],)
+
+runner = Runner(partitions=[])
+call = runner.call
+
+def benchmark_compiled_module(times=10, repeat=10):
+    fn = lambda: call([arg0_1, arg1_1])
+    triton_poi_fused_mul_1.run(arg0_1, 64, stream=stream0)
+'''
+
+
+def test_launches_in_a_subgraph_function_count_once_per_call():
+    """Nested compile regions: a shared layer kind is a function the wrapper calls once per layer;
+    its launches count that many times, and code the wrapper never runs counts for nothing."""
+    kernels = {k.name: k.calls for k in parse_output_code(NESTED_OUTPUT_CODE)}
+    assert kernels == {"triton_poi_fused_add_0": 3 + 1, "triton_poi_fused_mul_1": 1, "v4.moe_experts": 3}
 
 
 def test_triton_kind_falls_back_to_the_decorator_and_ops_to_the_name():

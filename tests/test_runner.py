@@ -47,12 +47,10 @@ def pair():
 
 def test_compiled_matches_eager_over_mixed_batches(pair):
     eager, runner = pair
-    # Regional compilation with a symbolic batch: per layer kind (ratio, hash or score routing)
-    # one batch-symbolic graph for every bucket but 1, and one for batch 1.
-    cfg = eager.config
-    kinds = {(cfg.layer_ratios[i], i < cfg.n_hash_layers) for i in range(cfg.n_layers)}
+    # Nested compilation with a symbolic batch: the whole step is one graph for every bucket but
+    # 1, and one for batch 1, whatever the number of layer kinds.
     assert len(runner.buckets) == 3
-    assert runner.stats.compiles == 2 * len(kinds) < len(kinds) * len(runner.buckets)
+    assert runner.stats.compiles == 2
     assert runner.stats.graph_breaks == 0
     rng = random.Random(0)
     vocab = eager.config.vocab_size
@@ -173,9 +171,11 @@ def test_options_are_checked():
         fuse.CompileOptions(buckets=(0, 2))
     with pytest.raises(ValueError, match="pdl=True launches Inductor's kernels"):
         fuse.CompileOptions(pdl=True, compile=False)
-    for whole_or_eager in (dict(regional=False), dict(compile=False)):
-        with pytest.raises(ValueError, match="compile_head=True .* needs compile=True and regional=True"):
-            fuse.CompileOptions(compile_head=True, **whole_or_eager)
+    for not_regional in (dict(compilation="whole"), dict(compilation="nested"), dict(compile=False, compilation="regional")):
+        with pytest.raises(ValueError, match="compile_head=True .* needs compile=True and compilation='regional'"):
+            fuse.CompileOptions(compile_head=True, **not_regional)
+    with pytest.raises(ValueError, match="compilation must be one of \\('nested', 'regional', 'whole'\\), got 'layers'"):
+        fuse.CompileOptions(compilation="layers")
     with pytest.raises(ValueError, match="torch._inductor.config does not have: \\['combo_kernel'\\]"):
         fuse.CompileOptions(inductor_options={"combo_kernel": True, "combo_kernels": True})
 
@@ -190,14 +190,17 @@ def test_inductor_options_reach_the_backend_last():
     assert compile_backend(fuse.CompileOptions(), torch.device("cuda")).config_patches["split_reductions"] is False
 
 
-def test_compiled_head_adds_its_two_graphs_and_matches_eager(pair):
-    """compile_head=True: the head (hc head, final norm, LM head) is one more compiled region,
-    for batch 1 and a symbolic batch, and the logits stay those of the eager step."""
-    eager, runner = pair
-    with_head = Decoder(eager.config, max_batch=MAX_BATCH, max_seq_len=96, dtype=torch.float32)
+def test_regional_compile_with_the_head_matches_eager(pair):
+    """compilation="regional": per layer kind (ratio, hash or score routing) one graph for batch 1
+    and one batch-symbolic graph; compile_head=True adds the head (hc head, final norm, LM head)
+    as one more region, for the same two shapes; the logits stay those of the eager step."""
+    eager, _ = pair
+    cfg = eager.config
+    kinds = {(cfg.layer_ratios[i], i < cfg.n_hash_layers) for i in range(cfg.n_layers)}
+    with_head = Decoder(cfg, max_batch=MAX_BATCH, max_seq_len=96, dtype=torch.float32)
     with_head.load_state_dict(eager.state_dict())
-    head_runner = fuse.compile_decode(with_head, buckets=(1, 2, 4), compile_head=True, progress=False)
-    assert head_runner.stats.compiles == runner.stats.compiles + 2  # the blocks' graphs, then the head's
+    head_runner = fuse.compile_decode(with_head, buckets=(1, 2, 4), compilation="regional", compile_head=True, progress=False)
+    assert head_runner.stats.compiles == 2 * len(kinds) + 2  # the blocks' graphs, then the head's
     assert head_runner.stats.graph_breaks == 0
     restore = restore_point(eager)
     try:

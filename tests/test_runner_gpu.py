@@ -134,8 +134,10 @@ def _custom_kernel_cache_files(triton_cache: str) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("qat, regional, pdl", [(False, True, False), (True, False, False), (False, True, True)])
-def test_tiny_fp32_graphs_match_eager_exactly(qat, regional, pdl):
+@pytest.mark.parametrize(
+    "qat, compilation, pdl", [(False, "nested", False), (True, "whole", False), (False, "nested", True), (False, "regional", False)]
+)
+def test_tiny_fp32_graphs_match_eager_exactly(qat, compilation, pdl):
     """The captured graphs compute the eager function: fp32, tiny preset, mixed padded batches;
     with the fp8/fp4 rounding (compiled in its row-wise form on CUDA) in a whole-step graph too,
     and with Inductor's kernels launched as programmatic dependents (a kernel that read before
@@ -148,7 +150,7 @@ def test_tiny_fp32_graphs_match_eager_exactly(qat, regional, pdl):
     eager = Decoder(cfg, max_batch=4, max_seq_len=64, dtype=torch.float32, device="cuda").init_random(seed=5)
     compiled = Decoder(cfg, max_batch=4, max_seq_len=64, dtype=torch.float32, device="cuda")
     compiled.load_state_dict(eager.state_dict())
-    runner = fuse.compile_decode(compiled, buckets=(1, 4), progress=False, regional=regional, pdl=pdl)
+    runner = fuse.compile_decode(compiled, buckets=(1, 4), progress=False, compilation=compilation, pdl=pdl)
     assert sorted(runner.stats.captured) == [1, 4], runner.stats.fallbacks
     rng = random.Random(1)
     next_position = [0] * 4
@@ -161,5 +163,5 @@ def test_tiny_fp32_graphs_match_eager_exactly(qat, regional, pdl):
         worst = max(worst, relative_error(runner(tokens, positions, torch.tensor(slots)), expected))
         for s in slots:
             next_position[s] += 1
-    print(f"\ntiny fp32 compiled graphs vs eager (qat={qat}, regional={regional}, pdl={pdl}): worst relative error {worst:.2e}")
+    print(f"\ntiny fp32 compiled graphs vs eager (qat={qat}, {compilation}, pdl={pdl}): worst relative error {worst:.2e}")
     assert worst <= (1e-2 if qat else 1e-4)

@@ -35,6 +35,7 @@ from kernels import sparse_mla_triton as smt  # noqa: E402
 from kernels.sparse_mla import (  # noqa: E402
     sparse_mla_decode,
     sparse_mla_decode_op,
+    sparse_mla_decode_with_workspace_op,
     sparse_mla_decode_reference,
     sparse_mla_workspace,
 )
@@ -348,8 +349,8 @@ def test_impl_selection(impl):
 
 def test_opcheck():
     q, kv_cache, indices, sink, scale = make_inputs(2, 4, 32, 16, torch.float32, seed=17)
-    torch.library.opcheck(sparse_mla_decode_op, (q, kv_cache, indices, sink, scale, None))
-    torch.library.opcheck(sparse_mla_decode_op, (q, kv_cache, indices, sink, scale, torch.empty(64)))
+    torch.library.opcheck(sparse_mla_decode_op, (q, kv_cache, indices, sink, scale))
+    torch.library.opcheck(sparse_mla_decode_with_workspace_op, (q, kv_cache, indices, sink, scale, torch.empty(64)))
 
 
 def test_plan_picks_tiles_by_batch_on_an_h200():
@@ -526,7 +527,9 @@ def test_gpu_cuda_graph_per_batch_bucket(topk):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out, lse = sparse_mla_decode(q, kv_cache, indices, sink, scale, return_lse=True, workspace=workspace)
-        graphs[batch] = (graph, dict(q=q, indices=indices, sink=sink, out=out, lse=lse))
+        # The graph writes into the workspace on every replay: it must live as long as the graph
+        # (freed, its memory would go to the next bucket's tensors and be overwritten).
+        graphs[batch] = (graph, dict(q=q, indices=indices, sink=sink, out=out, lse=lse, workspace=workspace))
 
     for round_ in range(3):
         kv_cache.copy_(make_gpu_cache(max(buckets) + 1, seed=round_ + 1))
