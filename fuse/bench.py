@@ -48,10 +48,10 @@ from model import Decoder, ModelConfig
 VARIANTS = (
     "eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-pdl", "fuse-pieces", "fuse-regional", "fuse-head",
 )
-# compile_decode variants by the code they compile: Dynamo would share the cache entries of two
-# variants of one group in one process.
-COMPILE_DECODE_GROUPS = (("fuse", "fuse-static", "fuse-pdl", "fuse-pieces"), ("fuse-regional", "fuse-head"))
-COMPILE_DECODE_VARIANTS = tuple(v for group in COMPILE_DECODE_GROUPS for v in group)
+# compile_decode variants by CompileOptions.compilation: the variants of one group compile the same
+# code, whose Dynamo cache entries they would share in one process.
+COMPILE_DECODE_GROUPS = {"nested": ("fuse", "fuse-static", "fuse-pdl", "fuse-pieces"), "regional": ("fuse-regional", "fuse-head")}
+COMPILE_DECODE_VARIANTS = tuple(v for group in COMPILE_DECODE_GROUPS.values() for v in group)
 # The piece depth fuse-pieces tries (fuse/passes.py): the mixes' 16384 values in 8 pieces.
 PIECE_DEPTH = 2048
 DEFAULT_VARIANTS = VARIANTS[:4]
@@ -82,7 +82,7 @@ class BenchSettings:
         if unknown:
             raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
         compiled = [v for v in self.variants if v in COMPILE_DECODE_VARIANTS]
-        for group in COMPILE_DECODE_GROUPS:
+        for group in COMPILE_DECODE_GROUPS.values():
             sharing = [v for v in self.variants if v in group]
             if len(sharing) > 1:
                 raise ValueError(
@@ -205,7 +205,7 @@ def build_variant(
             runner = compile_decode(
                 decoder, buckets=batches, compile=name != "eager-graphs", dynamic_batch=name != "fuse-static",
                 pdl=name == "fuse-pdl", skinny_product_piece_depth=PIECE_DEPTH if name == "fuse-pieces" else 0,
-                compilation="regional" if name in COMPILE_DECODE_GROUPS[1] else "nested",
+                compilation=next((c for c, group in COMPILE_DECODE_GROUPS.items() if name in group), "nested"),
                 compile_head=name == "fuse-head", progress=False,
                 inductor_options=dict(inductor_options) if name != "eager-graphs" else None,
             )

@@ -193,16 +193,15 @@ def batch_symbolic(compiled: Callable) -> Callable:
     return run
 
 
-def nested_region_step(decoder, forward: Callable | None = None) -> Callable:
+def nested_region_step(decoder) -> Callable:
     """decoder.step(tokens, positions, slots) with every block's call a nested compile region.
-    One region function serves all blocks (`forward`, default the blocks' class's forward), so
-    Dynamo traces each distinct layer kind once and reuses the traced region for every other layer
-    of that kind, and Inductor compiles each region once. Outside torch.compile it is the step."""
+    One region function (the blocks' shared forward) serves all blocks, so Dynamo traces each
+    distinct layer kind once and reuses the traced region for every other layer of that kind, and
+    Inductor compiles each region once. Outside torch.compile it is the step."""
     forwards = {type(layer).forward for layer in decoder.layers}
-    if forward is None:
-        if len(forwards) != 1:
-            raise ValueError(f"nested compilation needs the decoder's blocks to share one forward, got {len(forwards)}")
-        forward = forwards.pop()
+    if len(forwards) != 1:
+        raise ValueError(f"nested compilation needs the decoder's blocks to share one forward, got {len(forwards)}")
+    (forward,) = forwards
     region = torch.compiler.nested_compile_region(forward)
     blocks = [functools.partial(region, layer) for layer in decoder.layers]
 

@@ -33,7 +33,7 @@ def sparse_mla_decode_reference(
 # Two ops, one computation. The model calls the functional one: the split-K scratch is allocated
 # per call (from the capturing pool inside a CUDA graph). A caller that preallocates the scratch
 # per batch bucket passes it to the second, which declares it mutated. Mutable arguments stay out
-# of the op the model traces: nested compile regions (fuse's default) cannot functionalise them.
+# of the op the model traces: torch.compiler.nested_compile_region cannot functionalise them.
 @torch.library.custom_op("v4::sparse_mla_decode", mutates_args=())
 def sparse_mla_decode_op(
     q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float
@@ -49,10 +49,14 @@ def _(q, kv_cache, indices, sink, scale):
     return sparse_mla_decode_triton(q, kv_cache, indices, sink, scale)
 
 
-@sparse_mla_decode_op.register_fake
-def _(q, kv_cache, indices, sink, scale):
+def _fake_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # Both implementations return a contiguous out, whatever q's strides.
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@sparse_mla_decode_op.register_fake
+def _(q, kv_cache, indices, sink, scale):
+    return _fake_outputs(q)
 
 
 @torch.library.custom_op("v4::sparse_mla_decode_with_workspace", mutates_args=("workspace",))
@@ -73,7 +77,7 @@ def _(q, kv_cache, indices, sink, scale, workspace):
 
 @sparse_mla_decode_with_workspace_op.register_fake
 def _(q, kv_cache, indices, sink, scale, workspace):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+    return _fake_outputs(q)
 
 
 def check_sparse_mla_inputs(q, kv_cache, indices, sink) -> None:
