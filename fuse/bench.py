@@ -4,8 +4,9 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
   eager            the step as written, one launch per op;
   eager-graphs     the eager step captured in one CUDA graph per batch bucket (serving stacks' default);
   reduce-overhead  stock `torch.compile(step, mode="reduce-overhead")` (whole step, cudagraph trees);
-  fuse             `fuse.compile_decode()` (the whole step one Inductor compile with each layer
-                   kind a nested region compiled once, a symbolic batch size, one CUDA graph per
+  fuse             `fuse.compile_decode()` (compilation "auto": each layer kind a nested region
+                   of one whole-step compile where Dynamo reuses traced regions, else each block
+                   and the head compiled as regions; a symbolic batch size; one CUDA graph per
                    bucket);
   fuse-static      `fuse.compile_decode(dynamic_batch=False)`: one compile per bucket (not run by
                    default; for the compile-time / step-time trade-off).
@@ -13,11 +14,11 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
                    Inductor's kernels (Hopper and later; not run by default).
   fuse-pieces      `fuse.compile_decode(skinny_product_piece_depth=PIECE_DEPTH)`: fuse with deep
                    skinny products summed in pieces of K (not run by default).
-  fuse-regional    `fuse.compile_decode(compilation="regional")`: each block compiled on its own,
-                   the head eager (not run by default).
-  fuse-head        `fuse.compile_decode(compilation="regional", compile_head=True)`: fuse-regional
-                   with the head (hc head, final norm, LM head) compiled as one more region (not
-                   run by default).
+  fuse-nested      `fuse.compile_decode(compilation="nested")` (not run by default).
+  fuse-regional    `fuse.compile_decode(compilation="regional")`: each block and the head
+                   compiled on their own (not run by default).
+  fuse-eager-head  `fuse.compile_decode(compilation="regional", compile_head=False)`: fuse-regional
+                   with the head (hc head, final norm, LM head) eager (not run by default).
 Caches are filled with random rows as if every sequence were `context` tokens in (decode cost
 depends on the positions, not on the values). The floor is the bytes a step must read (weights
 it touches, attended KV rows, the indexer cache) over a copy bandwidth measured in the same run.
@@ -42,16 +43,18 @@ import torch
 
 from fuse.launches import call_ms
 from fuse.report import padded_batch_size, padded_inputs, relative_error, restore_point
-from fuse.runner import _dynamo_totals, compile_decode
+from fuse.runner import _dynamo_totals, compile_decode, resolve_compilation
 from model import Decoder, ModelConfig
 
 VARIANTS = (
-    "eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-pdl", "fuse-pieces", "fuse-regional", "fuse-head",
+    "eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-pdl", "fuse-pieces", "fuse-nested",
+    "fuse-regional", "fuse-eager-head",
 )
-# compile_decode variants by CompileOptions.compilation: the variants of one group compile the same
-# code, whose Dynamo cache entries they would share in one process.
-COMPILE_DECODE_GROUPS = {"nested": ("fuse", "fuse-static", "fuse-pdl", "fuse-pieces"), "regional": ("fuse-regional", "fuse-head")}
-COMPILE_DECODE_VARIANTS = tuple(v for group in COMPILE_DECODE_GROUPS.values() for v in group)
+# The compile_decode variants and the CompileOptions.compilation each asks for.
+COMPILE_DECODE_VARIANTS = {
+    "fuse": "auto", "fuse-static": "auto", "fuse-pdl": "auto", "fuse-pieces": "auto",
+    "fuse-nested": "nested", "fuse-regional": "regional", "fuse-eager-head": "regional",
+}
 # The piece depth fuse-pieces tries (fuse/passes.py): the mixes' 16384 values in 8 pieces.
 PIECE_DEPTH = 2048
 DEFAULT_VARIANTS = VARIANTS[:4]
@@ -82,11 +85,16 @@ class BenchSettings:
         if unknown:
             raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
         compiled = [v for v in self.variants if v in COMPILE_DECODE_VARIANTS]
-        for group in COMPILE_DECODE_GROUPS.values():
-            sharing = [v for v in self.variants if v in group]
+        # Variants of one compilation compile the same code, whose Dynamo cache entries they
+        # would share in one process.
+        by_compilation: dict[str, list[str]] = {}
+        for v in compiled:
+            by_compilation.setdefault(resolve_compilation(COMPILE_DECODE_VARIANTS[v]), []).append(v)
+        for compilation, sharing in by_compilation.items():
             if len(sharing) > 1:
                 raise ValueError(
-                    f"{' and '.join(sharing)} would share Dynamo's cache of the same code; run them in separate invocations"
+                    f"{' and '.join(sharing)} would share Dynamo's cache of the same code ({compilation} compilation); "
+                    "run them in separate invocations"
                 )
         if self.inductor_options and not compiled:
             raise ValueError("inductor_options patch the compile_decode variant's compile; none of the variants runs it")
@@ -201,12 +209,12 @@ def build_variant(
     with counting_graph_captures() as counter:
         if name == "eager":
             run = decoder.step
-        elif name in ("eager-graphs",) + COMPILE_DECODE_VARIANTS:
+        elif name == "eager-graphs" or name in COMPILE_DECODE_VARIANTS:
             runner = compile_decode(
                 decoder, buckets=batches, compile=name != "eager-graphs", dynamic_batch=name != "fuse-static",
                 pdl=name == "fuse-pdl", skinny_product_piece_depth=PIECE_DEPTH if name == "fuse-pieces" else 0,
-                compilation=next((c for c, group in COMPILE_DECODE_GROUPS.items() if name in group), "nested"),
-                compile_head=name == "fuse-head", progress=False,
+                compilation=COMPILE_DECODE_VARIANTS.get(name, "auto"),
+                compile_head=False if name == "fuse-eager-head" else None, progress=False,
                 inductor_options=dict(inductor_options) if name != "eager-graphs" else None,
             )
             run = runner.run_checked

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import time
@@ -29,7 +30,23 @@ from fuse.passes import SkinnyProducts
 log = logging.getLogger("fuse")
 
 
-COMPILATIONS = ("nested", "regional", "whole")
+COMPILATIONS = ("auto", "nested", "regional", "whole")
+
+
+def dynamo_reuses_nested_regions() -> bool:
+    """Whether this torch's Dynamo traces a nested compile region once per distinct input
+    signature and reuses the traced region for later calls (its `max_reuse_entries`). Without it
+    (torch 2.11) Dynamo traces the region at every call: a 43-layer nested compile then traced 43
+    blocks twice and started in 265 s cold and 96 s warm on the H200, against 120-160 s and
+    15-22 s for the regional compile (docs/bench.md)."""
+    return "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters
+
+
+def resolve_compilation(compilation: str) -> str:
+    """"auto": "nested" where Dynamo reuses traced regions, else "regional"."""
+    if compilation != "auto":
+        return compilation
+    return "nested" if dynamo_reuses_nested_regions() else "regional"
 
 
 @dataclass(frozen=True)
@@ -44,19 +61,22 @@ class CompileOptions:
     # graph, as Dynamo specialises sizes 0 and 1): start-up stays flat as buckets are added, for
     # steps ~2-3% slower than per-bucket graphs (docs/compile_decode.md).
     dynamic_batch: bool = True
-    # What one compile covers (one of COMPILATIONS):
+    # What one compile covers (one of COMPILATIONS; "auto", the default, is "nested" where
+    # Dynamo reuses a traced region and "regional" where it would retrace every layer, see
+    # dynamo_reuses_nested_regions; the options hold the resolved value):
     # "nested": the whole step is one graph in which every block is a nested compile region
     #   (torch.compiler.nested_compile_region): Inductor compiles each distinct layer kind (window /
     #   ratio 4 / ratio 128, hash / score routing) once and calls it from every layer of that kind,
     #   so compile time grows with the layer kinds, not the layer count, while the step's own glue
     #   (embedding, rotary tables, head) compiles too, and Dynamo compiles one graph per shape.
     # "regional": each block compiled on its own, one Dynamo graph per layer kind and shape; the
-    #   head stays eager unless compile_head.
+    #   head is one more compiled region unless compile_head=False.
     # "whole": the whole step as one flat graph (fuses across layers; compile time grows with depth).
-    compilation: str = "nested"
+    compilation: str = "auto"
     # Regional compiles only: the head (hc head, final norm, LM head) as one more compiled region
-    # (two more compiles with a symbolic batch), instead of ~30 eager kernels after the blocks.
-    compile_head: bool = False
+    # (two more compiles with a symbolic batch) instead of ~30 eager kernels after the blocks.
+    # None: True for a regional compile (the other compilations compile the head with the step).
+    compile_head: bool | None = None
     # Matrix products with at most this many output columns (the hyper-connection mixes, the
     # gate) and 4-deep batched ones (hc_post) compile as Inductor reductions fused with their
     # neighbours instead of library GEMM calls (fuse/passes.py). 0: all stay GEMMs. Not 128:
@@ -89,6 +109,9 @@ class CompileOptions:
             raise ValueError("pdl=True launches Inductor's kernels; with compile=False there are none")
         if self.compilation not in COMPILATIONS:
             raise ValueError(f"compilation must be one of {COMPILATIONS}, got {self.compilation!r}")
+        object.__setattr__(self, "compilation", resolve_compilation(self.compilation))
+        if self.compile_head is None:
+            object.__setattr__(self, "compile_head", self.compile and self.compilation == "regional")
         if self.compile_head and not (self.compile and self.compilation == "regional"):
             raise ValueError(
                 "compile_head=True compiles the head as a region of a regional compile; it needs compile=True and "
@@ -459,7 +482,8 @@ class DecodeRunner:
         s = self.stats
         lines = [
             f"buckets {list(self.buckets)} on {self.device}: compiled={self.options.compile} "
-            f"graphs={self.use_graphs} dynamic_batch={self.options.dynamic_batch}",
+            f"graphs={self.use_graphs} dynamic_batch={self.options.dynamic_batch}"
+            + (f" compilation={self.options.compilation}" if self.options.compile else ""),
             f"compiles {s.compiles}, graph breaks {s.graph_breaks}, recompiles after warm-up {s.recompiles}",
         ]
         if s.start_seconds:

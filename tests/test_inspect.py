@@ -49,7 +49,8 @@ def inspected(tmp_path_factory):
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     before = real_slot_caches(decoder), hook_state(), len(_debug_get_cache_entry_list(block_code))
-    result = fuse.inspect(decoder, tmp_path_factory.mktemp("inspect") / "dump")
+    options = fuse.CompileOptions(compilation="nested")
+    result = fuse.inspect(decoder, tmp_path_factory.mktemp("inspect") / "dump", options=options)
     after = real_slot_caches(decoder), hook_state(), len(_debug_get_cache_entry_list(block_code))
     return decoder, result, before, after
 

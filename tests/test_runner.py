@@ -47,10 +47,13 @@ def pair():
 
 def test_compiled_matches_eager_over_mixed_batches(pair):
     eager, runner = pair
-    # Nested compilation with a symbolic batch: the whole step is one graph for every bucket but
-    # 1, and one for batch 1, whatever the number of layer kinds.
+    # A symbolic batch: one graph for every bucket but 1, and one for batch 1. Nested: the whole
+    # step is such a graph, whatever the number of layer kinds; regional (the default where
+    # Dynamo would retrace every layer): each layer kind and the head.
     assert len(runner.buckets) == 3
-    assert runner.stats.compiles == 2
+    cfg = eager.config
+    kinds = {(cfg.layer_ratios[i], i < cfg.n_hash_layers) for i in range(cfg.n_layers)}
+    assert runner.stats.compiles == (2 if runner.options.compilation == "nested" else 2 * len(kinds) + 2)
     assert runner.stats.graph_breaks == 0
     rng = random.Random(0)
     vocab = eager.config.vocab_size
@@ -174,10 +177,24 @@ def test_options_are_checked():
     for not_regional in (dict(compilation="whole"), dict(compilation="nested"), dict(compile=False, compilation="regional")):
         with pytest.raises(ValueError, match="compile_head=True .* needs compile=True and compilation='regional'"):
             fuse.CompileOptions(compile_head=True, **not_regional)
-    with pytest.raises(ValueError, match="compilation must be one of \\('nested', 'regional', 'whole'\\), got 'layers'"):
+    with pytest.raises(ValueError, match="compilation must be one of \\('auto', 'nested', 'regional', 'whole'\\), got 'layers'"):
         fuse.CompileOptions(compilation="layers")
     with pytest.raises(ValueError, match="torch._inductor.config does not have: \\['combo_kernel'\\]"):
         fuse.CompileOptions(inductor_options={"combo_kernel": True, "combo_kernels": True})
+
+
+def test_auto_compilation_is_nested_only_where_dynamo_reuses_regions(monkeypatch):
+    import fuse.runner
+
+    for reuses, expected in ((True, "nested"), (False, "regional")):
+        monkeypatch.setattr(fuse.runner, "dynamo_reuses_nested_regions", lambda: reuses)
+        options = fuse.CompileOptions()
+        assert options.compilation == expected
+        assert options.compile_head == (expected == "regional")  # regional compiles its head by default
+        assert fuse.CompileOptions(compilation="whole").compilation == "whole"
+    assert fuse.CompileOptions(compilation="regional", compile_head=False).compile_head is False
+    assert fuse.CompileOptions(compilation="regional", compile=False).compile_head is False
+    assert fuse.CompileOptions(compilation="nested").compile_head is False
 
 
 def test_inductor_options_reach_the_backend_last():
