@@ -22,6 +22,7 @@ TOLERANCE = 1e-4  # relative; fp32 against fp32 in another summation order
 VARIANTS = [
     (f"general {CELLS_PER_PROGRAM} cells w{NUM_WARPS} (default)", {}),
     ("one token per thread", {"per_token": True}),
+    ("general, approximate division", {"exact_division": False}),
     ("general 128 cells w2", {"cells_per_program": 128, "num_warps": 2}),
     ("general 64 cells w2", {"cells_per_program": 64, "num_warps": 2}),
     ("general 32 cells w1", {"cells_per_program": 32, "num_warps": 1}),

@@ -35,6 +35,16 @@ def _div(x, y):
 
 
 @triton.jit
+def _normalise(x, total, EXACT_DIVISION: tl.constexpr):
+    # x / total: rounded as torch rounds, or (opt-in, for benchmarking) the approximate fp32
+    # division `/` lowers to (2 ulp, a reciprocal and a product: a shorter dependent chain).
+    if EXACT_DIVISION:
+        return _div(x, total)
+    else:
+        return x / total
+
+
+@triton.jit
 def _sigmoid(x):
     # exp of -|x| only, so no intermediate overflows for large negative x
     e = tl.exp(-tl.abs(x))
@@ -47,7 +57,7 @@ def _hc_split_sinkhorn_kernel(
     pre_ptr, post_ptr, comb_ptr,
     batch, eps,
     stride_mb, stride_mc, stride_scale, stride_base,
-    HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_B: tl.constexpr,
+    HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_B: tl.constexpr, EXACT_DIVISION: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     token_ok = tokens < batch
@@ -80,11 +90,11 @@ def _hc_split_sinkhorn_kernel(
     # Row softmax (max subtracted), then column, then iters - 1 rounds of row and column
     # normalisation; masked tokens hold zeros and stay finite.
     exps = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
-    comb = _div(exps, tl.sum(exps, axis=2)[:, :, None]) + eps
-    comb = _div(comb, tl.sum(comb, axis=1)[:, None, :] + eps)
+    comb = _normalise(exps, tl.sum(exps, axis=2)[:, :, None], EXACT_DIVISION) + eps
+    comb = _normalise(comb, tl.sum(comb, axis=1)[:, None, :] + eps, EXACT_DIVISION)
     for _ in range(ITERS - 1):
-        comb = _div(comb, tl.sum(comb, axis=2)[:, :, None] + eps)
-        comb = _div(comb, tl.sum(comb, axis=1)[:, None, :] + eps)
+        comb = _normalise(comb, tl.sum(comb, axis=2)[:, :, None] + eps, EXACT_DIVISION)
+        comb = _normalise(comb, tl.sum(comb, axis=1)[:, None, :] + eps, EXACT_DIVISION)
 
     vec_offsets = tokens[:, None] * HC + lanes[None, :]
     tl.store(pre_ptr + vec_offsets, pre, mask=token_ok[:, None])
@@ -202,6 +212,7 @@ HC4_TOKENS_PER_PROGRAM = 32
 def hc_split_sinkhorn_triton(
     mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float,
     per_token: bool = False, cells_per_program: int = CELLS_PER_PROGRAM, num_warps: int = NUM_WARPS,
+    exact_division: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [B, hc], post [B, hc], comb [B, hc, hc]), contiguous fp32, for hc a power of two up
     to 8. Arguments as `hc_split_sinkhorn_reference` (fp32, any strides); one kernel launch.
@@ -209,7 +220,10 @@ def hc_split_sinkhorn_triton(
     the H200 it takes 24 us against the general kernel's 11.7 us at every batch up to 128, its
     one thread per token running the 20 dependent iterations serially, docs/kernels.md).
     cells_per_program (a power of two, at least hc*hc) and num_warps shape the general kernel's
-    programs (benchmarking; the defaults are the model's)."""
+    programs (benchmarking; the defaults are the model's). exact_division=False: the general
+    kernel's normalisations divide with the approximate fp32 division (benchmarking)."""
+    if per_token and not exact_division:
+        raise ValueError("hc_split_sinkhorn (triton): exact_division=False is an option of the general kernel, not the per-token one")
     if per_token and hc != 4:
         raise ValueError(f"hc_split_sinkhorn (triton): the per-token kernel takes hc=4, got hc={hc}")
     if hc not in SUPPORTED_HC:
@@ -241,7 +255,7 @@ def hc_split_sinkhorn_triton(
         pre, post, comb,
         batch, eps,
         mixes.stride(0), mixes.stride(1), scale.stride(0), base.stride(0),
-        HC=hc, ITERS=iters, BLOCK_B=block_b,
+        HC=hc, ITERS=iters, BLOCK_B=block_b, EXACT_DIVISION=exact_division,
         num_warps=num_warps,
     )
     return pre, post, comb

@@ -174,8 +174,13 @@ def test_both_kernels_at_hc4_match_fp64(batch):
     for per_token in (True, False):
         outputs = hc_sinkhorn_triton.hc_split_sinkhorn_triton(mixes, scale, base, V4_HC, V4_ITERS, V4_EPS, per_token)
         assert_matches(outputs, expected, f"hc=4 per_token={per_token} B={batch}")
+    # the opt-in approximate division (exact under the interpreter's numpy; on the GPU: below)
+    approximate = hc_sinkhorn_triton.hc_split_sinkhorn_triton(mixes, scale, base, V4_HC, V4_ITERS, V4_EPS, exact_division=False)
+    assert_matches(approximate, expected, f"hc=4 approximate division B={batch}")
     with pytest.raises(ValueError, match="per-token kernel takes hc=4"):
         hc_sinkhorn_triton.hc_split_sinkhorn_triton(*random_inputs(2, 2, seed=1), 2, 3, V4_EPS, per_token=True)
+    with pytest.raises(ValueError, match="exact_division=False is an option of the general kernel"):
+        hc_sinkhorn_triton.hc_split_sinkhorn_triton(mixes, scale, base, V4_HC, V4_ITERS, V4_EPS, per_token=True, exact_division=False)
 
 
 @interpreter
@@ -281,6 +286,19 @@ def test_gpu_matches_fp64_and_reference(batch, hc):
     assert_matches(outputs, expected, label)
     assert_matches(outputs, hc_split_sinkhorn_reference(mixes, scale, base, hc, V4_ITERS, V4_EPS), label)
     assert_columns_normalised(outputs[2], last_sums, V4_EPS)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("batch", [1, 128])
+def test_gpu_approximate_division_stays_close_to_fp64(batch):
+    """The opt-in approximate division (2 ulp per division, 40 rounds) against the fp64 oracle,
+    at ten times the exact kernel's tolerance."""
+    mixes, scale, base = random_inputs(batch, V4_HC, seed=900 + batch, device="cuda")
+    outputs = hc_sinkhorn_triton.hc_split_sinkhorn_triton(mixes, scale, base, V4_HC, V4_ITERS, V4_EPS, exact_division=False)
+    *expected, _ = split_sinkhorn_fp64(mixes, scale, base, V4_HC, V4_ITERS, V4_EPS)
+    for name, got, want in zip(("pre", "post", "comb"), outputs, expected):
+        torch.testing.assert_close(got.cpu().double(), want.cpu().double(), rtol=10 * RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.gpu
