@@ -103,11 +103,13 @@ def test_nested_compilation_is_one_graph_with_shared_layer_functions(inspected):
     (graph,) = result.graphs
     assert graph.layers is None and graph.runs_per_step == 1
     output = graph.files["output_code"].read_text()
-    shared = re.findall(r"^def (\w+subgraph\w*)\(args\):", output, re.M)
+    functions = re.findall(r"^def (\w+subgraph\w*)\(args\):", output, re.M)
+    calls = {name: len(re.findall(rf"= {name}\(", output)) for name in functions}
     kinds = Counter(layer_kinds(decoder.config).values())
-    assert len(shared) == sum(1 for n in kinds.values() if n > 1)
-    for name in shared:
-        assert len(re.findall(rf"= {name}\(", output)) >= 2
+    # Each kind several layers share is one function called once per such layer; a kind only one
+    # layer has is inlined (torch 2.13) or a function called once (torch 2.11).
+    assert sorted(n for n in calls.values() if n > 1) == sorted(n for n in kinds.values() if n > 1)
+    assert len(functions) <= len(kinds) and all(n >= 1 for n in calls.values())
     ratios = Counter(decoder.config.layer_ratios)
     n_layers = decoder.config.n_layers
     assert result.custom_op_calls == {"v4.indexer_topk": ratios[4], "v4.moe_experts": n_layers, "v4.sparse_mla_decode": n_layers}
