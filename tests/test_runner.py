@@ -15,6 +15,13 @@ from model import Decoder, ModelConfig
 MAX_BATCH = 4
 
 
+def regional_compiles(cfg: ModelConfig) -> int:
+    """Graphs a regional compile with a symbolic batch and the head compiled makes: per layer
+    kind (ratio, hash or score routing) and for the head, one for batch 1 and one symbolic."""
+    kinds = {(cfg.layer_ratios[i], i < cfg.n_hash_layers) for i in range(cfg.n_layers)}
+    return 2 * len(kinds) + 2
+
+
 def real_slot_caches(decoder: Decoder) -> dict[str, torch.Tensor]:
     """Every per-slot buffer restricted to the real slots (the scratch slot is excluded)."""
     return {
@@ -51,9 +58,7 @@ def test_compiled_matches_eager_over_mixed_batches(pair):
     # step is such a graph, whatever the number of layer kinds; regional (the default where
     # Dynamo would retrace every layer): each layer kind and the head.
     assert len(runner.buckets) == 3
-    cfg = eager.config
-    kinds = {(cfg.layer_ratios[i], i < cfg.n_hash_layers) for i in range(cfg.n_layers)}
-    assert runner.stats.compiles == (2 if runner.options.compilation == "nested" else 2 * len(kinds) + 2)
+    assert runner.stats.compiles == (2 if runner.options.compilation == "nested" else regional_compiles(eager.config))
     assert runner.stats.graph_breaks == 0
     rng = random.Random(0)
     vocab = eager.config.vocab_size
@@ -212,12 +217,10 @@ def test_regional_compile_with_the_head_matches_eager(pair):
     and one batch-symbolic graph; compile_head=True adds the head (hc head, final norm, LM head)
     as one more region, for the same two shapes; the logits stay those of the eager step."""
     eager, _ = pair
-    cfg = eager.config
-    kinds = {(cfg.layer_ratios[i], i < cfg.n_hash_layers) for i in range(cfg.n_layers)}
-    with_head = Decoder(cfg, max_batch=MAX_BATCH, max_seq_len=96, dtype=torch.float32)
+    with_head = Decoder(eager.config, max_batch=MAX_BATCH, max_seq_len=96, dtype=torch.float32)
     with_head.load_state_dict(eager.state_dict())
     head_runner = fuse.compile_decode(with_head, buckets=(1, 2, 4), compilation="regional", compile_head=True, progress=False)
-    assert head_runner.stats.compiles == 2 * len(kinds) + 2  # the blocks' graphs, then the head's
+    assert head_runner.stats.compiles == regional_compiles(eager.config)  # the blocks' graphs, then the head's
     assert head_runner.stats.graph_breaks == 0
     restore = restore_point(eager)
     try:
