@@ -141,8 +141,28 @@ VARIANTS = {
     "split_k": smt.sparse_mla_decode_split_k,
     "default": smt.sparse_mla_decode_triton,
 }
+WGMMA = "wgmma"  # the Gluon kernel at its own split rule at every batch (Hopper only)
 FUSED = "split_k_fused"  # not in VARIANTS: the default cannot pick it, so it stays out of 'best other'
 PDL = "split_k_pdl"  # split-K with the combine as a programmatic dependent (Hopper+); opt-in as well
+
+
+def wgmma_call(*args):
+    from kernels.sparse_mla_gluon import sparse_mla_decode_wgmma
+
+    return sparse_mla_decode_wgmma(*args)
+
+
+def pickable(name: str) -> bool:
+    """Whether the default could have picked this variant ('best other' compares against these)."""
+    return name in VARIANTS or name == WGMMA
+
+
+def default_plan_name(batch: int, topk: int, num_sms: int, capability) -> str:
+    splits = plan.wgmma_splits(batch, HEADS, topk, num_sms, DIM, 2, capability)
+    if splits is not None:
+        return f"wgmma {HEADS}x{plan.WGMMA_BLOCK_N} s{plan.WGMMA_STAGES}, S={splits}"
+    tiles, splits = plan.choose_plan(batch, HEADS, topk, num_sms)
+    return f"{tile_name(tiles)}, S={splits}"
 
 
 def split_k_pdl(*args):
@@ -200,22 +220,24 @@ def checked_time_us(name: str, fn, case: Case) -> float:
 def run_main_table(copy_gbs: float, l2_bytes: int, num_sms: int):
     rows, results = [], {}
     pdl_supported = launches_dependents(torch.device("cuda"))
+    capability = plan.device_capability(torch.device("cuda"))
     for topk in TOPKS:
         for batch in BATCHES:
             case = Case(batch, topk, l2_bytes, seed=batch * 10 + topk)
             times = {name: checked_time_us(name, fn, case) for name, fn in VARIANTS.items()}
+            if capability[0] == 9:
+                times[WGMMA] = checked_time_us(WGMMA, wgmma_call, case)
             times[FUSED] = checked_time_us(FUSED, FusedCombine(case), case)
             if pdl_supported:
                 times[PDL] = checked_time_us(PDL, split_k_pdl, case)
-            tiles = plan.choose_tiles(batch, HEADS, topk, num_sms)
-            splits = plan.choose_num_splits(batch, HEADS, topk, num_sms)
             gbs = case.bytes_per_call / (times["default"] * 1e-6) / 1e9
-            best_other = min(t for name, t in times.items() if name in VARIANTS and name != "default")
-            results[(batch, topk)] = dict(times=times, gbs=gbs, splits=splits, tiles=tiles)
+            best_other = min(t for name, t in times.items() if pickable(name) and name != "default")
+            results[(batch, topk)] = dict(times=times, gbs=gbs)
             rows.append([
                 batch, topk,
                 f"{times['simt']:.1f}", f"{times['head_batched']:.1f}", f"{times['split_k']:.1f}",
-                f"{times['default']:.1f}", f"{times[FUSED]:.1f}", f"{tile_name(tiles)}, S={splits}",
+                f"{times[WGMMA]:.1f}" if WGMMA in times else "n/a",
+                f"{times['default']:.1f}", f"{times[FUSED]:.1f}", default_plan_name(batch, topk, num_sms, capability),
                 f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%",
                 f"{times['simt'] / times['head_batched']:.1f}x",
                 f"{times['head_batched'] / times['split_k']:.2f}x",
@@ -226,7 +248,7 @@ def run_main_table(copy_gbs: float, l2_bytes: int, num_sms: int):
             print(f"sparse_mla B={batch} K={topk}: " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()), flush=True)
             del case
     header = [
-        "B", "K", "SIMT us", "head-batched us", "split-K us", "default us", "split-K fused us",
+        "B", "K", "SIMT us", "head-batched us", "split-K us", "wgmma us", "default us", "split-K fused us",
         "default plan (tiles, splits)", "default GB/s", "% of copy", "HB vs SIMT", "split-K vs HB",
         "best other / default", "default / fused", "split-K PDL us (vs split-K)",
     ]
@@ -252,7 +274,7 @@ def acceptance(results: dict) -> str:
     lines.append(f"- default at B=128, K=2048: {gbs / 1e3:.2f} TB/s effective (target >= 3.0): {verdict(gbs >= 3000)}")
     worst = max(
         (
-            (r["times"]["default"] / min(v for k, v in r["times"].items() if k in VARIANTS and k != "default"), shape)
+            (r["times"]["default"] / min(v for k, v in r["times"].items() if pickable(k) and k != "default"), shape)
             for shape, r in results.items()
         )
     )
@@ -459,7 +481,7 @@ def run(copy_gbs: float, parts: tuple[str, ...] = PARTS) -> str:
             "bytes / time. Variants: SIMT = one program per (sequence, head); head-batched = blocks of 64 heads (two "
             "programs per block, one per half of the output columns), no split; split-K = default tiles and split "
             "count, always with the combine; default = the op's CUDA path (head-batched alone when the plan has one "
-            "split; on Hopper the split kernel and the combine launched with PDL); split-K fused = split-K at the "
+            "split; on Hopper the split kernel and the combine launched with PDL; on Hopper from 16 64-head blocks up the Gluon wgmma kernel); wgmma = the Gluon kernel (64 heads x 64 rows, two cp.async stages) at its split rule at every batch; split-K fused = split-K at the "
             "default tiles and split count with the combine done by the last split program of each block (one launch; opt-in, the default never uses it). Tiles: heads x rows per "
             "program, warps, pipeline stages, dv2 = output columns split in two programs. 'best other / default' "
             "< 0.91 means the default is over 10% slower than some variant it could have picked (the fused one "

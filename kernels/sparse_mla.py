@@ -101,7 +101,7 @@ def check_sparse_mla_inputs(q, kv_cache, indices, sink) -> None:
         )
 
 
-IMPLS = ("default", "reference", "simt", "head_batched", "split_k")
+IMPLS = ("default", "reference", "simt", "head_batched", "split_k", "wgmma")
 
 
 def sparse_mla_workspace(batch: int, heads: int, head_dim: int, topk: int, device, dtype=torch.bfloat16) -> torch.Tensor:
@@ -119,9 +119,9 @@ def sparse_mla_decode(
     """Attention output [B,H,D] (and the fp32 LSE [B,H] when return_lse). Valid indices must be
     below slots * rows of kv_cache; that is not checked (it would need a device sync).
 
-    impl="default" goes through the custom op (reference on CPU, the default Triton path on CUDA);
-    "reference", "simt", "head_batched" and "split_k" call that implementation directly (for
-    benchmarks and tests). `workspace` (from sparse_mla_workspace) lets a CUDA-graph caller
+    impl="default" goes through the custom op (reference on CPU, the default CUDA path on CUDA);
+    "reference", "simt", "head_batched", "split_k" and "wgmma" (Hopper only) call that
+    implementation directly (for benchmarks and tests). `workspace` (from sparse_mla_workspace) lets a CUDA-graph caller
     preallocate the split-K scratch per batch bucket; without it the scratch is allocated per call."""
     check_sparse_mla_inputs(q, kv_cache, indices, sink)
     if impl == "default" and workspace is None:
@@ -139,6 +139,10 @@ def sparse_mla_decode(
             out, lse = triton_impl.sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale)
         else:
             out, lse = triton_impl.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, workspace=workspace)
+    elif impl == "wgmma":
+        from kernels.sparse_mla_gluon import sparse_mla_decode_wgmma
+
+        out, lse = sparse_mla_decode_wgmma(q, kv_cache, indices, sink, scale, workspace=workspace)
     else:
         raise ValueError(f"sparse_mla_decode: impl must be one of {IMPLS}, got {impl!r}")
     return (out, lse) if return_lse else out

@@ -1,6 +1,6 @@
-"""How the CUDA path of sparse MLA decode is launched (kernels/sparse_mla_triton.py): the tiles
-of the head-batched kernel, the split count, and the split-K scratch a CUDA-graph caller
-preallocates. Every choice is a pure function of the shapes and the SM count, so one capture per
+"""How the CUDA path of sparse MLA decode is launched (kernels/sparse_mla_triton.py): which
+kernel (the Gluon wgmma kernel on Hopper at large batches, else the Triton head-batched one), its
+tiles, the split count, and the split-K scratch a CUDA-graph caller preallocates. Every choice is a pure function of the shapes and the SM count, so one capture per
 batch bucket stays valid: the plan ranks a few candidate tiles and every split count with a cost
 model fitted to H200 timings (docs/kernels.md).
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+from kernels.triton_util import interpreting
 from kernels.triton_util import num_sms as device_sm_count
 
 # The combine holds every split's partial of a column chunk at once (4096 values per program):
@@ -200,6 +201,41 @@ def _best_splits(batch, heads, topk, num_sms, head_dim, itemsize, tiles: TileCon
     return min(costs)[1]
 
 
+# The Gluon kernel (kernels/sparse_mla_gluon.py), at its tile: 64 heads x 64 gathered rows per
+# step, two shared-memory stages. On the H200 it beat every Triton plan once the 64-head blocks
+# alone nearly fill the GPU (1.0-1.45x from 16 blocks up, 0.64-1.05x below; docs/kernels.md).
+WGMMA_BLOCK_N = 64
+WGMMA_STAGES = 2
+WGMMA_MIN_HEAD_BLOCKS = 16
+WGMMA_HEAD_DIMS = (128, 256, 512)
+
+
+def wgmma_splits(
+    batch: int, heads: int, topk: int, num_sms: int, head_dim: int, itemsize: int, capability: tuple[int, int] | None,
+    min_head_blocks: int = WGMMA_MIN_HEAD_BLOCKS,
+) -> int | None:
+    """The split count when the default path runs the Gluon wgmma kernel, None when it runs a
+    Triton plan: a compute capability 9.x GPU (warpgroup MMA), 16-bit activations, whole 64-head
+    blocks, and at least `min_head_blocks` of them over the batch. Splits fill the SMs once (one
+    program each: its shared memory takes the SM) and never outnumber the index blocks. A pure
+    function of the shapes, so CUDA-graph safe."""
+    if capability is None or capability[0] != 9 or itemsize != 2:
+        return None
+    if heads % 64 or head_dim not in WGMMA_HEAD_DIMS:
+        return None
+    head_blocks = batch * (heads // 64)
+    if head_blocks == 0 or head_blocks < min_head_blocks:
+        return None
+    return max(1, min(num_sms // head_blocks, -(-topk // WGMMA_BLOCK_N), MAX_SPLITS))
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The GPU's compute capability, None where kernels do not run on one (CPU, interpreter)."""
+    if device.type != "cuda" or interpreting():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
 # The fused combine keeps one LSE and one arrival counter per column part; a head block has at
 # most two parts (TileConfig.dv_split).
 MAX_DV_SPLIT = 2
@@ -237,7 +273,10 @@ def sparse_mla_workspace(
     write partials over the counters."""
     device = torch.device(device)
     itemsize = dtype.itemsize
-    splits = choose_num_splits(batch, heads, topk, device_sm_count(device), head_dim, itemsize)
+    num_sms = device_sm_count(device)
+    splits = wgmma_splits(batch, heads, topk, num_sms, head_dim, itemsize, device_capability(device))
+    if splits is None or fused_combine:
+        splits = choose_num_splits(batch, heads, topk, num_sms, head_dim, itemsize)
     if fused_combine:
         numel = workspace_numel(batch, heads, head_dim, splits, fused_combine=True)
         return torch.zeros(numel, dtype=torch.float32, device=device)

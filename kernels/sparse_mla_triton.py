@@ -17,7 +17,9 @@ Three kernels compute the same thing:
   workspace; the last one to arrive merges the splits (same math as the combine kernel) and
   resets the counter, so the next call and CUDA-graph replays start from zero.
 
-`sparse_mla_decode_triton` is the default: its tiles and split count come from
+`sparse_mla_decode_triton` is the default: on a Hopper GPU with enough 64-head blocks to fill it
+it runs the Gluon wgmma kernel (kernels/sparse_mla_gluon.py, same semantics, its partials merged
+by the combine kernel here); otherwise its tiles and split count come from
 kernels/sparse_mla_plan.py, pure functions of the shapes and the SM count (so one CUDA-graph
 capture per batch bucket stays valid), and it skips the combine when one split suffices.
 Softmax runs in base 2: scores carry scale * log2(e).
@@ -31,14 +33,18 @@ import triton.language as tl
 from kernels.sparse_mla import check_sparse_mla_inputs
 from kernels.sparse_mla_plan import (
     MAX_SPLITS,
+    WGMMA_BLOCK_N,
+    WGMMA_STAGES,
     TileConfig,
     _block_d,
     blocks_per_split,
     choose_num_splits,
     choose_plan,
+    device_capability,
     fused_counters,
     head_batched_tiles,
     num_fused_counters,
+    wgmma_splits,
     workspace_numel,
 )
 from kernels.triton_util import interpreting, launches_dependents
@@ -564,6 +570,14 @@ def sparse_mla_decode_split_k(
         q, kv_cache, indices, sink, scale, tiles, num_splits, split_blocks, out, lse, part_out, part_lse,
         launch_dependents=pdl, wait_for_predecessor=overlap_launch,
     )
+    launch_combine(part_out, part_lse, sink, out, lse, num_splits, pdl)
+    return out, lse
+
+
+def launch_combine(part_out, part_lse, sink, out, lse, num_splits: int, pdl: bool = False) -> None:
+    """Merge the splits' partials ([B, splits, H, D] and [B, splits, H] fp32) into out and lse.
+    pdl: launched as a programmatic dependent of the split kernel, which must allow it."""
+    batch, heads, head_dim = out.shape
     block_s = triton.next_power_of_2(num_splits)
     block_dc = max(16, min(_block_d(head_dim), 4096 // block_s))
     _combine_kernel[(triton.cdiv(head_dim, block_dc), heads, batch)](
@@ -573,19 +587,28 @@ def sparse_mla_decode_split_k(
         BLOCK_S=block_s, BLOCK_DC=block_dc, WAIT_FOR_SPLITS=pdl, num_warps=4,
         **({"launch_pdl": True} if pdl else {}),
     )
-    return out, lse
 
 
 def sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace=None):
-    """Default path: tiles and split count from the shapes (choose_plan); one split runs the
-    head-batched kernel alone, several run split-K with the combine. Where the GPU has
+    """Default path. On Hopper at large batches (wgmma_splits) the Gluon wgmma kernel
+    (kernels/sparse_mla_gluon.py) with its split count; otherwise tiles and split count from the
+    shapes (choose_plan): one split runs the head-batched kernel alone, several run split-K with
+    the combine. Where the GPU has
     programmatic dependent launch, the combine starts while the splits run and the split kernel
     while the kernel before it finishes (0.3-1 us and 0.1-0.5 us less per call on the H200,
     docs/kernels.md). Returns (out, lse)."""
     _check(q, kv_cache, indices, sink)
     batch, heads, head_dim = q.shape
     topk = indices.shape[1]
-    tiles, num_splits = choose_plan(batch, heads, topk, device_sm_count(q.device), head_dim, q.element_size())
+    num_sms = device_sm_count(q.device)
+    wgmma = wgmma_splits(batch, heads, topk, num_sms, head_dim, q.element_size(), device_capability(q.device))
+    if wgmma is not None and q.stride(2) == 1 and kv_cache.stride(2) == 1:
+        from kernels.sparse_mla_gluon import sparse_mla_decode_wgmma  # Gluon only where it runs
+
+        return sparse_mla_decode_wgmma(
+            q, kv_cache, indices, sink, scale, wgmma, workspace, block_n=WGMMA_BLOCK_N, stages=WGMMA_STAGES
+        )
+    tiles, num_splits = choose_plan(batch, heads, topk, num_sms, head_dim, q.element_size())
     if num_splits == 1:
         return sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale, tiles)
     overlap = launches_dependents(q.device)

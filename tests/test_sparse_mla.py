@@ -406,6 +406,50 @@ def test_plan_is_a_sane_pure_function(batch, topk):
         assert programs * splits >= 32  # one sequence is spread over many SMs
 
 
+H200 = (9, 0)
+
+
+def test_wgmma_plan_takes_large_batches_on_hopper_only():
+    """The Gluon kernel from 16 64-head blocks up, on compute capability 9.x with 16-bit
+    activations, whole 64-head blocks and a supported head dim; its splits fill the 132 SMs once
+    and never outnumber the 64-row index blocks."""
+    splits = {b: plan.wgmma_splits(b, 64, 2048, 132, 512, 2, H200) for b in (8, 16, 32, 64, 128, 256)}
+    assert splits == {8: None, 16: 8, 32: 4, 64: 2, 128: 1, 256: 1}
+    assert plan.wgmma_splits(16, 128, 2048, 132, 512, 2, H200) == 4  # two head blocks per sequence
+    assert plan.wgmma_splits(32, 64, 128, 132, 512, 2, H200) == 2  # two index blocks
+    assert plan.wgmma_splits(1, 64, 640, 132, 512, 2, H200, min_head_blocks=1) == 10
+    for args in (
+        (64, 64, 640, 132, 512, 2, None),  # CPU or the interpreter
+        (64, 64, 640, 132, 512, 2, (8, 0)),  # Ampere: no warpgroup MMA
+        (64, 64, 640, 148, 512, 2, (10, 0)),  # Blackwell: no warpgroup MMA either
+        (64, 64, 640, 132, 512, 4, H200),  # fp32
+        (64, 48, 640, 132, 512, 2, H200),  # heads not a multiple of 64
+        (64, 64, 640, 132, 64, 2, H200),  # head dim outside 128-512
+    ):
+        assert plan.wgmma_splits(*args) is None, args
+    # The workspace follows the kernel the default path runs: none for the CPU path's sizes.
+    assert plan.device_capability(torch.device("cpu")) is None
+
+
+def test_wgmma_kernel_refuses_what_it_cannot_take():
+    pytest.importorskip("triton.experimental.gluon")
+    from kernels.sparse_mla_gluon import check_wgmma_inputs, launch_wgmma
+
+    q, kv_cache, _, _, _ = make_inputs(2, 64, 512, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        check_wgmma_inputs(q.float(), kv_cache.float())
+    with pytest.raises(ValueError, match="differs from q dtype"):
+        check_wgmma_inputs(q, kv_cache.half())
+    with pytest.raises(ValueError, match="compute capability 9.x"):
+        check_wgmma_inputs(q, kv_cache)
+    with pytest.raises(ValueError, match="compute capability 9.x"):
+        sparse_mla_decode(q, kv_cache, torch.zeros(2, 16, dtype=torch.int32), torch.zeros(64), 0.1, impl="wgmma")
+    with pytest.raises(ValueError, match="num_splits"):
+        launch_wgmma(q, kv_cache, None, None, 0.1, 0, None, None)
+    with pytest.raises(ValueError, match="block_n"):
+        launch_wgmma(q, kv_cache, None, None, 0.1, 1, None, None, block_n=48)
+
+
 def test_bad_input_raises_value_error():
     q, kv_cache, indices, sink, scale = make_inputs(2, 4, 32, 16, torch.float32)
     with pytest.raises(ValueError, match="expects q"):
@@ -483,6 +527,57 @@ def test_gpu_variant_matches_reference(variant, batch, topk):
     assert_matches_reference(out, lse, *inputs)
 
 
+def wgmma(**kwargs):
+    def call(*args):
+        from kernels.sparse_mla_gluon import sparse_mla_decode_wgmma
+
+        return sparse_mla_decode_wgmma(*args, **kwargs)
+
+    return call
+
+
+# The Gluon kernel (Hopper only): its split rule, one split, splits some of which are empty at
+# K=640 (10 blocks), and the other tile shapes it takes.
+WGMMA_VARIANTS = {
+    "wgmma": wgmma(),
+    "wgmma_1": wgmma(num_splits=1),
+    "wgmma_16_some_empty": wgmma(num_splits=16),
+    "wgmma_32x4": wgmma(num_splits=3, block_n=32, stages=4),
+    "wgmma_16x6": wgmma(num_splits=2, block_n=16, stages=6),
+}
+needs_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or INTERPRET or torch.cuda.get_device_capability()[0] != 9,
+    reason="needs a compute capability 9.x GPU",
+)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("topk", [128, 640, 2048])
+@pytest.mark.parametrize("batch", [1, 3, 16, 64])
+@pytest.mark.parametrize("variant", list(WGMMA_VARIANTS))
+def test_gpu_wgmma_matches_reference(variant, batch, topk):
+    inputs = make_gpu_inputs(batch, topk, seed=batch * 11 + topk)
+    out, lse = WGMMA_VARIANTS[variant](*inputs)
+    assert_matches_reference(out, lse, *inputs)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads,dim", [(64, 512), (128, 256), (64, 128)])
+def test_gpu_wgmma_masks_and_shapes(heads, dim, dtype):
+    """All-masked, ragged and scattered -1 rows (make_indices), a cache whose slots are padded
+    (rows not evenly strided), two head blocks, the smaller head dims, fp16."""
+    q, kv_cache, indices, sink, scale = make_inputs(6, heads, dim, 300, dtype, device="cuda", slots=5, rows=200, seed=dim)
+    padded = torch.zeros(5, 230, dim, dtype=dtype, device="cuda")
+    padded[:, :200] = kv_cache
+    for cache in (kv_cache, padded[:, :200]):
+        for splits in (1, 4):
+            out, lse = wgmma(num_splits=splits)(q, cache, indices, sink, scale)
+            assert_matches_reference(out, lse, q, cache, indices, sink, scale)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
@@ -510,10 +605,13 @@ def test_gpu_cuda_graph_per_batch_bucket(topk):
     """Preallocate each bucket's workspace, capture the op once per bucket, then replay with new
     inputs copied into the static tensors (and a rewritten cache) and compare to the reference."""
     heads, dim, scale = 64, 512, 512**-0.5
-    buckets = [1, 8, 128]
+    buckets = [1, 8, 32, 128]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = [plan.choose_num_splits(b, heads, topk, num_sms) for b in buckets]
     assert splits[0] > 1 and splits[-1] == 1  # the graphs cover both the split-K and the single-split path
+    if torch.cuda.get_device_capability()[0] == 9:  # and on Hopper the wgmma kernel with and without splits
+        capability = plan.device_capability(torch.device("cuda"))
+        assert [plan.wgmma_splits(b, heads, topk, num_sms, dim, 2, capability) for b in buckets[2:]] == [4, 1]
     kv_cache = make_gpu_cache(max(buckets) + 1)
     graphs = {}
     for batch in buckets:
