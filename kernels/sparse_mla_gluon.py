@@ -239,7 +239,7 @@ def sparse_mla_decode_wgmma(
     if num_splits is None:
         num_splits = wgmma_splits(
             batch, heads, indices.shape[1], num_sms(q.device), head_dim, q.element_size(),
-            torch.cuda.get_device_capability(q.device), min_head_blocks=1,
+            torch.cuda.get_device_capability(q.device), min_head_blocks=1, min_topk=1,
         ) or 1
     out, lse = smt._new_outputs(q)
     if batch == 0:

@@ -203,20 +203,23 @@ def _best_splits(batch, heads, topk, num_sms, head_dim, itemsize, tiles: TileCon
 
 # The Gluon kernel (kernels/sparse_mla_gluon.py), at its tile: 64 heads x 64 gathered rows per
 # step, two shared-memory stages. On the H200 it beat every Triton plan once the 64-head blocks
-# alone nearly fill the GPU (1.0-1.45x from 16 blocks up, 0.64-1.05x below; docs/kernels.md).
+# alone nearly fill the GPU and the index lists are long (1.0-1.45x from 16 blocks up at 640 and
+# 2048 indices, 0.64-1.05x below 16 blocks, 0.62-0.95x at the 128-160 indices of the window-only
+# and ratio-128 layers: a program's fixed cost over only two or three blocks; docs/kernels.md).
 WGMMA_BLOCK_N = 64
 WGMMA_STAGES = 2
 WGMMA_MIN_HEAD_BLOCKS = 16
+WGMMA_MIN_TOPK = 512
 WGMMA_HEAD_DIMS = (128, 256, 512)
 
 
 def wgmma_splits(
     batch: int, heads: int, topk: int, num_sms: int, head_dim: int, itemsize: int, capability: tuple[int, int] | None,
-    min_head_blocks: int = WGMMA_MIN_HEAD_BLOCKS,
+    min_head_blocks: int = WGMMA_MIN_HEAD_BLOCKS, min_topk: int = WGMMA_MIN_TOPK,
 ) -> int | None:
     """The split count when the default path runs the Gluon wgmma kernel, None when it runs a
     Triton plan: a compute capability 9.x GPU (warpgroup MMA), 16-bit activations, whole 64-head
-    blocks, and at least `min_head_blocks` of them over the batch. Splits fill the SMs once (one
+    blocks, at least `min_head_blocks` of them over the batch and `min_topk` indices. Splits fill the SMs once (one
     program each: its shared memory takes the SM) and never outnumber the index blocks. A pure
     function of the shapes, so CUDA-graph safe."""
     if capability is None or capability[0] != 9 or itemsize != 2:
@@ -224,7 +227,7 @@ def wgmma_splits(
     if heads % 64 or head_dim not in WGMMA_HEAD_DIMS:
         return None
     head_blocks = batch * (heads // 64)
-    if head_blocks == 0 or head_blocks < min_head_blocks:
+    if head_blocks == 0 or head_blocks < min_head_blocks or topk < min_topk:
         return None
     return max(1, min(num_sms // head_blocks, -(-topk // WGMMA_BLOCK_N), MAX_SPLITS))
 

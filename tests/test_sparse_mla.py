@@ -410,13 +410,14 @@ H200 = (9, 0)
 
 
 def test_wgmma_plan_takes_large_batches_on_hopper_only():
-    """The Gluon kernel from 16 64-head blocks up, on compute capability 9.x with 16-bit
-    activations, whole 64-head blocks and a supported head dim; its splits fill the 132 SMs once
-    and never outnumber the 64-row index blocks."""
+    """The Gluon kernel from 16 64-head blocks and 512 indices up, on compute capability 9.x with
+    16-bit activations, whole 64-head blocks and a supported head dim; its splits fill the 132
+    SMs once and never outnumber the 64-row index blocks."""
     splits = {b: plan.wgmma_splits(b, 64, 2048, 132, 512, 2, H200) for b in (8, 16, 32, 64, 128, 256)}
     assert splits == {8: None, 16: 8, 32: 4, 64: 2, 128: 1, 256: 1}
     assert plan.wgmma_splits(16, 128, 2048, 132, 512, 2, H200) == 4  # two head blocks per sequence
-    assert plan.wgmma_splits(32, 64, 128, 132, 512, 2, H200) == 2  # two index blocks
+    assert plan.wgmma_splits(32, 64, 512, 132, 512, 2, H200) == 4
+    assert plan.wgmma_splits(32, 64, 128, 132, 512, 2, H200, min_topk=1) == 2  # two index blocks
     assert plan.wgmma_splits(1, 64, 640, 132, 512, 2, H200, min_head_blocks=1) == 10
     for args in (
         (64, 64, 640, 132, 512, 2, None),  # CPU or the interpreter
@@ -425,6 +426,7 @@ def test_wgmma_plan_takes_large_batches_on_hopper_only():
         (64, 64, 640, 132, 512, 4, H200),  # fp32
         (64, 48, 640, 132, 512, 2, H200),  # heads not a multiple of 64
         (64, 64, 640, 132, 64, 2, H200),  # head dim outside 128-512
+        (64, 64, 160, 132, 512, 2, H200),  # the short lists of window-only and ratio-128 layers
     ):
         assert plan.wgmma_splits(*args) is None, args
     # The workspace follows the kernel the default path runs: none for the CPU path's sizes.
