@@ -1,5 +1,6 @@
-"""Registers, spilled bytes and shared memory of the sparse-MLA head-batched kernel per tile
-shape, from an offline compile (no GPU needed):
+"""Registers, spilled bytes and shared memory of the sparse-MLA kernels (the Triton
+head-batched kernel per tile shape, the Gluon wgmma kernel per ring shape), from an offline
+compile (no GPU needed):
 
     python -m kernels.resource_usage [--arch 90]
 
@@ -76,6 +77,19 @@ def head_batched_usage(tiles: plan.TileConfig, head_dim: int = 512, split: bool 
         target=GPUTarget("cuda", arch, 32),
         options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages},
     )
+    registers, spill_bytes = _cubin_usage(compiled)
+    ptx = compiled.asm["ptx"]
+    # The software pipeline's multi-buffered allocations of the [block_k, columns] KV tile.
+    buffers = re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x{tiles.block_k}x\d+x", compiled.asm["ttgir"])
+    return Usage(
+        registers=registers, spill_bytes=spill_bytes, shared_bytes=compiled.metadata.shared,
+        wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"), async_copies=ptx.count("cp.async.cg"),
+        kv_buffers=max((int(n) for n in buffers), default=0),
+    )
+
+
+def _cubin_usage(compiled) -> tuple[int, int]:
+    """(registers, spilled bytes per thread) of a compiled kernel, from cuobjdump."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as f:
@@ -84,13 +98,45 @@ def head_batched_usage(tiles: plan.TileConfig, head_dim: int = 512, split: bool 
     found = re.search(r"REG:(\d+) STACK:(\d+)", report)
     if found is None:
         raise RuntimeError(f"no resource usage in cuobjdump's report:\n{report}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def wgmma_usage(block_n: int = plan.WGMMA_BLOCK_N, stages: int = plan.WGMMA_STAGES, head_dim: int = 512,
+                split: bool = False, arch: int = 90) -> Usage:
+    """Compile the Gluon wgmma kernel (kernels/sparse_mla_gluon.py) for sm_`arch` at bf16 and
+    read its resource usage; kv_buffers is its ring of gather buffers."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels import sparse_mla_gluon as sg
+
+    fn = sg._sparse_mla_wgmma_kernel
+    constants = dict(
+        D=head_dim, BLOCK_N=block_n, STAGES=stages,
+        Q_SMEM=gl.NVMMASharedLayout.get_default_for([sg.BLOCK_H, head_dim], gl.bfloat16),
+        KV_SMEM=gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl.bfloat16),
+        FLAT_ROWS=True, SPLIT=split, stride_ik=1, stride_sink=1,
+    )
+    signature = {
+        name: "constexpr" if name in constants else _POINTERS.get(name) or _FLOATS.get(name) or "i32"
+        for name in fn.arg_names
+    }
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if signature[name] != "constexpr" and name not in _FLOATS and name != "blocks_per_split"
+    }
+    compiled = triton.compile(
+        GluonASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": sg.NUM_WARPS},
+    )
+    registers, spill_bytes = _cubin_usage(compiled)
     ptx = compiled.asm["ptx"]
-    # The software pipeline's multi-buffered allocations of the [block_k, columns] KV tile.
-    buffers = re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x{tiles.block_k}x\d+x", compiled.asm["ttgir"])
     return Usage(
-        registers=int(found.group(1)), spill_bytes=int(found.group(2)), shared_bytes=compiled.metadata.shared,
+        registers=registers, spill_bytes=spill_bytes, shared_bytes=compiled.metadata.shared,
         wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"), async_copies=ptx.count("cp.async.cg"),
-        kv_buffers=max((int(n) for n in buffers), default=0),
+        kv_buffers=stages,
     )
 
 
@@ -111,6 +157,16 @@ def main(argv: list[str] | None = None) -> None:
             f"| {label} | {usage.registers} | {usage.spill_bytes} | {usage.shared_bytes / 1024:.1f} | "
             f"{usage.wgmma} | {usage.mma_sync} | {usage.async_copies} | {usage.kv_buffers} |"
         )
+    print(f"\nsparse MLA Gluon wgmma kernel (kernels/sparse_mla_gluon.py), D=512, bf16, sm_{args.arch}\n")
+    print("| rows x stages | split | registers | spilled bytes per thread | shared KiB | wgmma | cp.async |")
+    print("|---|---|---|---|---|---|---|")
+    for block_n, stages in ((plan.WGMMA_BLOCK_N, plan.WGMMA_STAGES), (32, 4), (32, 3), (16, 6)):
+        for split in (False, True):
+            usage = wgmma_usage(block_n, stages, split=split, arch=args.arch)
+            print(
+                f"| {block_n} x {stages} | {split} | {usage.registers} | {usage.spill_bytes} | "
+                f"{usage.shared_bytes / 1024:.1f} | {usage.wgmma} | {usage.async_copies} |"
+            )
 
 
 if __name__ == "__main__":

@@ -806,3 +806,30 @@ def test_offline_resource_usage_of_three_tiles():
     assert small["mma_sync"] > 0 and small["wgmma"] == 0
     assert big["wgmma"] > 0 and big["shared_bytes"] > small["shared_bytes"]
     assert deep["kv_buffers"] > big["kv_buffers"] >= 2
+
+
+def test_offline_resource_usage_of_the_wgmma_kernel():
+    """The Gluon kernel compiles for sm_90 with this Triton (its API moves between releases) and
+    fits: no spills, within sm_90's shared memory, warpgroup MMAs and cp.async gathers in the
+    code; a deeper ring of smaller blocks takes no more shared memory than the default ring. (A
+    fresh process, as above.)"""
+    pytest.importorskip("triton.experimental.gluon")
+    from kernels.resource_usage import _cuobjdump
+
+    if not os.path.exists(_cuobjdump()):
+        pytest.skip("this Triton ships no cuobjdump")
+    code = (
+        "import dataclasses, json\n"
+        "from kernels.resource_usage import wgmma_usage\n"
+        "shapes = [dict(), dict(split=True), dict(block_n=32, stages=3)]\n"
+        "print(json.dumps([dataclasses.asdict(wgmma_usage(**s)) for s in shapes]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    default, split, small = json.loads(done.stdout.strip().splitlines()[-1])
+    for usage in (default, split, small):
+        assert 0 < usage["registers"] <= 255 and usage["spill_bytes"] == 0
+        assert usage["shared_bytes"] <= 227 * 1024
+        assert usage["wgmma"] > 0 and usage["mma_sync"] == 0 and usage["async_copies"] > 0
+    assert small["shared_bytes"] < default["shared_bytes"]
