@@ -121,8 +121,9 @@ def sparse_mla_decode(
 
     impl="default" goes through the custom op (reference on CPU, the default CUDA path on CUDA);
     "reference", "simt", "head_batched", "split_k" and "wgmma" (Hopper only) call that
-    implementation directly (for benchmarks and tests). `workspace` (from sparse_mla_workspace) lets a CUDA-graph caller
-    preallocate the split-K scratch per batch bucket; without it the scratch is allocated per call."""
+    implementation directly (for benchmarks and tests). `workspace` (from sparse_mla_workspace)
+    lets a CUDA-graph caller preallocate the split-K scratch per batch bucket; without it the
+    scratch is allocated per call."""
     check_sparse_mla_inputs(q, kv_cache, indices, sink)
     if impl == "default" and workspace is None:
         out, lse = sparse_mla_decode_op(q, kv_cache, indices, sink, float(scale))

@@ -1,8 +1,9 @@
 """How the CUDA path of sparse MLA decode is launched (kernels/sparse_mla_triton.py): which
 kernel (the Gluon wgmma kernel on Hopper at large batches, else the Triton head-batched one), its
-tiles, the split count, and the split-K scratch a CUDA-graph caller preallocates. Every choice is a pure function of the shapes and the SM count, so one capture per
-batch bucket stays valid: the plan ranks a few candidate tiles and every split count with a cost
-model fitted to H200 timings (docs/kernels.md).
+tiles, the split count, and the split-K scratch a CUDA-graph caller preallocates. Every choice is
+a pure function of the shapes and the SM count, so one capture per batch bucket stays valid: the
+plan ranks a few candidate tiles and every split count with a cost model fitted to H200 timings
+(docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -219,9 +220,9 @@ def wgmma_splits(
 ) -> int | None:
     """The split count when the default path runs the Gluon wgmma kernel, None when it runs a
     Triton plan: a compute capability 9.x GPU (warpgroup MMA), 16-bit activations, whole 64-head
-    blocks, at least `min_head_blocks` of them over the batch and `min_topk` indices. Splits fill the SMs once (one
-    program each: its shared memory takes the SM) and never outnumber the index blocks. A pure
-    function of the shapes, so CUDA-graph safe."""
+    blocks, at least `min_head_blocks` of them over the batch and `min_topk` indices. Splits fill
+    the SMs once (one program each: its shared memory takes the SM) and never outnumber the index
+    blocks. A pure function of the shapes, so CUDA-graph safe."""
     if capability is None or capability[0] != 9 or itemsize != 2:
         return None
     if heads % 64 or head_dim not in WGMMA_HEAD_DIMS:
@@ -277,9 +278,12 @@ def sparse_mla_workspace(
     device = torch.device(device)
     itemsize = dtype.itemsize
     num_sms = device_sm_count(device)
-    splits = wgmma_splits(batch, heads, topk, num_sms, head_dim, itemsize, device_capability(device))
-    if splits is None or fused_combine:
-        splits = choose_num_splits(batch, heads, topk, num_sms, head_dim, itemsize)
+    splits = choose_num_splits(batch, heads, topk, num_sms, head_dim, itemsize)
+    if not fused_combine:
+        # Room for the wgmma kernel's splits too: the default path takes it at these shapes
+        # unless q or the cache has a strided last dimension.
+        wgmma = wgmma_splits(batch, heads, topk, num_sms, head_dim, itemsize, device_capability(device))
+        splits = max(splits, wgmma or 1)
     if fused_combine:
         numel = workspace_numel(batch, heads, head_dim, splits, fused_combine=True)
         return torch.zeros(numel, dtype=torch.float32, device=device)

@@ -433,6 +433,18 @@ def test_wgmma_plan_takes_large_batches_on_hopper_only():
     assert plan.device_capability(torch.device("cpu")) is None
 
 
+def test_workspace_holds_the_wgmma_splits(monkeypatch):
+    """On an H200 at B=64, K=640 the Triton plan takes one split and the wgmma kernel two: the
+    preallocated workspace must hold the kernel the default path runs."""
+    monkeypatch.setattr(plan, "device_sm_count", lambda device: 132)
+    monkeypatch.setattr(plan, "device_capability", lambda device: H200)
+    assert plan.choose_num_splits(64, 64, 640, 132) == 1
+    splits = plan.wgmma_splits(64, 64, 640, 132, 512, 2, H200)
+    assert splits == 2
+    workspace = plan.sparse_mla_workspace(64, 64, 512, 640, "cpu", torch.bfloat16)
+    assert workspace.numel() == plan.workspace_numel(64, 64, 512, splits)
+
+
 def test_wgmma_kernel_refuses_what_it_cannot_take():
     pytest.importorskip("triton.experimental.gluon")
     from kernels.sparse_mla_gluon import check_wgmma_inputs, launch_wgmma
