@@ -1,5 +1,6 @@
-"""Sparse MLA decode benchmark (H=64, D=512, bf16): SIMT vs head-batched vs split-K vs default,
-and split-K with the combine fused into the split kernel (opt-in, not used by the default).
+"""Sparse MLA decode benchmark (H=64, D=512, bf16): SIMT vs head-batched vs split-K vs the Gluon
+wgmma kernel (Hopper) vs default, and split-K with the combine fused into the split kernel
+(opt-in, not used by the default).
 
 Every variant is first checked against the reference on fresh inputs (an AssertionError stops the
 run). Timing: one CUDA graph per variant holds one call per rotating input set (enough sets to
