@@ -30,7 +30,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+from kernels import sparse_mla_triton as smt
 from kernels.sparse_mla_plan import MAX_SPLITS, WGMMA_BLOCK_N, WGMMA_STAGES, blocks_per_split, wgmma_splits
+from kernels.sparse_mla_triton import _row_offsets  # a Triton function: Gluon kernels call them as they are
 from kernels.triton_util import num_sms
 
 BLOCK_H = 64  # one wgmma M tile: four warps of 16 rows
@@ -45,21 +47,6 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 # A CTA-wide barrier: `barrier` since Triton 3.7, `thread_barrier` before.
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-
-
-@gluon.jit
-def _block_rows(idx_row_ptr, offs_k, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS: gl.constexpr):
-    """Element offsets of the KV rows named by indices[offs_k] and whether each is a real row
-    (-1 and offs_k >= k_end are not; their offset is 0)."""
-    idx = gl.load(idx_row_ptr + offs_k * stride_ik, mask=offs_k < k_end, other=-1)
-    valid = idx >= 0
-    row = gl.where(valid, idx, 0)
-    if FLAT_ROWS:
-        row_off = row.to(gl.int64) * stride_row
-    else:
-        slot = row // rows_per_slot
-        row_off = slot.to(gl.int64) * stride_slot + (row - slot * rows_per_slot).to(gl.int64) * stride_row
-    return row_off, valid
 
 
 @gluon.jit
@@ -105,14 +92,14 @@ def _sparse_mla_wgmma_kernel(
 
     # Prologue: the first STAGES - 1 gathers (Q rides in the first group).
     for j in gl.static_range(STAGES - 1):
-        row_off, valid = _block_rows(
+        row_off, valid = _row_offsets(
             idx_row_ptr, k_begin + j * BLOCK_N + offs_n_g, k_end, stride_ik, rows_per_slot, stride_slot, stride_row,
             FLAT_ROWS,
         )
         _async_load(kv_smem.index(j), kv_ptr + row_off[:, None] + offs_d_g[None, :], mask=valid[:, None])
         cp.commit_group()
     # Indices one step ahead: the next gather's rows, and this block's validity in score layout.
-    next_off, next_valid = _block_rows(
+    next_off, next_valid = _row_offsets(
         idx_row_ptr, k_begin + (STAGES - 1) * BLOCK_N + offs_n_g, k_end, stride_ik, rows_per_slot, stride_slot,
         stride_row, FLAT_ROWS,
     )
@@ -135,7 +122,7 @@ def _sparse_mla_wgmma_kernel(
             mask=next_valid[:, None],
         )
         cp.commit_group()
-        next_off, next_valid = _block_rows(
+        next_off, next_valid = _row_offsets(
             idx_row_ptr, k_begin + (i + STAGES) * BLOCK_N + offs_n_g, k_end, stride_ik, rows_per_slot, stride_slot,
             stride_row, FLAT_ROWS,
         )
@@ -231,8 +218,6 @@ def sparse_mla_decode_wgmma(
     """This kernel alone at one split; at more, its partials merged by the Triton combine kernel.
     num_splits None: the default path's rule (sparse_mla_plan.wgmma_splits), at any batch.
     workspace: as for sparse_mla_triton.sparse_mla_decode_split_k. Returns (out, lse)."""
-    from kernels import sparse_mla_triton as smt
-
     smt._check(q, kv_cache, indices, sink)
     check_wgmma_inputs(q, kv_cache)
     batch, heads, head_dim = q.shape

@@ -593,10 +593,9 @@ def sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace=None):
     """Default path. On Hopper at large batches (wgmma_splits) the Gluon wgmma kernel
     (kernels/sparse_mla_gluon.py) with its split count; otherwise tiles and split count from the
     shapes (choose_plan): one split runs the head-batched kernel alone, several run split-K with
-    the combine. Where the GPU has
-    programmatic dependent launch, the combine starts while the splits run and the split kernel
-    while the kernel before it finishes (0.3-1 us and 0.1-0.5 us less per call on the H200,
-    docs/kernels.md). Returns (out, lse)."""
+    the combine. Where the GPU has programmatic dependent launch, the combine starts while the
+    splits run and the split kernel while the kernel before it finishes (0.3-1 us and 0.1-0.5 us
+    less per call on the H200, docs/kernels.md). Returns (out, lse)."""
     _check(q, kv_cache, indices, sink)
     batch, heads, head_dim = q.shape
     topk = indices.shape[1]
