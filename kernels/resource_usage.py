@@ -49,47 +49,29 @@ def _cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def head_batched_usage(tiles: plan.TileConfig, head_dim: int = 512, split: bool = False, arch: int = 90) -> Usage:
-    """Compile the head-batched kernel at these tiles for sm_`arch` and read its resource usage."""
-    fn = smt._head_batched_kernel
-    constants = dict(
-        BLOCK_H=tiles.block_h, BLOCK_K=tiles.block_k, BLOCK_D=plan._block_d(head_dim), DV_SPLIT=tiles.dv_split,
-        FLAT_ROWS=True, SPLIT=split, DOT_PRECISION="tf32", FUSED_COMBINE=False, BLOCK_DC=1,
-        SPLITS_PER_STEP=smt.COMBINE_SPLITS_PER_STEP,
-        D=head_dim, stride_qd=1, stride_d=1,  # contiguous head dim, as the runtime specialises it
-    )
+def _compile(fn, constants: dict, source_type, arch: int, options: dict):
+    """Compile fn for sm_`arch` as the runtime specialises a launch at the model's shapes: the
+    named constants as constexprs, bf16/fp32 pointers, pointers 16-byte aligned and every other
+    integer but the split length a multiple of 16 (without this the compiler cannot vectorise or
+    pipeline the gathers)."""
     signature = {
         name: "constexpr" if name in constants else _POINTERS.get(name) or _FLOATS.get(name) or "i32"
         for name in fn.arg_names
     }
-    # As the runtime specialises a launch at the model's shapes: pointers 16-byte aligned, the
-    # index stride 1, the sink stride 1 and every other integer but the split length a multiple
-    # of 16 (without this the compiler cannot vectorise or pipeline the gathers).
-    constants.update(stride_ik=1, stride_sink=1)
-    signature.update(stride_ik="constexpr", stride_sink="constexpr")
     aligned = {
         (i,): [["tt.divisibility", 16]]
         for i, name in enumerate(fn.arg_names)
         if signature[name] != "constexpr" and name not in _FLOATS and name != "blocks_per_split"
     }
-    compiled = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
+    return triton.compile(
+        source_type(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
         target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages},
-    )
-    registers, spill_bytes = _cubin_usage(compiled)
-    ptx = compiled.asm["ptx"]
-    # The software pipeline's multi-buffered allocations of the [block_k, columns] KV tile.
-    buffers = re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x{tiles.block_k}x\d+x", compiled.asm["ttgir"])
-    return Usage(
-        registers=registers, spill_bytes=spill_bytes, shared_bytes=compiled.metadata.shared,
-        wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"), async_copies=ptx.count("cp.async.cg"),
-        kv_buffers=max((int(n) for n in buffers), default=0),
+        options=options,
     )
 
 
-def _cubin_usage(compiled) -> tuple[int, int]:
-    """(registers, spilled bytes per thread) of a compiled kernel, from cuobjdump."""
+def _usage(compiled, kv_buffers: int) -> Usage:
+    """Registers and spills from cuobjdump, shared memory from the metadata, instructions from the PTX."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as f:
@@ -98,7 +80,30 @@ def _cubin_usage(compiled) -> tuple[int, int]:
     found = re.search(r"REG:(\d+) STACK:(\d+)", report)
     if found is None:
         raise RuntimeError(f"no resource usage in cuobjdump's report:\n{report}")
-    return int(found.group(1)), int(found.group(2))
+    ptx = compiled.asm["ptx"]
+    return Usage(
+        registers=int(found.group(1)), spill_bytes=int(found.group(2)), shared_bytes=compiled.metadata.shared,
+        wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"), async_copies=ptx.count("cp.async.cg"),
+        kv_buffers=kv_buffers,
+    )
+
+
+def head_batched_usage(tiles: plan.TileConfig, head_dim: int = 512, split: bool = False, arch: int = 90) -> Usage:
+    """Compile the head-batched kernel at these tiles for sm_`arch` and read its resource usage."""
+    constants = dict(
+        BLOCK_H=tiles.block_h, BLOCK_K=tiles.block_k, BLOCK_D=plan._block_d(head_dim), DV_SPLIT=tiles.dv_split,
+        FLAT_ROWS=True, SPLIT=split, DOT_PRECISION="tf32", FUSED_COMBINE=False, BLOCK_DC=1,
+        SPLITS_PER_STEP=smt.COMBINE_SPLITS_PER_STEP,
+        D=head_dim, stride_qd=1, stride_d=1,  # contiguous head dim, as the runtime specialises it
+        stride_ik=1, stride_sink=1,  # the index and sink strides, 1 at the model's shapes
+    )
+    compiled = _compile(
+        smt._head_batched_kernel, constants, ASTSource, arch,
+        {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages},
+    )
+    # The software pipeline's multi-buffered allocations of the [block_k, columns] KV tile.
+    buffers = re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x{tiles.block_k}x\d+x", compiled.asm["ttgir"])
+    return _usage(compiled, max((int(n) for n in buffers), default=0))
 
 
 def wgmma_usage(block_n: int = plan.WGMMA_BLOCK_N, stages: int = plan.WGMMA_STAGES, head_dim: int = 512,
@@ -110,34 +115,14 @@ def wgmma_usage(block_n: int = plan.WGMMA_BLOCK_N, stages: int = plan.WGMMA_STAG
 
     from kernels import sparse_mla_gluon as sg
 
-    fn = sg._sparse_mla_wgmma_kernel
     constants = dict(
         D=head_dim, BLOCK_N=block_n, STAGES=stages,
         Q_SMEM=gl.NVMMASharedLayout.get_default_for([sg.BLOCK_H, head_dim], gl.bfloat16),
         KV_SMEM=gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl.bfloat16),
         FLAT_ROWS=True, SPLIT=split, stride_ik=1, stride_sink=1,
     )
-    signature = {
-        name: "constexpr" if name in constants else _POINTERS.get(name) or _FLOATS.get(name) or "i32"
-        for name in fn.arg_names
-    }
-    aligned = {
-        (i,): [["tt.divisibility", 16]]
-        for i, name in enumerate(fn.arg_names)
-        if signature[name] != "constexpr" and name not in _FLOATS and name != "blocks_per_split"
-    }
-    compiled = triton.compile(
-        GluonASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
-        target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": sg.NUM_WARPS},
-    )
-    registers, spill_bytes = _cubin_usage(compiled)
-    ptx = compiled.asm["ptx"]
-    return Usage(
-        registers=registers, spill_bytes=spill_bytes, shared_bytes=compiled.metadata.shared,
-        wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"), async_copies=ptx.count("cp.async.cg"),
-        kv_buffers=stages,
-    )
+    compiled = _compile(sg._sparse_mla_wgmma_kernel, constants, GluonASTSource, arch, {"num_warps": sg.NUM_WARPS})
+    return _usage(compiled, stages)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -793,26 +793,32 @@ def test_gpu_split_kernel_overlapping_its_predecessor_reads_its_output(batch, to
         assert torch.equal(q, staged[0]) and torch.equal(indices, staged[1])
 
 
+def offline_usages(code: str) -> list[dict]:
+    """Run `code`, which leaves a list of kernels.resource_usage.Usage in `usages`, in a fresh
+    process without the interpreter (which cannot compile); the usages as dicts. Skips where
+    this Triton ships no cuobjdump."""
+    from kernels.resource_usage import _cuobjdump
+
+    if not os.path.exists(_cuobjdump()):
+        pytest.skip("this Triton ships no cuobjdump")
+    code = "import dataclasses, json\n" + code + "print(json.dumps([dataclasses.asdict(u) for u in usages]))\n"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_offline_resource_usage_of_three_tiles():
     """kernels.resource_usage compiles for sm_90 without a GPU and reads the cubin: the 64-head
     tile runs on Hopper's warpgroup MMA and needs more shared memory than the 16-head one, which
     uses warp-level MMA; a five-stage pipeline gets more KV buffers than a two-stage one. (A fresh
     process: this module runs Triton's interpreter, which cannot compile.)"""
-    from kernels.resource_usage import _cuobjdump
-
-    if not os.path.exists(_cuobjdump()):
-        pytest.skip("this Triton ships no cuobjdump")
-    code = (
-        "import dataclasses, json\n"
+    small, big, deep = offline_usages(
         "from kernels import sparse_mla_plan as plan\n"
         "from kernels.resource_usage import head_batched_usage\n"
         "tiles = [plan.TileConfig(16, 32, 4, 2), plan.head_batched_tiles(64), plan.TileConfig(64, 32, 8, 5)]\n"
-        "print(json.dumps([dataclasses.asdict(head_batched_usage(t)) for t in tiles]))\n"
+        "usages = [head_batched_usage(t) for t in tiles]\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    small, big, deep = json.loads(done.stdout.strip().splitlines()[-1])
     for usage in (small, big, deep):
         assert 0 < usage["registers"] <= 255 and usage["spill_bytes"] >= 0
     assert small["mma_sync"] > 0 and small["wgmma"] == 0
@@ -826,20 +832,10 @@ def test_offline_resource_usage_of_the_wgmma_kernel():
     code; a deeper ring of smaller blocks takes no more shared memory than the default ring. (A
     fresh process, as above.)"""
     pytest.importorskip("triton.experimental.gluon")
-    from kernels.resource_usage import _cuobjdump
-
-    if not os.path.exists(_cuobjdump()):
-        pytest.skip("this Triton ships no cuobjdump")
-    code = (
-        "import dataclasses, json\n"
+    default, split, small = offline_usages(
         "from kernels.resource_usage import wgmma_usage\n"
-        "shapes = [dict(), dict(split=True), dict(block_n=32, stages=3)]\n"
-        "print(json.dumps([dataclasses.asdict(wgmma_usage(**s)) for s in shapes]))\n"
+        "usages = [wgmma_usage(**s) for s in (dict(), dict(split=True), dict(block_n=32, stages=3))]\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    default, split, small = json.loads(done.stdout.strip().splitlines()[-1])
     for usage in (default, split, small):
         assert 0 < usage["registers"] <= 255 and usage["spill_bytes"] == 0
         assert usage["shared_bytes"] <= 227 * 1024
