@@ -116,9 +116,7 @@ def wgmma_usage(block_n: int = plan.WGMMA_BLOCK_N, stages: int = plan.WGMMA_STAG
     from kernels import sparse_mla_gluon as sg
 
     constants = dict(
-        D=head_dim, BLOCK_N=block_n, STAGES=stages,
-        Q_SMEM=gl.NVMMASharedLayout.get_default_for([sg.BLOCK_H, head_dim], gl.bfloat16),
-        KV_SMEM=gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl.bfloat16),
+        sg.kernel_constants(head_dim, block_n, stages, gl.bfloat16),
         FLAT_ROWS=True, SPLIT=split, stride_ik=1, stride_sink=1,
     )
     compiled = _compile(sg._sparse_mla_wgmma_kernel, constants, GluonASTSource, arch, {"num_warps": sg.NUM_WARPS})

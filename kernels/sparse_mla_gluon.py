@@ -1,42 +1,47 @@
-"""Sparse MLA decode on Hopper tensor cores with an explicit gather pipeline (Gluon).
+"""Sparse MLA decode on Hopper tensor cores, warp-specialised (Gluon).
 
-Semantics: kernels/sparse_mla.py. The Triton head-batched kernel (sparse_mla_triton.py) keeps
-one gathered KV block in flight: Triton's software pipeline loads a block's indices, waits for
-them, then issues the block's gather, so at large batches each block costs its gather latency
-plus its two products. This kernel writes the schedule out by hand in Gluon, Triton's
-lower-level dialect:
+Semantics: kernels/sparse_mla.py. One program per (64-head block, split, sequence) runs three
+partitions of four warps, which hand work to each other through shared memory and mbarriers:
 
-- a ring of STAGES shared-memory buffers of BLOCK_N gathered rows, filled by cp.async, so
-  STAGES - 1 gathers are in flight while the tensor cores work on the oldest one;
-- the indices of a block are loaded one iteration before its gather is issued, so no gather
-  waits for its own indices;
-- Q stays in shared memory for the whole program; S = Q K^T and O += P V are warpgroup MMAs
-  (wgmma) reading K and V from the same gathered rows (they are one row in MLA);
-- two warpgroups: each owns half of the output columns (O is 64 x 512 fp32, 128 registers per
-  thread) and half of each block's scores; the row max and the P tile cross between them
-  through layout conversions the compiler lowers to shared memory.
+- a producer gathers each block of BLOCK_N cache rows with cp.async into a ring of STAGES
+  buffers (the next block's row offsets loaded while the current gather is issued), marks a
+  buffer ready when its rows land, and refills it once both warpgroups below have released it;
+- the scores warpgroup keeps Q in shared memory and computes S = Q K^T for the whole block as one
+  warpgroup-MMA chain (Q read from shared memory once per block), the online softmax and P; it
+  passes P (16-bit) and the running sum's rescale factor to the other warpgroup through a
+  double-buffered shared tile, then computes O += P V for the first half of the output columns;
+- the second warpgroup rescales its accumulator and computes O += P V for the other half of the
+  columns, reading P from shared memory, while the scores warpgroup moves on to the next block.
 
-One program per (64-head block, split, sequence). With one split it finishes the softmax with
-the sink and writes out and lse; with several it writes the same fp32 partials as the Triton
-split kernel (normalised by their own sum, base-2 LSE) and sparse_mla_triton's combine kernel
-merges them. sm_90 only (wgmma), bf16 or fp16, heads a multiple of 64, head dim 128-512.
+So the gathers never wait on the products, and half of P V overlaps the next block's scores.
+(The schedule this replaced, both warpgroups computing half of every block's scores and the
+gather issued between the products, was compute-bound at 2.28 TB/s at B=128, K=2048:
+docs/kernels.md.)
+
+With one split the program finishes the softmax with the sink and writes out and lse; with
+several it writes the same fp32 partials as the Triton split kernel (normalised by their own sum,
+base-2 LSE) and sparse_mla_triton's combine kernel merges them. sm_90 only (wgmma), bf16 or fp16,
+heads a multiple of 64, head dim 128-512.
 """
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from kernels import sparse_mla_triton as smt
 from kernels.sparse_mla_plan import MAX_SPLITS, WGMMA_BLOCK_N, WGMMA_STAGES, blocks_per_split, wgmma_splits
 from kernels.sparse_mla_triton import _row_offsets  # a Triton function: Gluon kernels call them as they are
 from kernels.triton_util import num_sms
 
-BLOCK_H = 64  # one wgmma M tile: four warps of 16 rows
-NUM_WARPS = 8  # two warpgroups, side by side along the output columns
+BLOCK_H = 64  # one wgmma M tile: a warpgroup of four 16-row warps
+NUM_WARPS = 4  # the scores warpgroup, the default partition
+# Registers per thread of the workers (setmaxnreg): the second warpgroup holds a 64 x D/2 fp32
+# accumulator, the producer only addresses (fewer spill at D=512); the scores warpgroup gets the rest.
+WORKER_REGS = (168, 64)
+PRODUCER_THREADS = gl.constexpr(4 * 32)  # each thread arrives on a buffer's mbarrier when its copies land
 LOG2E = 1.4426950408889634
 # Globals read inside kernels must be constexpr.
 LOG2E_C = gl.constexpr(LOG2E)
@@ -45,8 +50,148 @@ LN2_C = gl.constexpr(0.6931471805599453)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # cp.async into shared memory: `async_load` since Triton 3.7, `async_copy_global_to_shared` before.
 _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
-# A CTA-wide barrier: `barrier` since Triton 3.7, `thread_barrier` before.
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+# A barrier of the executing warps (one partition's inside warp_specialize): `barrier` since
+# Triton 3.7, `thread_barrier` before.
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@gluon.jit
+def _gather_rows(
+    kv_ptr, idx_row_ptr, kv_smem, kv_ready, kv_free, k_begin, k_end, n_blocks, rows_per_slot,
+    stride_ik, stride_slot, stride_row,
+    D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FLAT_ROWS: gl.constexpr,
+):
+    """Producer: block i's rows into buffer i % STAGES; every thread's copies arrive on kv_ready."""
+    g_layout: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1], order=[1, 0]
+    )
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, g_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
+    row_off, valid = _row_offsets(
+        idx_row_ptr, k_begin + offs_n, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS
+    )
+    for i in range(n_blocks):
+        stage = i % STAGES
+        # Both warpgroups are done with the block this buffer held (nothing to wait for at first).
+        mbarrier.wait(kv_free.index(stage), ((i // STAGES) + 1) & 1, pred=i >= STAGES)
+        _async_load(kv_smem.index(stage), kv_ptr + row_off[:, None] + offs_d[None, :], mask=valid[:, None])
+        cp.mbarrier_arrive(kv_ready.index(stage), increment_count=False)
+        row_off, valid = _row_offsets(
+            idx_row_ptr, k_begin + (i + 1) * BLOCK_N + offs_n, k_end, stride_ik, rows_per_slot, stride_slot,
+            stride_row, FLAT_ROWS,
+        )
+
+
+@gluon.jit
+def _scores_and_first_half(
+    q_smem, kv_smem, p_smem, alpha_smem, scale_smem, kv_ready, kv_free, p_ready, p_free, scale_ready,
+    idx_row_ptr, sink_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, b, hb, split, n_splits, H,
+    k_begin, k_end, n_blocks, stride_ik, stride_sink, stride_ob, stride_oh, stride_lb, scale_log2,
+    D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+):
+    """Scores warpgroup: S, the online softmax, P for both warpgroups, O for columns [0, D/2)."""
+    HEADS: gl.constexpr = 64
+    DH: gl.constexpr = D // 2
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    cur_idx = gl.load(idx_row_ptr + (k_begin + offs_n_s) * stride_ik, mask=k_begin + offs_n_s < k_end, other=-1)
+    acc = gl.zeros([HEADS, DH], gl.float32, o_layout)
+    m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HEADS], gl.float32, gl.SliceLayout(1, s_layout))
+    s_zero = gl.zeros([HEADS, BLOCK_N], gl.float32, s_layout)
+    for i in range(n_blocks):
+        stage = i % STAGES
+        pb = i % 2
+        offs_k_next = k_begin + (i + 1) * BLOCK_N + offs_n_s
+        next_idx = gl.load(idx_row_ptr + offs_k_next * stride_ik, mask=offs_k_next < k_end, other=-1)
+        mbarrier.wait(kv_ready.index(stage), (i // STAGES) & 1)
+        fence_async_shared()  # the gathered rows, written through cp.async, to the tensor cores' proxy
+        kv = kv_smem.index(stage)
+        s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
+        s = gl.where((cur_idx >= 0)[None, :], s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid score yet: keep p, alpha finite
+        alpha = gl.exp2(m_i - m_ref)
+        p = gl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p16 = p.to(dtype)
+        # The other warpgroup is done with the P tile it read two blocks ago.
+        mbarrier.wait(p_free.index(pb), ((i // 2) + 1) & 1, pred=i >= 2)
+        p_smem.index(pb).store(p16)
+        alpha_smem.index(pb).store(alpha)
+        fence_async_shared()
+        _barrier()  # every thread's part stored before the one arrive
+        mbarrier.arrive(p_ready.index(pb), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p16, p_layout), kv.slice(0, DH, dim=1), acc)
+        _barrier()
+        mbarrier.arrive(kv_free.index(stage), count=1)
+        cur_idx = next_idx
+
+    offs_h = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    if SPLIT:
+        # As the Triton split kernel: l >= 1 once any index was valid; the floor keeps an empty
+        # split at out = 0 and lse = -inf.
+        l_safe = gl.maximum(l_o, 1e-30)
+        scale = 1.0 / l_safe
+    else:
+        sink2 = gl.load(sink_ptr + offs_h * stride_sink).to(gl.float32) * LOG2E_C
+        m_all = gl.maximum(m_o, sink2)
+        w = gl.exp2(m_o - m_all)
+        denom = l_o * w + gl.exp2(sink2 - m_all)
+        scale = w / denom
+    scale_smem.store(scale)
+    _barrier()
+    mbarrier.arrive(scale_ready, count=1)
+    if SPLIT:
+        row = (b * n_splits + split) * H + offs_h
+        gl.store(part_out_ptr + row[:, None] * D + offs_d[None, :], acc * scale[:, None])
+        gl.store(part_lse_ptr + row, m_o + gl.log2(l_safe))
+    else:
+        gl.store(out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], (acc * scale[:, None]).to(dtype))
+        gl.store(lse_ptr + b * stride_lb + offs_h, (m_all + gl.log2(denom)) * LN2_C)
+
+
+@gluon.jit
+def _second_half(
+    kv_smem, p_smem, alpha_smem, scale_smem, kv_ready, kv_free, p_ready, p_free, scale_ready,
+    out_ptr, part_out_ptr, b, hb, split, n_splits, H, n_blocks, stride_ob, stride_oh,
+    D: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+):
+    """Second warpgroup: O for columns [D/2, D) from the P tiles the scores warpgroup passes."""
+    HEADS: gl.constexpr = 64
+    DH: gl.constexpr = D // 2
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    acc = gl.zeros([HEADS, DH], gl.float32, o_layout)
+    for i in range(n_blocks):
+        stage = i % STAGES
+        pb = i % 2
+        mbarrier.wait(kv_ready.index(stage), (i // STAGES) & 1)
+        mbarrier.wait(p_ready.index(pb), (i // 2) & 1)
+        fence_async_shared()
+        acc = acc * alpha_smem.index(pb).load(row_layout)[:, None]
+        acc = warpgroup_mma(p_smem.index(pb), kv_smem.index(stage).slice(DH, DH, dim=1), acc)
+        _barrier()
+        mbarrier.arrive(p_free.index(pb), count=1)
+        mbarrier.arrive(kv_free.index(stage), count=1)
+    mbarrier.wait(scale_ready, 0)
+    scale = scale_smem.load(row_layout)
+    offs_h = hb * HEADS + gl.arange(0, HEADS, layout=row_layout)
+    offs_d = DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    if SPLIT:
+        row = (b * n_splits + split) * H + offs_h
+        gl.store(part_out_ptr + row[:, None] * D + offs_d[None, :], acc * scale[:, None])
+    else:
+        out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
+        gl.store(out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], out)
 
 
 @gluon.jit
@@ -56,112 +201,84 @@ def _sparse_mla_wgmma_kernel(
     stride_qb, stride_qh, stride_slot, stride_row, stride_ib, stride_ik, stride_sink,
     stride_ob, stride_oh, stride_lb,
     D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr,
+    Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, P_SMEM: gl.constexpr,
     FLAT_ROWS: gl.constexpr, SPLIT: gl.constexpr,
+    SECOND_HALF_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     HEADS: gl.constexpr = 64
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    # Accumulators: warps [4, 2] put warpgroup w on columns [w * N / 2, (w + 1) * N / 2).
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    # Gathers: 16-byte pieces, a warp per row, 8 warps over the rows of a block.
-    g_layout: gl.constexpr = gl.BlockedLayout(
-        size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[8, 1], order=[1, 0]
-    )
-
     hb = gl.program_id(0)
     split = gl.program_id(1)
+    n_splits = gl.num_programs(1)
     b = gl.program_id(2).to(gl.int64)
 
     q_smem = gl.allocate_shared_memory(dtype, [HEADS, D], Q_SMEM)
     kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], KV_SMEM)
+    p_smem = gl.allocate_shared_memory(dtype, [2, HEADS, BLOCK_N], P_SMEM)
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [2, HEADS], rows_layout)
+    scale_smem = gl.allocate_shared_memory(gl.float32, [HEADS], rows_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    scale_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(j), count=PRODUCER_THREADS)
+        mbarrier.init(kv_free.index(j), count=2)  # one arrive per warpgroup
+    for j in gl.static_range(2):
+        mbarrier.init(p_ready.index(j), count=1)
+        mbarrier.init(p_free.index(j), count=1)
+    mbarrier.init(scale_ready, count=1)
 
-    offs_d_g = gl.arange(0, D, layout=gl.SliceLayout(0, g_layout))
-    offs_h_g = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, g_layout))
-    _async_load(q_smem, q_ptr + b * stride_qb + offs_h_g[:, None] * stride_qh + offs_d_g[None, :])
+    # Q in shared memory before the partitions start.
+    q_layout: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1], order=[1, 0]
+    )
+    offs_d_q = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
+    offs_h_q = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, q_layout))
+    _async_load(q_smem, q_ptr + b * stride_qb + offs_h_q[:, None] * stride_qh + offs_d_q[None, :])
+    cp.commit_group()
+    cp.wait_group(0)
+    fence_async_shared()
+    _barrier()
 
     k_begin = split * blocks_per_split * BLOCK_N
     k_end = gl.minimum(k_begin + blocks_per_split * BLOCK_N, K)
     n_blocks = gl.cdiv(k_end - k_begin, BLOCK_N)
     idx_row_ptr = idx_ptr + b * stride_ib
-    offs_n_g = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
-    offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-
-    # Prologue: the first STAGES - 1 gathers (Q rides in the first group).
-    for j in gl.static_range(STAGES - 1):
-        row_off, valid = _row_offsets(
-            idx_row_ptr, k_begin + j * BLOCK_N + offs_n_g, k_end, stride_ik, rows_per_slot, stride_slot, stride_row,
-            FLAT_ROWS,
-        )
-        _async_load(kv_smem.index(j), kv_ptr + row_off[:, None] + offs_d_g[None, :], mask=valid[:, None])
-        cp.commit_group()
-    # Indices one step ahead: the next gather's rows, and this block's validity in score layout.
-    next_off, next_valid = _row_offsets(
-        idx_row_ptr, k_begin + (STAGES - 1) * BLOCK_N + offs_n_g, k_end, stride_ik, rows_per_slot, stride_slot,
-        stride_row, FLAT_ROWS,
+    gl.warp_specialize(
+        [
+            (_scores_and_first_half, (
+                q_smem, kv_smem, p_smem, alpha_smem, scale_smem, kv_ready, kv_free, p_ready, p_free, scale_ready,
+                idx_row_ptr, sink_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, b, hb, split, n_splits, H,
+                k_begin, k_end, n_blocks, stride_ik, stride_sink, stride_ob, stride_oh, stride_lb, scale_log2,
+                D, BLOCK_N, STAGES, SPLIT,
+            )),
+            (_second_half, (
+                kv_smem, p_smem, alpha_smem, scale_smem, kv_ready, kv_free, p_ready, p_free, scale_ready,
+                out_ptr, part_out_ptr, b, hb, split, n_splits, H, n_blocks, stride_ob, stride_oh,
+                D, STAGES, SPLIT,
+            )),
+            (_gather_rows, (
+                kv_ptr, idx_row_ptr, kv_smem, kv_ready, kv_free, k_begin, k_end, n_blocks, rows_per_slot,
+                stride_ik, stride_slot, stride_row, D, BLOCK_N, STAGES, FLAT_ROWS,
+            )),
+        ],
+        [4, 4],  # warps of the second warpgroup and of the producer
+        [SECOND_HALF_REGS, PRODUCER_REGS],
     )
-    cur_idx = gl.load(idx_row_ptr + (k_begin + offs_n_s) * stride_ik, mask=k_begin + offs_n_s < k_end, other=-1)
 
-    acc = gl.zeros([HEADS, D], gl.float32, o_layout)
-    m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([HEADS], gl.float32, gl.SliceLayout(1, s_layout))
-    s_zero = gl.zeros([HEADS, BLOCK_N], gl.float32, s_layout)
-    for i in range(n_blocks):
-        # Block i has landed for this thread; the fence hands its writes to the tensor cores'
-        # proxy and the barrier waits for every thread's part (and for both warpgroups to be
-        # done with the buffer the next gather overwrites).
-        cp.wait_group(STAGES - 2)
-        fence_async_shared()
-        _cta_barrier()
 
-        _async_load(
-            kv_smem.index((i + STAGES - 1) % STAGES), kv_ptr + next_off[:, None] + offs_d_g[None, :],
-            mask=next_valid[:, None],
-        )
-        cp.commit_group()
-        next_off, next_valid = _row_offsets(
-            idx_row_ptr, k_begin + (i + STAGES) * BLOCK_N + offs_n_g, k_end, stride_ik, rows_per_slot, stride_slot,
-            stride_row, FLAT_ROWS,
-        )
-        offs_k_next = k_begin + (i + 1) * BLOCK_N + offs_n_s
-        next_idx = gl.load(idx_row_ptr + offs_k_next * stride_ik, mask=offs_k_next < k_end, other=-1)
-
-        kv = kv_smem.index(i % STAGES)
-        s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
-        s = gl.where((cur_idx >= 0)[None, :], s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid score yet: keep p, alpha finite
-        alpha = gl.exp2(m_i - m_ref)
-        p = gl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), kv, acc)
-        cur_idx = next_idx
-    cp.wait_group(0)  # the gathers past the end are empty, but must not outlive the program
-
-    offs_h = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    if SPLIT:
-        # As the Triton split kernel: l >= 1 once any index was valid; the floor keeps an empty
-        # split at out = 0 and lse = -inf.
-        l_safe = gl.maximum(l_o, 1e-30)
-        row = (b * gl.num_programs(1) + split) * H + offs_h
-        gl.store(part_out_ptr + row[:, None] * D + offs_d[None, :], acc / l_safe[:, None])
-        gl.store(part_lse_ptr + row, m_o + gl.log2(l_safe))
-    else:
-        sink2 = gl.load(sink_ptr + offs_h * stride_sink).to(gl.float32) * LOG2E_C
-        m_all = gl.maximum(m_o, sink2)
-        w = gl.exp2(m_o - m_all)
-        denom = l_o * w + gl.exp2(sink2 - m_all)
-        out = acc * (w / denom)[:, None]
-        gl.store(out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(dtype))
-        gl.store(lse_ptr + b * stride_lb + offs_h, (m_all + gl.log2(denom)) * LN2_C)
+def kernel_constants(head_dim: int, block_n: int, stages: int, gl_dtype) -> dict:
+    """The kernel's shape and layout constexprs (shared with kernels.resource_usage)."""
+    return dict(
+        D=head_dim, BLOCK_N=block_n, STAGES=stages,
+        Q_SMEM=gl.NVMMASharedLayout.get_default_for([BLOCK_H, head_dim], gl_dtype),
+        KV_SMEM=gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl_dtype),
+        P_SMEM=gl.NVMMASharedLayout.get_default_for([BLOCK_H, block_n], gl_dtype),
+        SECOND_HALF_REGS=WORKER_REGS[0], PRODUCER_REGS=WORKER_REGS[1],
+    )
 
 
 def check_wgmma_inputs(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -203,9 +320,7 @@ def launch_wgmma(
         float(scale) * LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), indices.stride(0), indices.stride(1),
         sink.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        D=head_dim, BLOCK_N=block_n, STAGES=stages,
-        Q_SMEM=gl.NVMMASharedLayout.get_default_for([BLOCK_H, head_dim], gl_dtype),
-        KV_SMEM=gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl_dtype),
+        **kernel_constants(head_dim, block_n, stages, gl_dtype),
         FLAT_ROWS=flat_rows, SPLIT=split,
         num_warps=NUM_WARPS,
     )
