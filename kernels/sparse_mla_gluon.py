@@ -32,7 +32,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from kernels import sparse_mla_triton as smt
-from kernels.sparse_mla_plan import MAX_SPLITS, WGMMA_BLOCK_N, WGMMA_STAGES, blocks_per_split, wgmma_splits
+from kernels.sparse_mla_plan import (
+    MAX_SPLITS, WGMMA_BLOCK_N, WGMMA_HEAD_DIMS, WGMMA_STAGES, blocks_per_split, wgmma_splits,
+)
 from kernels.sparse_mla_triton import _row_offsets  # a Triton function: Gluon kernels call them as they are
 from kernels.triton_util import num_sms
 
@@ -47,6 +49,11 @@ LOG2E = 1.4426950408889634
 # Globals read inside kernels must be constexpr.
 LOG2E_C = gl.constexpr(LOG2E)
 LN2_C = gl.constexpr(0.6931471805599453)
+
+# Rows of 16-byte pieces, a warp per row, over four warps: the producer's gathers and Q's load.
+ROWS_LAYOUT = gl.constexpr(
+    gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1], order=[1, 0])
+)
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # cp.async into shared memory: `async_load` since Triton 3.7, `async_copy_global_to_shared` before.
@@ -63,11 +70,8 @@ def _gather_rows(
     D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FLAT_ROWS: gl.constexpr,
 ):
     """Producer: block i's rows into buffer i % STAGES; every thread's copies arrive on kv_ready."""
-    g_layout: gl.constexpr = gl.BlockedLayout(
-        size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1], order=[1, 0]
-    )
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, g_layout))
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, ROWS_LAYOUT))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROWS_LAYOUT))
     row_off, valid = _row_offsets(
         idx_row_ptr, k_begin + offs_n, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS
     )
@@ -233,11 +237,8 @@ def _sparse_mla_wgmma_kernel(
     mbarrier.init(scale_ready, count=1)
 
     # Q in shared memory before the partitions start.
-    q_layout: gl.constexpr = gl.BlockedLayout(
-        size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1], order=[1, 0]
-    )
-    offs_d_q = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
-    offs_h_q = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, q_layout))
+    offs_d_q = gl.arange(0, D, layout=gl.SliceLayout(0, ROWS_LAYOUT))
+    offs_h_q = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, ROWS_LAYOUT))
     _async_load(q_smem, q_ptr + b * stride_qb + offs_h_q[:, None] * stride_qh + offs_d_q[None, :])
     cp.commit_group()
     cp.wait_group(0)
@@ -293,8 +294,8 @@ def check_wgmma_inputs(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
     heads, head_dim = q.shape[1], q.shape[2]
     if heads % BLOCK_H:
         raise ValueError(f"sparse_mla_decode (wgmma): heads must be a multiple of {BLOCK_H}, got {heads}")
-    if head_dim not in (128, 256, 512):
-        raise ValueError(f"sparse_mla_decode (wgmma): head dim must be 128, 256 or 512, got {head_dim}")
+    if head_dim not in WGMMA_HEAD_DIMS:
+        raise ValueError(f"sparse_mla_decode (wgmma): head dim must be one of {WGMMA_HEAD_DIMS}, got {head_dim}")
     if q.stride(2) != 1 or kv_cache.stride(2) != 1:
         raise ValueError("sparse_mla_decode (wgmma): q and kv_cache need a contiguous last dimension")
 
