@@ -35,15 +35,16 @@ from kernels import sparse_mla_triton as smt
 from kernels.sparse_mla_plan import (
     MAX_SPLITS, WGMMA_BLOCK_N, WGMMA_HEAD_DIMS, WGMMA_STAGES, blocks_per_split, wgmma_splits,
 )
-from kernels.sparse_mla_triton import _row_offsets  # a Triton function: Gluon kernels call them as they are
+# Triton functions: Gluon kernels call them as they are.
+from kernels.sparse_mla_triton import _load_indices, _offsets_of
 from kernels.triton_util import num_sms
 
 BLOCK_H = 64  # one wgmma M tile: a warpgroup of four 16-row warps
 NUM_WARPS = 4  # the scores warpgroup, the default partition
 # Registers per thread of the workers (setmaxnreg): the second warpgroup holds a 64 x D/2 fp32
-# accumulator (152 spill it: 2.3x slower on the H200), the producer only addresses (40 or 48
-# spill at D=512); the scores warpgroup gets the rest.
-WORKER_REGS = (168, 64)
+# accumulator (152 spill it: 2.3x slower on the H200), the producer addresses and the next block's
+# indices in flight (64 spill at D=512); the scores warpgroup gets the rest.
+WORKER_REGS = (168, 72)
 PRODUCER_THREADS = gl.constexpr(4 * 32)  # each thread arrives on a buffer's mbarrier when its copies land
 LOG2E = 1.4426950408889634
 # Globals read inside kernels must be constexpr.
@@ -69,22 +70,21 @@ def _gather_rows(
     stride_ik, stride_slot, stride_row,
     D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FLAT_ROWS: gl.constexpr,
 ):
-    """Producer: block i's rows into buffer i % STAGES; every thread's copies arrive on kv_ready."""
+    """Producer: block i's rows into buffer i % STAGES; every thread's copies arrive on kv_ready.
+    Indices are loaded a block ahead of their use: a gather's addresses never wait on a load."""
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, ROWS_LAYOUT))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROWS_LAYOUT))
-    row_off, valid = _row_offsets(
-        idx_row_ptr, k_begin + offs_n, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS
-    )
+    idx = _load_indices(idx_row_ptr, k_begin + offs_n, k_end, stride_ik)
+    row_off, valid = _offsets_of(idx, rows_per_slot, stride_slot, stride_row, FLAT_ROWS)
+    idx = _load_indices(idx_row_ptr, k_begin + BLOCK_N + offs_n, k_end, stride_ik)
     for i in range(n_blocks):
         stage = i % STAGES
         # Both warpgroups are done with the block this buffer held (nothing to wait for at first).
         mbarrier.wait(kv_free.index(stage), ((i // STAGES) + 1) & 1, pred=i >= STAGES)
         _async_load(kv_smem.index(stage), kv_ptr + row_off[:, None] + offs_d[None, :], mask=valid[:, None])
         cp.mbarrier_arrive(kv_ready.index(stage), increment_count=False)
-        row_off, valid = _row_offsets(
-            idx_row_ptr, k_begin + (i + 1) * BLOCK_N + offs_n, k_end, stride_ik, rows_per_slot, stride_slot,
-            stride_row, FLAT_ROWS,
-        )
+        row_off, valid = _offsets_of(idx, rows_per_slot, stride_slot, stride_row, FLAT_ROWS)
+        idx = _load_indices(idx_row_ptr, k_begin + (i + 2) * BLOCK_N + offs_n, k_end, stride_ik)
 
 
 @gluon.jit

@@ -62,12 +62,16 @@ LN2_C = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _row_offsets(idx_row_ptr, offs_k, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS: tl.constexpr):
-    """Element offsets of the KV rows named by indices[offs_k] (global row numbers; -1 and
-    offs_k >= k_end are masked: offset 0, valid False). FLAT_ROWS: slots are evenly strided
-    (stride_slot = rows_per_slot * stride_row), so row g sits at g * stride_row; otherwise g is
-    split into (slot, row) first."""
-    idx = tl.load(idx_row_ptr + offs_k * stride_ik, mask=offs_k < k_end, other=-1)
+def _load_indices(idx_row_ptr, offs_k, k_end, stride_ik):
+    """indices[offs_k], -1 where offs_k >= k_end."""
+    return tl.load(idx_row_ptr + offs_k * stride_ik, mask=offs_k < k_end, other=-1)
+
+
+@triton.jit
+def _offsets_of(idx, rows_per_slot, stride_slot, stride_row, FLAT_ROWS: tl.constexpr):
+    """Element offsets of the KV rows named by idx (global row numbers; -1 masked: offset 0,
+    valid False). FLAT_ROWS: slots are evenly strided (stride_slot = rows_per_slot *
+    stride_row), so row g sits at g * stride_row; otherwise g is split into (slot, row) first."""
     valid = idx >= 0
     row = tl.where(valid, idx, 0)
     if FLAT_ROWS:
@@ -76,6 +80,13 @@ def _row_offsets(idx_row_ptr, offs_k, k_end, stride_ik, rows_per_slot, stride_sl
         slot = row // rows_per_slot
         row_off = slot.to(tl.int64) * stride_slot + (row - slot * rows_per_slot).to(tl.int64) * stride_row
     return row_off, valid
+
+
+@triton.jit
+def _row_offsets(idx_row_ptr, offs_k, k_end, stride_ik, rows_per_slot, stride_slot, stride_row, FLAT_ROWS: tl.constexpr):
+    """_offsets_of(indices[offs_k]); offs_k >= k_end is masked."""
+    idx = _load_indices(idx_row_ptr, offs_k, k_end, stride_ik)
+    return _offsets_of(idx, rows_per_slot, stride_slot, stride_row, FLAT_ROWS)
 
 
 @triton.jit
