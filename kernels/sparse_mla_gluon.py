@@ -4,8 +4,9 @@ Semantics: kernels/sparse_mla.py. One program per (64-head block, split, sequenc
 partitions of four warps, which hand work to each other through shared memory and mbarriers:
 
 - a producer gathers each block of BLOCK_N cache rows with cp.async into a ring of STAGES
-  buffers (the next block's row offsets loaded while the current gather is issued), marks a
-  buffer ready when its rows land, and refills it once both warpgroups below have released it;
+  buffers (each block's indices loaded a block before its addresses are computed, so no gather
+  waits on an index load), marks a buffer ready when its rows land, and refills it once both
+  warpgroups below have released it;
 - the scores warpgroup keeps Q in shared memory and computes S = Q K^T for the whole block as one
   warpgroup-MMA chain (Q read from shared memory once per block), the online softmax and P; it
   passes P (16-bit) and the running sum's rescale factor to the other warpgroup through a
