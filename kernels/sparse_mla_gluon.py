@@ -103,7 +103,7 @@ def _scores_and_first_half(
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     offs_n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    cur_idx = gl.load(idx_row_ptr + (k_begin + offs_n_s) * stride_ik, mask=k_begin + offs_n_s < k_end, other=-1)
+    cur_idx = _load_indices(idx_row_ptr, k_begin + offs_n_s, k_end, stride_ik)
     acc = gl.zeros([HEADS, DH], gl.float32, o_layout)
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([HEADS], gl.float32, gl.SliceLayout(1, s_layout))
@@ -111,8 +111,7 @@ def _scores_and_first_half(
     for i in range(n_blocks):
         stage = i % STAGES
         pb = i % 2
-        offs_k_next = k_begin + (i + 1) * BLOCK_N + offs_n_s
-        next_idx = gl.load(idx_row_ptr + offs_k_next * stride_ik, mask=offs_k_next < k_end, other=-1)
+        next_idx = _load_indices(idx_row_ptr, k_begin + (i + 1) * BLOCK_N + offs_n_s, k_end, stride_ik)
         mbarrier.wait(kv_ready.index(stage), (i // STAGES) & 1)
         fence_async_shared()  # the gathered rows, written through cp.async, to the tensor cores' proxy
         kv = kv_smem.index(stage)
