@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--variants", type=lambda s: tuple(s.split(",")), default=None, help="comma list of eager, eager-graphs, reduce-overhead, fuse, fuse-static, fuse-pdl, fuse-pieces, fuse-nested, fuse-regional, fuse-eager-head (default: the first four)")
     bench.add_argument("--steps", type=int, default=10)
     bench.add_argument("--eager-steps", type=int, default=4)
-    bench.add_argument("--repeats", type=int, default=2)
+    bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--fp32-products", default="exact", choices=["exact", "fast"])
     bench.add_argument("--start-times", action="store_true", help="only: cold and warm start of compile_decode for 7 buckets, each in a new process")
     bench.add_argument("--compare-precision", action="store_true", help="only: fp32 products fast vs exact under compile_decode")

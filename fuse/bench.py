@@ -69,8 +69,8 @@ class BenchSettings:
     contexts: tuple[int, ...] = (4096, 32768)
     batches: tuple[int, ...] = (1, 16, 32, 64)
     variants: tuple[str, ...] = DEFAULT_VARIANTS
-    steps: int = 10  # timed steps per variant and shape (split over `repeats` interleaved rounds)
-    repeats: int = 2
+    steps: int = 10  # steps per variant, shape and round: one back-to-back run and as many single synchronised steps
+    repeats: int = 5
     eager_steps: int = 4  # the eager step is slow: fewer samples
     fp32_products: str = "exact"
     device: str = "cuda"  # "cpu" runs eager and fuse only (no CUDA graphs there), in fp32
@@ -249,13 +249,36 @@ def step_inputs(batch: int, context: int, vocab: int, device, seed: int) -> tupl
     return tuple(t.to(device) for t in (tokens, positions, slots))
 
 
-def interleaved_ms(runs: dict[str, Callable], inputs: tuple, steps: dict[str, int], repeats: int) -> dict[str, list[float]]:
-    """Step times in ms of each run on `inputs`: steps[name] samples each, taken in `repeats`
-    interleaved rounds, so that drift on a shared GPU hits every run alike."""
-    samples = {name: [] for name in runs}
+def back_to_back_ms(run: Callable, inputs: tuple, steps: int) -> float:
+    """Time per step in ms of `steps` calls issued back to back, as a serving loop that keeps the
+    GPU fed runs them: the host launches a step while the GPU still runs the one before, so a
+    step costs its GPU time (CUDA events bracket the calls). Wall time on a CPU."""
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs)
+    if not on_cuda:
+        start = time.perf_counter()
+        for _ in range(steps):
+            run(*inputs)
+        return 1e3 * (time.perf_counter() - start) / steps
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    first.record()
+    for _ in range(steps):
+        run(*inputs)
+    last.record()
+    last.synchronize()
+    return first.elapsed_time(last) / steps
+
+
+def interleaved_ms(runs: dict[str, Callable], inputs: tuple, steps: dict[str, int], repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Per run, in `repeats` interleaved rounds (drift on a shared GPU hits every run alike):
+    "step", one back-to-back time per round over steps[name] calls (`back_to_back_ms`), and
+    "latency", the wall time of each of steps[name] single synchronised calls (the host's launch
+    and the wait for the result included)."""
+    samples = {name: {"step": [], "latency": []} for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
-            samples[name] += [call_ms(run, *inputs) for _ in range(max(1, steps[name] // repeats))]
+            samples[name]["step"].append(back_to_back_ms(run, inputs, steps[name]))
+            samples[name]["latency"] += [call_ms(run, *inputs) for _ in range(steps[name])]
     return samples
 
 
@@ -399,8 +422,11 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
             floor_ms = floor["total"] / (result["copy_gbs"] * 1e9) * 1e3
             row = {"context": context, "batch": batch, "floor_ms": floor_ms, "floor_bytes": floor, "checks": checks}
             for name, times in samples.items():
-                ms = statistics.median(times)
-                row[name] = {"ms": ms, "tokens_per_s": batch / ms * 1e3, "samples": len(times)}
+                ms = statistics.median(times["step"])
+                row[name] = {
+                    "ms": ms, "latency_ms": statistics.median(times["latency"]), "tokens_per_s": batch / ms * 1e3,
+                    "samples": len(times["step"]),
+                }
             rows.append(row)
             log(format_row(row, variants))
     result["rows"] = rows
@@ -434,7 +460,7 @@ def compare_precision(settings: BenchSettings, log: Callable[[str], None] = prin
         samples = interleaved_ms({name: built.run for name, built in runs.items()}, inputs, dict.fromkeys(runs, settings.steps), settings.repeats)
         row = {
             "batch": batch, "context": context,
-            "exact_ms": statistics.median(samples["exact"]), "fast_ms": statistics.median(samples["fast"]),
+            "exact_ms": statistics.median(samples["exact"]["step"]), "fast_ms": statistics.median(samples["fast"]["step"]),
             "max_relative_error": relative_error(actual, reference),
             "top1_agreement": (actual.argmax(-1) == reference.argmax(-1)).float().mean().item(),
         }
@@ -487,8 +513,10 @@ def to_markdown(result: dict) -> str:
         "",
         f"`{command}` on {result['gpu']}, torch {result['torch']}, triton {result['triton']}, {result['date']}. "
         f"{s['dtype']} weights, fp32 products {s['fp32_products']}. Copy bandwidth measured in the same run: {result['copy_gbs']:.0f} GB/s. "
-        f"Step time = median wall time of one synchronised step ({s['steps']} samples, {s['eager_steps']} for eager, "
-        f"in {s['repeats']} interleaved rounds). Floor = bytes the step must read / copy bandwidth.",
+        f"Step time = time per step of {s['steps']} steps issued back to back ({s['eager_steps']} for eager), CUDA events "
+        f"around them, median of {s['repeats']} interleaved rounds: what a serving loop that keeps the GPU fed pays per step. "
+        f"Latency (table after it) = wall time of one synchronised step, host launch and wait included. "
+        f"Floor = bytes the step must read / copy bandwidth.",
         "",
         "| context | batch | " + " | ".join(f"{n} ms" for n in names)
         + f" | floor ms | {ours} vs eager-graphs | {ours} vs reduce-overhead | {ours} / floor | {ours} tokens/s |",
@@ -499,6 +527,12 @@ def to_markdown(result: dict) -> str:
         cells += [f"{row['floor_ms']:.2f}", ratio(row, ours, "eager-graphs"), ratio(row, ours, "reduce-overhead")]
         cells += [f"{row[ours]['ms'] / row['floor_ms']:.2f}x" if ours in row else "-"]
         cells += [f"{row[ours]['tokens_per_s']:.0f}" if ours in row else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Latency of one synchronised step, ms (median of the single steps of every round):", "",
+              "| context | batch | " + " | ".join(f"{n} ms" for n in names) + f" | {ours} / floor |", "|---|---|" + "---|" * (len(names) + 1)]
+    for row in result["rows"]:
+        cells = [str(row["context"]), str(row["batch"])] + [f"{row[n]['latency_ms']:.2f}" for n in names]
+        cells += [f"{row[ours]['latency_ms'] / row['floor_ms']:.2f}x" if ours in row else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Start-up, for the batch sizes above", "",
               "| variant | start s | compiles | graph captures | GiB in graph pools | note |", "|---|---|---|---|---|---|"]

@@ -1,6 +1,7 @@
 """Opaque decode kernels for DeepSeek-V4-class models, registered as torch.library custom ops.
 
 Each op has a plain-torch reference (the CPU path) beside its fast path."""
+from kernels.hc_mix import hc_post_pre_norm, hc_post_pre_norm_reference, hc_pre_norm, hc_pre_norm_reference
 from kernels.hc_sinkhorn import hc_split_sinkhorn, hc_split_sinkhorn_reference
 from kernels.indexer import indexer_topk, indexer_topk_reference
 from kernels.linear import grouped_linear, grouped_linear_reference, linear, linear_reference
@@ -8,6 +9,7 @@ from kernels.moe import moe_experts, moe_experts_reference
 from kernels.sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
 
 __all__ = [
+    "hc_post_pre_norm", "hc_post_pre_norm_reference", "hc_pre_norm", "hc_pre_norm_reference",
     "hc_split_sinkhorn", "hc_split_sinkhorn_reference",
     "indexer_topk",
     "indexer_topk_reference",

@@ -122,6 +122,61 @@ def _normalise4(a, b, c, d, eps):
 
 
 @triton.jit
+def _normalise4_one_division(a, b, c, d, eps, ROUNDED_RECIPROCAL: tl.constexpr):
+    """_normalise4 with one division per row or column: q = x * r corrected by two fmas (Markstein),
+    which is the rounded quotient when r is the rounded 1 / total (checked bit for bit against the
+    division on 1e8 pairs). ROUNDED_RECIPROCAL=False takes r from the approximate fp32 division
+    refined by one Newton step instead of the rounded division's slow-path-guarded sequence: the
+    chain's latency halves and a quotient may differ from the rounded one in its last bit."""
+    total = a + b + c + d + eps
+    one = tl.full(total.shape, 1.0, tl.float32)
+    if ROUNDED_RECIPROCAL:
+        r = _div(one, total)
+    else:
+        r = one / total
+        r = tl.fma(tl.fma(-total, r, one), r, r)
+    qa, qb, qc, qd = a * r, b * r, c * r, d * r
+    qa = tl.fma(tl.fma(-qa, total, a), r, qa)
+    qb = tl.fma(tl.fma(-qb, total, b), r, qb)
+    qc = tl.fma(tl.fma(-qc, total, c), r, qc)
+    qd = tl.fma(tl.fma(-qd, total, d), r, qd)
+    return qa, qb, qc, qd
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps, DIVISION: tl.constexpr):
+    # DIVISION: 0 every cell divided (rounded), 1 one rounded reciprocal per row or column, 2 one
+    # approximate reciprocal refined by a Newton step (see _normalise4_one_division).
+    if DIVISION == 0:
+        return _normalise4(a, b, c, d, eps)
+    else:
+        return _normalise4_one_division(a, b, c, d, eps, DIVISION == 1)
+
+
+@triton.jit
+def _sinkhorn4(
+    c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
+    eps, ITERS: tl.constexpr, DIVISION: tl.constexpr,
+):
+    """The rounds after the row softmax on the 16 cells of a 4x4 matrix held as separate values:
+    a column step, then iters - 1 rounds of a row and a column step."""
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps, DIVISION)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps, DIVISION)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps, DIVISION)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps, DIVISION)
+    for _ in range(ITERS - 1):
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps, DIVISION)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps, DIVISION)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps, DIVISION)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps, DIVISION)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps, DIVISION)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps, DIVISION)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps, DIVISION)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps, DIVISION)
+    return c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33
+
+
+@triton.jit
 def _comb_logit(mixes_row, base_ptr, cell, stride_mc, stride_base, scale_comb, token_ok):
     m = tl.load(mixes_row + (8 + cell) * stride_mc, mask=token_ok, other=0.0)
     return m * scale_comb + tl.load(base_ptr + (8 + cell) * stride_base)
@@ -140,6 +195,40 @@ def _comb_row_softmax(mixes_row, base_ptr, row, stride_mc, stride_base, scale_co
 
 
 @triton.jit
+def _store_cells(out, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, mask):
+    """The 16 cells of a 4x4 matrix, row major from `out`."""
+    tl.store(out + 0, c00, mask=mask)
+    tl.store(out + 1, c01, mask=mask)
+    tl.store(out + 2, c02, mask=mask)
+    tl.store(out + 3, c03, mask=mask)
+    tl.store(out + 4, c10, mask=mask)
+    tl.store(out + 5, c11, mask=mask)
+    tl.store(out + 6, c12, mask=mask)
+    tl.store(out + 7, c13, mask=mask)
+    tl.store(out + 8, c20, mask=mask)
+    tl.store(out + 9, c21, mask=mask)
+    tl.store(out + 10, c22, mask=mask)
+    tl.store(out + 11, c23, mask=mask)
+    tl.store(out + 12, c30, mask=mask)
+    tl.store(out + 13, c31, mask=mask)
+    tl.store(out + 14, c32, mask=mask)
+    tl.store(out + 15, c33, mask=mask)
+
+
+@triton.jit
+def _hc4_pre_post(mixes_row, scale_ptr, base_ptr, stride_mc, stride_scale, stride_base, token_ok, eps):
+    """pre and post [BLOCK_B, 4] of the tokens whose mixes start at mixes_row [BLOCK_B]: elementwise, no sums."""
+    lanes = tl.arange(0, 4)
+    scale_pre = tl.load(scale_ptr)
+    scale_post = tl.load(scale_ptr + stride_scale)
+    m_pre = tl.load(mixes_row[:, None] + lanes[None, :] * stride_mc, mask=token_ok[:, None], other=0.0)
+    pre = _sigmoid(m_pre * scale_pre + tl.load(base_ptr + lanes * stride_base)[None, :]) + eps
+    m_post = tl.load(mixes_row[:, None] + (4 + lanes)[None, :] * stride_mc, mask=token_ok[:, None], other=0.0)
+    post = 2.0 * _sigmoid(m_post * scale_post + tl.load(base_ptr + (4 + lanes) * stride_base)[None, :])
+    return pre, post
+
+
+@triton.jit
 def _hc4_split_sinkhorn_kernel(
     mixes_ptr, scale_ptr, base_ptr,
     pre_ptr, post_ptr, comb_ptr,
@@ -155,13 +244,7 @@ def _hc4_split_sinkhorn_kernel(
     lanes = tl.arange(0, 4)
     mixes_row = mixes_ptr + tokens * stride_mb
 
-    # pre and post: elementwise over [BLOCK_B, 4], no sums
-    scale_pre = tl.load(scale_ptr)
-    scale_post = tl.load(scale_ptr + stride_scale)
-    m_pre = tl.load(mixes_row[:, None] + lanes[None, :] * stride_mc, mask=token_ok[:, None], other=0.0)
-    pre = _sigmoid(m_pre * scale_pre + tl.load(base_ptr + lanes * stride_base)[None, :]) + eps
-    m_post = tl.load(mixes_row[:, None] + (4 + lanes)[None, :] * stride_mc, mask=token_ok[:, None], other=0.0)
-    post = 2.0 * _sigmoid(m_post * scale_post + tl.load(base_ptr + (4 + lanes) * stride_base)[None, :])
+    pre, post = _hc4_pre_post(mixes_row, scale_ptr, base_ptr, stride_mc, stride_scale, stride_base, token_ok, eps)
     vec_offsets = tokens[:, None] * 4 + lanes[None, :]
     tl.store(pre_ptr + vec_offsets, pre, mask=token_ok[:, None])
     tl.store(post_ptr + vec_offsets, post, mask=token_ok[:, None])
@@ -171,38 +254,13 @@ def _hc4_split_sinkhorn_kernel(
     c10, c11, c12, c13 = _comb_row_softmax(mixes_row, base_ptr, 1, stride_mc, stride_base, s, token_ok, eps)
     c20, c21, c22, c23 = _comb_row_softmax(mixes_row, base_ptr, 2, stride_mc, stride_base, s, token_ok, eps)
     c30, c31, c32, c33 = _comb_row_softmax(mixes_row, base_ptr, 3, stride_mc, stride_base, s, token_ok, eps)
-    # Column step after the softmax, then iters - 1 rounds of row and column steps.
-    c00, c10, c20, c30 = _normalise4(c00, c10, c20, c30, eps)
-    c01, c11, c21, c31 = _normalise4(c01, c11, c21, c31, eps)
-    c02, c12, c22, c32 = _normalise4(c02, c12, c22, c32, eps)
-    c03, c13, c23, c33 = _normalise4(c03, c13, c23, c33, eps)
-    for _ in range(ITERS - 1):
-        c00, c01, c02, c03 = _normalise4(c00, c01, c02, c03, eps)
-        c10, c11, c12, c13 = _normalise4(c10, c11, c12, c13, eps)
-        c20, c21, c22, c23 = _normalise4(c20, c21, c22, c23, eps)
-        c30, c31, c32, c33 = _normalise4(c30, c31, c32, c33, eps)
-        c00, c10, c20, c30 = _normalise4(c00, c10, c20, c30, eps)
-        c01, c11, c21, c31 = _normalise4(c01, c11, c21, c31, eps)
-        c02, c12, c22, c32 = _normalise4(c02, c12, c22, c32, eps)
-        c03, c13, c23, c33 = _normalise4(c03, c13, c23, c33, eps)
+    c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33 = _sinkhorn4(
+        c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, eps, ITERS, 0
+    )
 
-    out = comb_ptr + tokens * 16
-    tl.store(out + 0, c00, mask=token_ok)
-    tl.store(out + 1, c01, mask=token_ok)
-    tl.store(out + 2, c02, mask=token_ok)
-    tl.store(out + 3, c03, mask=token_ok)
-    tl.store(out + 4, c10, mask=token_ok)
-    tl.store(out + 5, c11, mask=token_ok)
-    tl.store(out + 6, c12, mask=token_ok)
-    tl.store(out + 7, c13, mask=token_ok)
-    tl.store(out + 8, c20, mask=token_ok)
-    tl.store(out + 9, c21, mask=token_ok)
-    tl.store(out + 10, c22, mask=token_ok)
-    tl.store(out + 11, c23, mask=token_ok)
-    tl.store(out + 12, c30, mask=token_ok)
-    tl.store(out + 13, c31, mask=token_ok)
-    tl.store(out + 14, c32, mask=token_ok)
-    tl.store(out + 15, c33, mask=token_ok)
+    _store_cells(
+        comb_ptr + tokens * 16, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, token_ok
+    )
 
 
 # hc=4: one token per thread, one warp per program (B=128 makes 4 programs).

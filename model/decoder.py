@@ -10,7 +10,7 @@ from torch import nn
 
 from model.attention import Attention
 from model.config import ModelConfig
-from model.hyper import hc_head, hc_post, hc_pre
+from model.hyper import hc_head, hc_post, hc_post_pre_norm, hc_pre_norm
 from model.layers import DecodeStep, Embedding, Linear, RMSNorm, fp32_linear, fp32_param, product_dtype
 from model.moe import MoE
 from model.quant import hadamard_matrix
@@ -35,15 +35,16 @@ class Block(nn.Module):
             setattr(self, f"hc_{side}_base", fp32_param(mixes, device=device))
             setattr(self, f"hc_{side}_scale", fp32_param(3, device=device))
 
-    def _pre(self, streams: torch.Tensor, side: str):
+    def _mix(self, side: str) -> tuple:
+        """The hc parameters and the norm of one sublayer, as the boundary functions take them."""
         fn, scale, base = (getattr(self, f"hc_{side}_{p}") for p in ("fn", "scale", "base"))
-        return hc_pre(streams, fn, scale, base, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
+        return fn, scale, base, getattr(self, f"{side}_norm"), self.sinkhorn_iters, self.hc_eps, self.norm_eps
 
     def forward(self, streams: torch.Tensor, step: DecodeStep, hadamard: torch.Tensor) -> torch.Tensor:
-        x, post, comb = self._pre(streams, "attn")
-        streams = hc_post(self.attn(self.attn_norm(x), step, hadamard), streams, post, comb)
-        x, post, comb = self._pre(streams, "ffn")
-        return hc_post(self.ffn(self.ffn_norm(x), step.tokens), streams, post, comb)
+        x, post, comb = hc_pre_norm(streams, *self._mix("attn"))
+        out = self.attn(x, step, hadamard)
+        streams, x, post, comb = hc_post_pre_norm(out, streams, post, comb, *self._mix("ffn"))
+        return hc_post(self.ffn(x, step.tokens), streams, post, comb)
 
 
 class Decoder(nn.Module):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 import kernels
-from model.layers import fp32_linear
+from kernels.hc_mix import takes_kernel as boundary_takes_kernel
+from model.layers import RMSNorm, fp32_linear
 
 
 def normalized_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,6 +35,25 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
     """New copy j = post_j * out + sum_i comb[i, j] * copy_i (fp32 math, stream dtype result)."""
     mixed = torch.einsum("bij,bid->bjd", comb, streams.float())
     return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(streams.dtype)
+
+
+def hc_pre_norm(streams, fn, scale, base, norm: RMSNorm, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    """hc_pre, then the sublayer's `norm`: (normed input [B, D], post [B, hc], comb [B, hc, hc]).
+    On CUDA one op of two kernels (kernels/hc_mix.py), where Inductor would write 4-5."""
+    if boundary_takes_kernel(streams, fn):
+        return kernels.hc_pre_norm(streams, fn, scale, base, norm.weight, sinkhorn_iters, hc_eps, norm_eps, norm.eps)
+    x, post, comb = hc_pre(streams, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps)
+    return norm(x), post, comb
+
+
+def hc_post_pre_norm(out, streams, post, comb, fn, scale, base, norm: RMSNorm, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    """hc_post of one sublayer, then hc_pre_norm of the next: (new streams, normed input, post, comb)."""
+    if boundary_takes_kernel(streams, fn):
+        return kernels.hc_post_pre_norm(
+            out, streams, post, comb, fn, scale, base, norm.weight, sinkhorn_iters, hc_eps, norm_eps, norm.eps
+        )
+    streams = hc_post(out, streams, post, comb)
+    return (streams, *hc_pre_norm(streams, fn, scale, base, norm, sinkhorn_iters, hc_eps, norm_eps))
 
 
 def hc_head(streams, fn, scale, base, hc_eps: float, norm_eps: float) -> torch.Tensor:

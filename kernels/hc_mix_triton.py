@@ -1,0 +1,159 @@
+"""Triton mHC boundary (semantics: kernels/hc_mix.py) in two kernels, hc = 4.
+
+Slices: program (s, t) of the first kernel owns slice s of SLICE values of the flattened copies
+[hc * D] (one copy h, a range of d) for TOKENS tokens. With a write-back it forms the new copies
+there (post_h * out + sum_i comb[i, h] * copy_i, rounded to the copies' dtype) and stores them; it
+then multiplies the slice by the matching [24, SLICE] block of fn (loaded once for its tokens) and
+stores 24 partial mixes and the slice's sum of squares per token. At D = 4096 that is 64 slices:
+fn's 1.5 MB is read by 64 programs at once instead of by the 24 rows Inductor's reduction gives
+a program each.
+
+Finish: program t of the second kernel adds token t's partials, scales the mixes by the inverse
+RMS, runs split + Sinkhorn on values held by every thread (each of the 2 * iters steps is four
+sums of four and one division per row or column, no cross-thread traffic), forms the pre-weighted
+sum of the copies and its RMSNorm. Math is fp32; each boundary is two launches whose shapes depend
+on B only, allocating only outputs and a small workspace (CUDA-graph safe).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.hc_mix import KERNEL_HC as HC, SLICE, tiles
+from kernels.hc_sinkhorn_triton import _comb_row_softmax, _hc4_pre_post, _sinkhorn4, _store_cells
+
+WIDTH = (2 + HC) * HC  # mixes per token: pre, post, comb
+PARTS = 32  # partial sums per token and slice: the 24 mixes, the sum of squares, padding
+TOKENS = 4  # tokens per program of the first kernel: fn's block is loaded once for them
+
+
+@triton.jit
+def _hc_mix_slices_kernel(
+    streams_ptr, out_ptr, post_ptr, comb_ptr, fn_ptr, new_ptr, part_ptr,
+    batch, stride_sb, stride_sh, stride_ob, stride_fn,
+    D: tl.constexpr, WRITE_BACK: tl.constexpr,
+    HC: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr, SLICE: tl.constexpr, TOKENS: tl.constexpr,
+):
+    s = tl.program_id(0)
+    k = s * SLICE + tl.arange(0, SLICE)  # flattened [hc * D] index
+    h = (s * SLICE) // D
+    d = k - h * D
+    rows = tl.arange(0, PARTS)
+    fn = tl.load(fn_ptr + rows[:, None] * stride_fn + k[None, :], mask=(rows < WIDTH)[:, None], other=0.0).to(tl.float32)
+    slices = tl.num_programs(0)
+    for i in tl.static_range(TOKENS):
+        token = tl.program_id(1) * TOKENS + i
+        if token < batch:
+            t = token.to(tl.int64)
+            if WRITE_BACK:
+                mixed = tl.zeros([SLICE], dtype=tl.float32)
+                for src in tl.static_range(HC):
+                    weight = tl.load(comb_ptr + t * HC * HC + src * HC + h)
+                    mixed += weight * tl.load(streams_ptr + t * stride_sb + src * stride_sh + d).to(tl.float32)
+                out = tl.load(out_ptr + t * stride_ob + d).to(tl.float32)
+                new = (tl.load(post_ptr + t * HC + h) * out + mixed).to(new_ptr.dtype.element_ty)
+                tl.store(new_ptr + t * HC * D + k, new)
+                x = new.to(tl.float32)
+            else:
+                x = tl.load(streams_ptr + t * stride_sb + h * stride_sh + d).to(tl.float32)
+            # The GEMV in fn's dtype, as the reference casts the copies to it first.
+            dots = tl.sum(fn * x.to(fn_ptr.dtype.element_ty).to(tl.float32)[None, :], axis=1)
+            parts = tl.where(rows == WIDTH, tl.sum(x * x, axis=0), dots)
+            tl.store(part_ptr + (t * slices + s) * PARTS + rows, parts)
+
+
+@triton.jit
+def _hc_mix_finish_kernel(
+    part_ptr, mixes_ptr, copies_ptr, scale_ptr, base_ptr, weight_ptr,
+    x_ptr, post_ptr, comb_ptr,
+    stride_cb, stride_ch, stride_scale, stride_base,
+    hc_eps, hc_norm_eps, norm_eps,
+    D: tl.constexpr, SLICES: tl.constexpr, ITERS: tl.constexpr, DIVISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    HC: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, PARTS)
+    parts = tl.load(part_ptr + (t * SLICES + tl.arange(0, SLICES))[:, None] * PARTS + cols[None, :])
+    sums = tl.sum(parts, axis=0)
+    mean_square = tl.sum(tl.where(cols == WIDTH, sums, 0.0), axis=0) / (HC * D)
+    mixes = sums * tl.math.rsqrt(mean_square + hc_norm_eps)
+    # Every thread needs every mix: through the workspace (this program's own writes, so a
+    # barrier makes them visible) rather than 24 cross-thread extractions.
+    tl.store(mixes_ptr + t * PARTS + cols, mixes)
+    tl.debug_barrier()
+
+    token = t + tl.arange(0, 1)  # the helpers take [tokens]-shaped rows
+    ok = token >= 0
+    row = mixes_ptr + token * PARTS
+    pre, post = _hc4_pre_post(row, scale_ptr, base_ptr, 1, stride_scale, stride_base, ok, hc_eps)
+    lanes = tl.arange(0, HC)
+    tl.store(post_ptr + token[:, None] * HC + lanes[None, :], post)
+    s = tl.load(scale_ptr + 2 * stride_scale)
+    c00, c01, c02, c03 = _comb_row_softmax(row, base_ptr, 0, 1, stride_base, s, ok, hc_eps)
+    c10, c11, c12, c13 = _comb_row_softmax(row, base_ptr, 1, 1, stride_base, s, ok, hc_eps)
+    c20, c21, c22, c23 = _comb_row_softmax(row, base_ptr, 2, 1, stride_base, s, ok, hc_eps)
+    c30, c31, c32, c33 = _comb_row_softmax(row, base_ptr, 3, 1, stride_base, s, ok, hc_eps)
+    c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33 = _sinkhorn4(
+        c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, hc_eps, ITERS, DIVISION
+    )
+    _store_cells(comb_ptr + token * 16, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, ok)
+
+    # The sublayer input: the pre-weighted sum of the copies, rounded to their dtype, then RMSNorm.
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    copies = tl.load(copies_ptr + t * stride_cb + lanes[:, None] * stride_ch + d[None, :], mask=d_ok[None, :], other=0.0)
+    x = tl.sum(tl.reshape(pre, (HC, 1)) * copies.to(tl.float32), axis=0)
+    x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps)
+    weight = tl.load(weight_ptr + d, mask=d_ok, other=0.0)
+    tl.store(x_ptr + t * D + d, (weight * (x * inv_rms)).to(x_ptr.dtype.element_ty), mask=d_ok)
+
+
+def hc_mix_triton(
+    streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight: torch.Tensor,
+    iters: int, hc_eps: float, hc_norm_eps: float, norm_eps: float,
+    out: torch.Tensor | None = None, post: torch.Tensor | None = None, comb: torch.Tensor | None = None,
+    division: int = 2,
+) -> tuple[torch.Tensor, ...]:
+    """(new streams or None, normed x [B, D], post [B, 4], comb [B, 4, 4]); with out/post/comb the
+    write-back first (hc_post_pre_norm), without it hc_pre_norm. Shapes as checked by
+    kernels.hc_mix.check_hc_mix_inputs; D a multiple of SLICE with 4 * D / SLICE a power of two.
+    division: how the Sinkhorn steps divide (kernels.hc_sinkhorn_triton._norm4): 0 every cell by
+    the rounded division torch does, 1 one rounded reciprocal per row or column corrected by two
+    fmas (the same quotients), 2 (default) an approximate reciprocal refined by a Newton step, then
+    the same correction (the last bit of a quotient may differ)."""
+    batch, hc, dim = streams.shape
+    if hc != HC or not tiles(dim):
+        raise ValueError(f"hc_mix (triton): needs hc = {HC} and D a multiple of {SLICE} with 4 * D / {SLICE} a power of two, got hc={hc}, D={dim}")
+    if streams.stride(-1) != 1 or fn.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
+        raise ValueError("hc_mix (triton): streams, out and fn must be contiguous along their last dimension")
+    write_back = out is not None
+    device = streams.device
+    x = torch.empty((batch, dim), dtype=streams.dtype, device=device)
+    post_out = torch.empty((batch, HC), dtype=torch.float32, device=device)
+    comb_out = torch.empty((batch, HC, HC), dtype=torch.float32, device=device)
+    new = torch.empty((batch, HC, dim), dtype=streams.dtype, device=device) if write_back else None
+    if batch == 0:
+        return new, x, post_out, comb_out
+    slices = HC * dim // SLICE
+    part = torch.empty((batch, slices, PARTS), dtype=torch.float32, device=device)
+    mixes = torch.empty((batch, PARTS), dtype=torch.float32, device=device)
+    if write_back:
+        post, comb = post.contiguous(), comb.contiguous()
+    _hc_mix_slices_kernel[(slices, triton.cdiv(batch, TOKENS))](
+        streams, out if write_back else streams, post if write_back else scale, comb if write_back else scale,
+        fn, new if write_back else x, part,
+        batch, streams.stride(0), streams.stride(1), out.stride(0) if write_back else 0, fn.stride(0),
+        D=dim, WRITE_BACK=write_back, HC=HC, WIDTH=WIDTH, PARTS=PARTS, SLICE=SLICE, TOKENS=TOKENS, num_warps=4,
+    )
+    copies = new if write_back else streams
+    _hc_mix_finish_kernel[(batch,)](
+        part, mixes, copies, scale, base, norm_weight,
+        x, post_out, comb_out,
+        copies.stride(0), copies.stride(1), scale.stride(0), base.stride(0),
+        hc_eps, hc_norm_eps, norm_eps,
+        D=dim, SLICES=slices, ITERS=iters, DIVISION=division, BLOCK_D=triton.next_power_of_2(dim),
+        HC=HC, WIDTH=WIDTH, PARTS=PARTS, num_warps=8,
+    )
+    return new, x, post_out, comb_out
