@@ -1,6 +1,6 @@
 """GPU benchmark of the decode kernels: checks each variant against its reference, then times it.
 
-    python -m kernels.bench [--only sparse_mla,indexer,moe,linear,hc_sinkhorn] [--out docs/kernels.md]
+    python -m kernels.bench [--only sparse_mla,indexer,moe,linear,hc_sinkhorn,hc_mix] [--out docs/kernels.md]
         [--sparse-mla-parts main,split,tiles,fused,plan,overlap,stages]
 
 Each section is a module `kernels.bench_<name>` with `run(copy_gbs) -> str` returning markdown."""
@@ -15,7 +15,7 @@ import torch
 
 from kernels.benchutil import copy_bandwidth_gbs
 
-SECTIONS = ("sparse_mla", "indexer", "moe", "linear", "hc_sinkhorn")
+SECTIONS = ("sparse_mla", "indexer", "moe", "linear", "hc_sinkhorn", "hc_mix")
 
 
 def main(argv: list[str] | None = None) -> None:

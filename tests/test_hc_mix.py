@@ -70,9 +70,15 @@ def assert_outputs_close(got, want, dtype, what: str):
     names = ("new streams", "x", "post", "comb") if len(want) == 4 else ("x", "post", "comb")
     for name, g, w in zip(names, got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, f"{what} {name}: {g.shape} {g.dtype} vs {w.shape} {w.dtype}"
-        # Outputs in the streams' dtype carry its rounding (one ulp where fp32 sums differ in order);
-        # post and comb are fp32 all the way.
-        tol = dict(rtol=1e-5, atol=1e-5) if g.dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        # Outputs in the streams' dtype carry its rounding (one ulp where fp32 sums differ in order).
+        # post and comb are fp32, but with half-precision copies written back a copy value that
+        # rounded the other way moves the mixes GEMV by up to ~2^-8 of one term (~1e-4 relative).
+        if g.dtype != torch.float32:
+            tol = dict(rtol=2e-2, atol=2e-2)
+        elif dtype == torch.float32:
+            tol = dict(rtol=1e-5, atol=1e-5)
+        else:
+            tol = dict(rtol=2e-3, atol=2e-4)
         torch.testing.assert_close(g.float(), w.float(), **tol, msg=lambda m: f"{what} {name}: {m}")
 
 

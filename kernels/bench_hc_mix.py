@@ -1,0 +1,96 @@
+"""GPU benchmark of the mHC boundary ops (kernels/hc_mix.py) at V4 widths (hc=4, D=4096, bf16
+copies, fp32 fn): `v4::hc_post_pre_norm` and `v4::hc_pre_norm` against the same math in plain
+torch compiled by Inductor (what the model's blocks ran before: hc_post, hc_pre with the Sinkhorn
+op, the RMSNorm), and the op's three ways of dividing in the Sinkhorn steps.
+
+One CUDA graph per rotating input set (each set its own fn, as each layer has its own); the
+calls are latency-bound, so the time is what a decode step pays per boundary. Every path is
+checked against the plain-torch reference first."""
+from __future__ import annotations
+
+import torch
+
+from kernels.benchutil import graph_time_us, markdown_table, rotation_count
+from kernels.hc_mix import hc_post_pre_norm_reference, hc_pre_norm_reference
+from kernels.hc_mix_triton import hc_mix_triton
+import kernels.hc_sinkhorn  # noqa: F401 (registers v4::hc_split_sinkhorn, which the composition calls)
+
+HC, DIM, ITERS, EPS = 4, 4096, 20, 1e-6
+BATCHES = (1, 2, 16, 64)
+TOLERANCE = 2e-2  # relative, on every output: bf16 copies and normed inputs, fp32 post and comb
+
+
+def _inputs(batch: int) -> tuple:
+    copies = lambda *shape: torch.randn(*shape, device="cuda").to(torch.bfloat16)  # noqa: E731
+    return (
+        copies(batch, DIM), copies(batch, HC, DIM), 2 * torch.rand(batch, HC, device="cuda"),
+        torch.softmax(torch.randn(batch, HC, HC, device="cuda"), -1),
+        torch.randn((2 + HC) * HC, HC * DIM, device="cuda") / DIM**0.5, 0.5 + torch.rand(3, device="cuda"),
+        0.5 * torch.randn((2 + HC) * HC, device="cuda"), 0.5 + torch.rand(DIM, device="cuda"),
+    )
+
+
+def _composition(out, streams, post, comb, fn, scale, base, weight):
+    """The boundary as the model wrote it before the op, for Inductor to fuse (Sinkhorn as the
+    plain function, which Inductor compiles into its own kernels)."""
+    mixed = torch.einsum("bij,bid->bjd", comb, streams.float())
+    new = (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(streams.dtype)
+    return (new, *_pre_composition(new, fn, scale, base, weight))
+
+
+def _pre_composition(streams, fn, scale, base, weight):
+    flat = streams.flatten(1).float()
+    mixes = torch.nn.functional.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + EPS)
+    pre, post, comb = torch.ops.v4.hc_split_sinkhorn(mixes, scale, base, HC, ITERS, EPS)
+    x = (pre.unsqueeze(-1) * flat.view(streams.shape)).sum(1).to(streams.dtype).float()
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS)
+    return (weight * x).to(streams.dtype), post, comb
+
+
+def _op(division: int, write_back: bool):
+    def call(out, streams, post, comb, fn, scale, base, weight):
+        extra = dict(out=out, post=post, comb=comb) if write_back else {}
+        result = hc_mix_triton(streams, fn, scale, base, weight, ITERS, EPS, EPS, EPS, division=division, **extra)
+        return result if write_back else result[1:]
+    return call
+
+
+def _check(label: str, got, want) -> None:
+    for g, w in zip(got, want):
+        err = ((g.float() - w.float()).norm() / w.float().norm()).item()
+        if err > TOLERANCE:
+            raise AssertionError(f"hc_mix {label}: relative error {err:.2e}")
+
+
+def run(copy_gbs: float) -> str:
+    del copy_gbs  # kilobytes per call: latency, not bandwidth
+    inductor = torch.compile(_composition, fullgraph=True, dynamic=False)
+    inductor_pre = torch.compile(
+        lambda out, streams, post, comb, fn, scale, base, weight: _pre_composition(streams, fn, scale, base, weight),
+        fullgraph=True, dynamic=False,
+    )
+    paths = [
+        ("post + pre, Inductor", inductor, True),
+        ("post + pre, op (default: approximate reciprocal + Newton + fmas)", _op(2, True), True),
+        ("post + pre, op (rounded reciprocal + fmas)", _op(1, True), True),
+        ("post + pre, op (every cell divided)", _op(0, True), True),
+        ("pre, Inductor", inductor_pre, False),
+        ("pre, op (default)", _op(2, False), False),
+    ]
+    rows = []
+    for batch in BATCHES:
+        first = _inputs(batch)
+        sets = [first] + [_inputs(batch) for _ in range(rotation_count(first[4].nbytes) - 1)]
+        want_post = hc_post_pre_norm_reference(*first[:4], *first[4:], ITERS, EPS, EPS, EPS)
+        want_pre = hc_pre_norm_reference(first[1], *first[4:], ITERS, EPS, EPS, EPS)
+        times = []
+        for label, fn, write_back in paths:
+            _check(f"B={batch} {label}", fn(*first), want_post if write_back else want_pre)
+            times.append(graph_time_us(fn, sets))
+        rows.append([batch] + [f"{t:.1f}" for t in times])
+    return (
+        f"## mHC boundary ops (hc={HC}, D={DIM}, {ITERS} Sinkhorn iterations)\n\n"
+        "us per call: one CUDA graph per rotating input set, median over sets and replays; every "
+        "path matched the plain-torch reference first.\n\n"
+        + markdown_table(["B"] + [label + " us" for label, _, _ in paths], rows) + "\n"
+    )
