@@ -2,8 +2,9 @@
 
 SkinnyProducts: a decode step has a few matrix products with very few output columns: the
 hyper-connection mixes (24 columns, 16384 deep), the MoE gate (one column per expert) and,
-inside hc_post, a batch of 4x4 by 4xD products. cuBLAS runs the skinny ones as a CUDA-core GEMM
-followed by a split-K reduce kernel, and the tiny batched one as a GEMM of its own; none of them
+inside hc_post, a batch of 4x4 by 4xD products (at batch 1 traced as one 4-deep mm). cuBLAS runs
+the skinny ones as a CUDA-core GEMM followed by a split-K reduce kernel, and the shallow ones as a
+GEMM of their own (at batch 1 after a kernel that writes the fp32 copy of its operand); none of them
 can fuse with the norms and casts around them. Rewritten as multiply-and-sum, Inductor makes each
 one a reduction (or, for a 4-deep sum, plain pointwise code) fused with its neighbours. Wide
 products keep the library GEMM. The result is the same product in fp32 arithmetic, summed in
@@ -27,7 +28,7 @@ MAX_PIECES = 8
 
 
 class SkinnyProducts(CustomGraphPass):
-    """mm(a [M, K], b [K, N]) with N <= max_columns, and bmm with a contraction depth <=
+    """mm(a [M, K], b [K, N]) with N <= max_columns, and mm and bmm with a contraction depth <=
     MAX_UNROLLED_DEPTH, become multiply-and-sum in fp32 (the dtype of a GEMM's accumulator),
     cast back to the product's dtype. max_columns = 0 leaves every product alone.
 
@@ -42,7 +43,7 @@ class SkinnyProducts(CustomGraphPass):
 
     def uuid(self) -> str:
         return (f"fuse.passes.SkinnyProducts(max_columns={self.max_columns}, depth={MAX_UNROLLED_DEPTH}, "
-                f"piece_depth={self.piece_depth}x{MAX_PIECES}) v2")
+                f"piece_depth={self.piece_depth}x{MAX_PIECES}) v3")
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.max_columns <= 0:
@@ -62,6 +63,10 @@ class SkinnyProducts(CustomGraphPass):
                 else:
                     # [M, 1, K] * [1, N, K] (b transposed), summed over K
                     _replace_by_sum(graph, node, a_dim=1, b_transpose=True, b_dim=0, sum_dim=-1)
+            elif node.target is aten.mm.default and statically_known_true(va.shape[1] <= MAX_UNROLLED_DEPTH):
+                # A shallow wide product, e.g. hc_post's at batch 1, where the batched product of
+                # the batch sizes above is traced as an mm: [M, K, 1] * [1, K, N], summed over K
+                _replace_by_sum(graph, node, a_dim=-1, b_transpose=False, b_dim=0, sum_dim=1)
             elif node.target is aten.bmm.default and statically_known_true(va.shape[2] <= MAX_UNROLLED_DEPTH):
                 # [B, M, K, 1] * [B, 1, K, N], summed over K
                 _replace_by_sum(graph, node, a_dim=-1, b_transpose=False, b_dim=1, sum_dim=2)

@@ -49,6 +49,21 @@ def test_skinny_products_leave_the_gemm_calls(max_columns, gemms):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("max_columns, gemms", [(64, 0), (0, 1)])
+def test_shallow_wide_mm_is_summed_in_place(max_columns, gemms):
+    """A 4-deep product with many columns (hc_post's at batch 1, traced as an mm) becomes
+    pointwise code: no GEMM call is left, and the result is the product."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    comb, streams = torch.rand(4, 4, generator=g), torch.randn(4, 200, generator=g)
+    product = lambda comb, streams: (comb.t() @ streams) * 2  # noqa: E731
+    options = fuse.CompileOptions(skinny_product_columns=max_columns)
+    fn = torch.compile(product, backend=compile_backend(options, CPU), fullgraph=True)
+    report = count_launches(fn, comb, streams)
+    assert sum(n for name, n in report.kernels.items() if name in ("aten::mm", "aten::bmm")) == gemms, report.kernels
+    torch.testing.assert_close(fn(comb, streams), product(comb, streams), rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_products_accumulate_in_fp32():
     torch._dynamo.reset()
     args = inputs(torch.bfloat16, seed=4)
