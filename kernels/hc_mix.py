@@ -93,7 +93,10 @@ def tiles(dim: int) -> bool:
 def takes_kernel(streams: torch.Tensor, fn: torch.Tensor) -> bool:
     """Whether the boundary runs the Triton kernels: CUDA, hc = 4 and a width the first kernel's
     slices tile. Depends on shapes other than the batch, so a symbolic-batch graph gets no guard."""
-    return streams.is_cuda and streams.shape[1] == KERNEL_HC and tiles(streams.shape[2]) and fn.stride(-1) == 1
+    return (
+        streams.is_cuda and streams.shape[1] == KERNEL_HC and tiles(streams.shape[2])
+        and streams.stride(-1) == 1 and fn.stride(-1) == 1
+    )
 
 
 @torch.library.custom_op("v4::hc_pre_norm", mutates_args=())
@@ -146,7 +149,7 @@ def _(out, streams, post, comb, fn, scale, base, norm_weight, iters, hc_eps, hc_
 
 @hc_post_pre_norm_op.register_kernel("cuda")
 def _(out, streams, post, comb, fn, scale, base, norm_weight, iters, hc_eps, hc_norm_eps, norm_eps):
-    if not takes_kernel(streams, fn):
+    if not takes_kernel(streams, fn) or out.stride(-1) != 1:
         return hc_post_pre_norm_reference(out, streams, post, comb, fn, scale, base, norm_weight, iters, hc_eps, hc_norm_eps, norm_eps)
     from kernels.hc_mix_triton import hc_mix_triton
 

@@ -124,6 +124,8 @@ def hc_mix_triton(
     fmas (the same quotients), 2 (default) an approximate reciprocal refined by a Newton step, then
     the same correction (the last bit of a quotient may differ)."""
     batch, hc, dim = streams.shape
+    if division not in (0, 1, 2):
+        raise ValueError(f"hc_mix (triton): division must be 0, 1 or 2, got {division!r}")
     if hc != HC or not tiles(dim):
         raise ValueError(f"hc_mix (triton): needs hc = {HC} and D a multiple of {SLICE} with 4 * D / {SLICE} a power of two, got hc={hc}, D={dim}")
     if streams.stride(-1) != 1 or fn.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):

@@ -160,10 +160,13 @@ def test_bad_impl_and_iters():
 
 
 @interpreter
-def test_triton_rejects_widths_it_does_not_tile():
+def test_triton_rejects_widths_it_does_not_tile_and_unknown_divisions():
     t = random_boundary(1, 64, seed=6)
     with pytest.raises(ValueError, match="needs hc = 4 and D a multiple of 256"):
         run_op(t, True, impl="triton")
+    t = random_boundary(1, 256, seed=6)
+    with pytest.raises(ValueError, match="division must be 0, 1 or 2"):
+        run_op(t, True, impl=None, division=3)
 
 
 def test_torch_compile_traces_one_call_cpu():
