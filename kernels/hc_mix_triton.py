@@ -10,7 +10,7 @@ a program each.
 
 Finish: program t of the second kernel adds token t's partials, scales the mixes by the inverse
 RMS, runs split + Sinkhorn on values held by every thread (each of the 2 * iters steps is four
-sums of four and one division per row or column, no cross-thread traffic), forms the pre-weighted
+sums of four and one reciprocal per row or column, no cross-thread traffic), forms the pre-weighted
 sum of the copies and its RMSNorm. Math is fp32; each boundary is two launches whose shapes depend
 on B only, allocating only outputs and a small workspace (CUDA-graph safe).
 """
