@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels.benchutil import graph_time_us, markdown_table, rotation_count
-from kernels.hc_mix import hc_post_pre_norm_reference, hc_pre_norm_reference
+from kernels.hc_mix import hc_post_pre_norm_reference, hc_post_reference, hc_pre_norm_reference
 from kernels.hc_mix_triton import hc_mix_triton
 import kernels.hc_sinkhorn  # noqa: F401 (registers v4::hc_split_sinkhorn, which the composition calls)
 
@@ -33,8 +33,7 @@ def _inputs(batch: int) -> tuple:
 def _composition(out, streams, post, comb, fn, scale, base, weight):
     """The boundary as the model wrote it before the op, for Inductor to fuse (Sinkhorn as the
     plain function, which Inductor compiles into its own kernels)."""
-    mixed = torch.einsum("bij,bid->bjd", comb, streams.float())
-    new = (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(streams.dtype)
+    new = hc_post_reference(out, streams, post, comb)
     return (new, *_pre_composition(new, fn, scale, base, weight))
 
 

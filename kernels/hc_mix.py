@@ -33,6 +33,8 @@ SLICE = 256
 
 
 def hc_post_reference(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The write-back: new copy j = post_j * out + sum_i comb[i, j] * copy_i (fp32 math, the
+    copies' dtype as result); also the model's hc_post."""
     mixed = torch.einsum("bij,bid->bjd", comb, streams.float())
     return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(streams.dtype)
 
@@ -85,7 +87,8 @@ def check_hc_mix_inputs(streams, fn, scale, base, norm_weight, out=None, post=No
 
 
 def tiles(dim: int) -> bool:
-    """Whether copies of width `dim` split into whole slices, a power of two of them."""
+    """Whether copies of width `dim` split into whole slices, a power of two of them (so `dim`
+    itself is a power of two)."""
     slices = KERNEL_HC * dim // SLICE
     return dim % SLICE == 0 and slices & (slices - 1) == 0
 

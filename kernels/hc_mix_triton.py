@@ -69,7 +69,7 @@ def _hc_mix_finish_kernel(
     x_ptr, post_ptr, comb_ptr,
     stride_cb, stride_ch, stride_scale, stride_base,
     hc_eps, hc_norm_eps, norm_eps,
-    D: tl.constexpr, SLICES: tl.constexpr, ITERS: tl.constexpr, DIVISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, SLICES: tl.constexpr, ITERS: tl.constexpr, DIVISION: tl.constexpr,
     HC: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -100,14 +100,13 @@ def _hc_mix_finish_kernel(
     _store_cells(comb_ptr + token * 16, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, ok)
 
     # The sublayer input: the pre-weighted sum of the copies, rounded to their dtype, then RMSNorm.
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    copies = tl.load(copies_ptr + t * stride_cb + lanes[:, None] * stride_ch + d[None, :], mask=d_ok[None, :], other=0.0)
+    # D is a power of two (kernels.hc_mix.tiles), so one unmasked range covers it.
+    d = tl.arange(0, D)
+    copies = tl.load(copies_ptr + t * stride_cb + lanes[:, None] * stride_ch + d[None, :])
     x = tl.sum(tl.reshape(pre, (HC, 1)) * copies.to(tl.float32), axis=0)
     x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
     inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps)
-    weight = tl.load(weight_ptr + d, mask=d_ok, other=0.0)
-    tl.store(x_ptr + t * D + d, (weight * (x * inv_rms)).to(x_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(x_ptr + t * D + d, (tl.load(weight_ptr + d) * (x * inv_rms)).to(x_ptr.dtype.element_ty))
 
 
 def hc_mix_triton(
@@ -155,7 +154,6 @@ def hc_mix_triton(
         x, post_out, comb_out,
         copies.stride(0), copies.stride(1), scale.stride(0), base.stride(0),
         hc_eps, hc_norm_eps, norm_eps,
-        D=dim, SLICES=slices, ITERS=iters, DIVISION=division, BLOCK_D=triton.next_power_of_2(dim),
-        HC=HC, WIDTH=WIDTH, PARTS=PARTS, num_warps=8,
+        D=dim, SLICES=slices, ITERS=iters, DIVISION=division, HC=HC, WIDTH=WIDTH, PARTS=PARTS, num_warps=8,
     )
     return new, x, post_out, comb_out
