@@ -15,6 +15,13 @@ the configurations again, provided it compiles with the same toolchain: the cach
 the ptxas version, which Inductor switches to torch's own the first time it compiles a kernel in
 the process, so a caller that also uses Inductor should make that switch before the first call.
 Under the interpreter (TRITON_INTERPRET=1, tests on a CPU) one fixed configuration runs instead.
+
+One row whose column strips would leave SMs idle (N / 16 programs per group, fewer than the SMs:
+the fused x projection, 1536-2048 x 4096, at batch 1) takes a GEMV instead: strips of 4-8 columns
+so every SM gets programs, fp32 multiply-adds on CUDA cores with the sum over K deferred to the
+end, and the next strip of K loaded while the current one is summed (Triton does not pipeline
+loads that feed no dot). On the H200, back to back in a graph, 6.8 against 10.2 us for
+1536 x 4096 (docs/kernels.md); where the strips fill the GPU the dot kernel is as fast or faster.
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ import triton.language as tl
 import triton.testing
 
 from kernels.linear import MAX_ROWS
-from kernels.triton_util import dot_precision, interpreting
+from kernels.triton_util import dot_precision, interpreting, num_sms
 
 
 @triton.jit
@@ -55,6 +62,33 @@ def _linear_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr,
+    N, K,
+    stride_xg, stride_wg, stride_wn, stride_og,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    group = tl.program_id(1).to(tl.int64)
+    x_ptr += group * stride_xg
+    w_ptr += group * stride_wg
+    out_ptr += group * stride_og
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    w_tile = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
+    # Per-lane partial sums, reduced once after the loop: no shuffles inside it.
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w = tl.load(w_tile, mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+    for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
+        # Issue the next strip's loads before this strip's multiply-adds (one strip in flight).
+        w_next = tl.load(w_tile + k0, mask=col_ok[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+        x = tl.load(x_ptr + (k0 - BLOCK_K) + ks, mask=(k0 - BLOCK_K + ks) < K, other=0.0)
+        acc += x.to(tl.float32)[None, :] * w.to(tl.float32)
+        w = w_next
+    tl.store(out_ptr + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
 # Strips of 16 or 32 columns, 128 or 256 values of K per step, 3-5 steps in flight.
 _CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
@@ -75,6 +109,19 @@ _linear_autotuned = triton.autotune(
 )(_linear_kernel)
 _INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32}
 
+# The best three at the model's one-row shapes on the H200 (4 columns x 1024 of K, 4 warps, won
+# at 1536 and 2048 x 4096), plus wider strips for a larger N.
+_GEMV_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=1)
+    for n, k, w in [(4, 1024, 4), (4, 512, 4), (8, 1024, 8), (8, 512, 4)]
+]
+_gemv_autotuned = triton.autotune(
+    configs=_GEMV_CONFIGS, key=["N", "K"], do_bench=_short_bench, cache_results=True
+)(_gemv_kernel)
+_INTERPRETER_GEMV_CONFIG = {"BLOCK_N": 4, "BLOCK_K": 32}
+# The dot kernel's narrowest strip: with fewer strips per group than SMs, one row takes the GEMV.
+_DOT_MIN_BLOCK_N = 16
+
 
 def row_tile(rows: int) -> int:
     """Rows per program: the power of two >= rows, at least 16 (tl.dot's smallest tile)."""
@@ -94,6 +141,9 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, groups, n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0 or groups == 0:
         return out
+    if rows == 1 and groups * triton.cdiv(n, _DOT_MIN_BLOCK_N) < num_sms(x.device):
+        _launch_gemv(x, weight, out)
+        return out
     args = (x, weight, out, rows, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1))
     meta = dict(BLOCK_M=row_tile(rows), PRECISION=dot_precision(x.dtype))
     if interpreting():
@@ -102,3 +152,13 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     else:
         _linear_autotuned[lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), groups)](*args, **meta)
     return out
+
+
+def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    _, groups, k = x.shape
+    n = weight.shape[1]
+    args = (x, weight, out, n, k, x.stride(1), weight.stride(0), weight.stride(1), out.stride(1))
+    if interpreting():
+        _gemv_kernel[(triton.cdiv(n, _INTERPRETER_GEMV_CONFIG["BLOCK_N"]), groups)](*args, **_INTERPRETER_GEMV_CONFIG)
+    else:
+        _gemv_autotuned[lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), groups)](*args)

@@ -59,6 +59,23 @@ def test_grouped_triton_matches_einsum(rows, groups):
     torch.testing.assert_close(out, torch.einsum("mgk,gnk->mgn", x.double(), w.double()).float(), rtol=1e-5, atol=1e-5)
 
 
+
+@interpreter
+@pytest.mark.parametrize("n,groups,takes_gemv", [(30, 1, True), (24, 3, True), (200, 1, False), (40, 4, False)])
+def test_one_row_takes_the_gemv_where_strips_leave_sms_idle(monkeypatch, n, groups, takes_gemv):
+    # The interpreter counts 8 SMs: fewer than 8 strips of 16 columns in all groups -> the GEMV.
+    import kernels.linear_triton as lt
+
+    launched = []
+    real = lt._launch_gemv
+    monkeypatch.setattr(lt, "_launch_gemv", lambda *a: (launched.append(True), real(*a)))
+    g = torch.Generator().manual_seed(n + groups)
+    x = torch.randn(1, groups, 70, generator=g)  # K = 70: a ragged last strip of K
+    w = torch.randn(groups, n, 70, generator=g) * 70**-0.5
+    out = grouped_linear(x, w, impl="triton")
+    assert bool(launched) == takes_gemv
+    torch.testing.assert_close(out, torch.einsum("mgk,gnk->mgn", x.double(), w.double()).float(), rtol=1e-5, atol=1e-5)
+
 @interpreter
 def test_triton_reads_a_column_slice_of_a_wider_input():
     x, w = operands(3, 24, 128, torch.float32, seed=7)
@@ -173,6 +190,18 @@ def test_gpu_grouped_output_projection_shape(rows):
     ref = torch.einsum("mgk,gnk->mgn", x.double(), w.double()).float()
     assert (out.float() - ref).abs().max() <= 8e-3 * ref.abs().max()
 
+
+
+@on_gpu
+@pytest.mark.gpu
+def test_gpu_grouped_one_row_gemv():
+    # 2 groups x 500 columns: 64 strips of 16, fewer than the SMs -> the GEMV, ragged N
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(1, 2, 1024, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(2, 500, 1024, generator=g, device="cuda") * 1024**-0.5).to(torch.bfloat16)
+    out = grouped_linear(x, w)
+    ref = torch.einsum("mgk,gnk->mgn", x.double(), w.double()).float()
+    assert (out.float() - ref).abs().max() <= 8e-3 * ref.abs().max()
 
 @on_gpu
 @pytest.mark.gpu
