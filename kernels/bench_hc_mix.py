@@ -1,7 +1,8 @@
 """GPU benchmark of the mHC boundary ops (kernels/hc_mix.py) at V4 widths (hc=4, D=4096, bf16
 copies, fp32 fn): `v4::hc_post_pre_norm` and `v4::hc_pre_norm` against the same math in plain
 torch compiled by Inductor (what the model's blocks ran before: hc_post, hc_pre with the Sinkhorn
-op, the RMSNorm), and the op's three ways of dividing in the Sinkhorn steps.
+op, the RMSNorm), the op's four ways of dividing in the Sinkhorn steps, and its finish kernel at
+8 warps.
 
 One CUDA graph per rotating input set (each set its own fn, as each layer has its own); the
 calls are latency-bound, so the time is what a decode step pays per boundary. Every path is
@@ -12,7 +13,7 @@ import torch
 
 from kernels.benchutil import graph_time_us, markdown_table, rotation_count
 from kernels.hc_mix import hc_post_pre_norm_reference, hc_post_reference, hc_pre_norm_reference
-from kernels.hc_mix_triton import hc_mix_triton
+from kernels.hc_mix_triton import FINISH_WARPS, hc_mix_triton
 import kernels.hc_sinkhorn  # noqa: F401 (registers v4::hc_split_sinkhorn, which the composition calls)
 
 HC, DIM, ITERS, EPS = 4, 4096, 20, 1e-6
@@ -46,10 +47,12 @@ def _pre_composition(streams, fn, scale, base, weight):
     return (weight * x).to(streams.dtype), post, comb
 
 
-def _op(division: int, write_back: bool):
+def _op(division: int, write_back: bool, finish_warps: int = FINISH_WARPS):
     def call(out, streams, post, comb, fn, scale, base, weight):
         extra = dict(out=out, post=post, comb=comb) if write_back else {}
-        result = hc_mix_triton(streams, fn, scale, base, weight, ITERS, EPS, EPS, EPS, division=division, **extra)
+        result = hc_mix_triton(
+            streams, fn, scale, base, weight, ITERS, EPS, EPS, EPS, division=division, finish_warps=finish_warps, **extra
+        )
         return result if write_back else result[1:]
     return call
 
@@ -70,11 +73,13 @@ def run(copy_gbs: float) -> str:
     )
     paths = [
         ("post + pre, Inductor", inductor, True),
-        ("post + pre, op (default: approximate reciprocal + Newton + fmas)", _op(2, True), True),
+        ("post + pre, op (default: approximate reciprocal times each cell, 4 finish warps)", _op(3, True), True),
+        ("post + pre, op (the same, 8 finish warps)", _op(3, True, finish_warps=8), True),
+        ("post + pre, op (approximate reciprocal + Newton + fmas)", _op(2, True), True),
         ("post + pre, op (rounded reciprocal + fmas)", _op(1, True), True),
         ("post + pre, op (every cell divided)", _op(0, True), True),
         ("pre, Inductor", inductor_pre, False),
-        ("pre, op (default)", _op(2, False), False),
+        ("pre, op (default)", _op(3, False), False),
     ]
     rows = []
     for batch in BATCHES:

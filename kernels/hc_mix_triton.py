@@ -10,7 +10,8 @@ a program each.
 
 Finish: program t of the second kernel adds token t's partials, scales the mixes by the inverse
 RMS, runs split + Sinkhorn on values held by every thread (each of the 2 * iters steps is four
-sums of four and one reciprocal per row or column, no cross-thread traffic), forms the pre-weighted
+sums of four, one approximate reciprocal per row or column and four products, no cross-thread
+traffic), forms the pre-weighted
 sum of the copies and its RMSNorm. Math is fp32; each boundary is two launches whose shapes depend
 on B only, allocating only outputs and a small workspace (CUDA-graph safe).
 """
@@ -26,6 +27,9 @@ from kernels.hc_sinkhorn_triton import _comb_row_softmax, _hc4_pre_post, _sinkho
 WIDTH = (2 + HC) * HC  # mixes per token: pre, post, comb
 PARTS = 32  # partial sums per token and slice: the 24 mixes, the sum of squares, padding
 TOKENS = 4  # tokens per program of the first kernel: fn's block is loaded once for them
+# Warps of the second kernel. Every warp runs the Sinkhorn chain on values all threads hold, so
+# warps that share a scheduler slow it down; 4 still spread the pre-weighted sum over D.
+FINISH_WARPS = 4
 
 
 @triton.jit
@@ -113,18 +117,20 @@ def hc_mix_triton(
     streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight: torch.Tensor,
     iters: int, hc_eps: float, hc_norm_eps: float, norm_eps: float,
     out: torch.Tensor | None = None, post: torch.Tensor | None = None, comb: torch.Tensor | None = None,
-    division: int = 2,
+    division: int = 3, finish_warps: int = FINISH_WARPS,
 ) -> tuple[torch.Tensor, ...]:
     """(new streams or None, normed x [B, D], post [B, 4], comb [B, 4, 4]); with out/post/comb the
     write-back first (hc_post_pre_norm), without it hc_pre_norm. Shapes as checked by
     kernels.hc_mix.check_hc_mix_inputs; D a multiple of SLICE with 4 * D / SLICE a power of two.
     division: how the Sinkhorn steps divide (kernels.hc_sinkhorn_triton._norm4): 0 every cell by
     the rounded division torch does, 1 one rounded reciprocal per row or column corrected by two
-    fmas (the same quotients), 2 (default) an approximate reciprocal refined by a Newton step, then
-    the same correction (the last bit of a quotient may differ)."""
+    fmas (the same quotients), 2 an approximate reciprocal refined by a Newton step, then the same
+    correction (the last bit of a quotient may differ), 3 (default) each cell times the approximate
+    reciprocal (a few ulp: comb within 2e-7 of the rounded path's on the H200). finish_warps: the
+    second kernel's warps (each runs the whole Sinkhorn chain, so fewer issue it sooner)."""
     batch, hc, dim = streams.shape
-    if division not in (0, 1, 2):
-        raise ValueError(f"hc_mix (triton): division must be 0, 1 or 2, got {division!r}")
+    if division not in (0, 1, 2, 3):
+        raise ValueError(f"hc_mix (triton): division must be 0, 1, 2 or 3, got {division!r}")
     if hc != HC or not tiles(dim):
         raise ValueError(f"hc_mix (triton): needs hc = {HC} and D a multiple of {SLICE} with 4 * D / {SLICE} a power of two, got hc={hc}, D={dim}")
     if streams.stride(-1) != 1 or fn.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
@@ -154,6 +160,6 @@ def hc_mix_triton(
         x, post_out, comb_out,
         copies.stride(0), copies.stride(1), scale.stride(0), base.stride(0),
         hc_eps, hc_norm_eps, norm_eps,
-        D=dim, SLICES=slices, ITERS=iters, DIVISION=division, HC=HC, WIDTH=WIDTH, PARTS=PARTS, num_warps=8,
+        D=dim, SLICES=slices, ITERS=iters, DIVISION=division, HC=HC, WIDTH=WIDTH, PARTS=PARTS, num_warps=finish_warps,
     )
     return new, x, post_out, comb_out

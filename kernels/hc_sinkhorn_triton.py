@@ -146,9 +146,13 @@ def _normalise4_one_division(a, b, c, d, eps, ROUNDED_RECIPROCAL: tl.constexpr):
 @triton.jit
 def _norm4(a, b, c, d, eps, DIVISION: tl.constexpr):
     # DIVISION: 0 every cell divided (rounded), 1 one rounded reciprocal per row or column, 2 one
-    # approximate reciprocal refined by a Newton step (see _normalise4_one_division).
+    # approximate reciprocal refined by a Newton step (see _normalise4_one_division), 3 the
+    # approximate reciprocal times each cell, uncorrected (a few ulp; the shortest chain).
     if DIVISION == 0:
         return _normalise4(a, b, c, d, eps)
+    elif DIVISION == 3:
+        r = 1.0 / (a + b + c + d + eps)
+        return a * r, b * r, c * r, d * r
     else:
         return _normalise4_one_division(a, b, c, d, eps, DIVISION == 1)
 

@@ -116,7 +116,7 @@ def test_triton_matches_reference_interpreter(write_back, batch, dtype):
 
 
 @interpreter
-@pytest.mark.parametrize("division", [0, 1, 2])
+@pytest.mark.parametrize("division", [0, 1, 2, 3])
 def test_triton_division_modes_interpreter(division):
     t = random_boundary(2, 256, seed=20)
     want = run_op(t, True, impl="reference")
@@ -172,8 +172,8 @@ def test_triton_rejects_widths_it_does_not_tile_and_unknown_divisions():
     with pytest.raises(ValueError, match="needs hc = 4 and D a multiple of 256"):
         run_op(t, True, impl="triton")
     t = random_boundary(1, 256, seed=6)
-    with pytest.raises(ValueError, match="division must be 0, 1 or 2"):
-        run_op(t, True, impl=None, division=3)
+    with pytest.raises(ValueError, match="division must be 0, 1, 2 or 3"):
+        run_op(t, True, impl=None, division=4)
 
 
 def test_torch_compile_traces_one_call_cpu():
