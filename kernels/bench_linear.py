@@ -5,7 +5,9 @@ bench preset's shapes that cuBLAS splits over K: the fused x projection (1600 x 
 layout `wo_b` reads), bf16, for every batch bucket.
 
 Both run one CUDA graph per rotating weight set (sets together > 4x L2), so the time is device
-time with the weights read from memory. Kernels per call are counted from the profiler: cuBLAS's
+time with the weights read from memory, plus one graph launch per call; "chained" times one graph
+that calls every set in turn, per call: calls back to back as a decode step runs them. At B=1 the
+one-row kernel the routing did not pick (`takes_gemv`) is chained too. Kernels per call are counted from the profiler: cuBLAS's
 split-K adds a reduce kernel. Bandwidth counts the weight bytes (x and y are L2-sized). Every
 case is checked against an fp64 product before it is timed."""
 from __future__ import annotations
@@ -14,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from kernels.benchutil import graph_time_us, markdown_table, rotation_count
+from kernels.benchutil import chained_time_us, graph_time_us, markdown_table, rotation_count
 from kernels.linear import grouped_linear, grouped_linear_reference, linear
+from kernels.linear_triton import linear_triton, takes_gemv
 
 # name: (groups, N, K); one group is a plain projection
 SHAPES = {"x projection": (1, 1600, 4096), "wo_b": (1, 4096, 8192), "shared w1/w3": (1, 4096, 4096), "wo_a (grouped)": (8, 1024, 4096)}
@@ -57,15 +60,29 @@ def run(copy_gbs: float) -> str:
                     raise AssertionError(f"{label} B={batch} {name}: relative error {err:.2e} > {TOLERANCE}")
             ours, theirs = graph_time_us(ours_fn, sets), graph_time_us(cublas_fn, sets)
             worst[label] = max(worst.get(label, 0.0), ours / theirs)
+            other_kernel = "-"
+            if batch == 1:  # the one-row kernel the routing did not pick, chained like the others
+                takes = takes_gemv(sets[0][0].view(1, groups, k), sets[0][1].view(groups, n, k))
+                other = lambda x, w: linear_triton(x.view(1, groups, k), w.view(groups, n, k), one_row_gemv=not takes)  # noqa: E731
+                err = ((other(x, w).float().view_as(expected) - expected).abs().max() / expected.abs().max()).item()
+                if err > TOLERANCE:
+                    raise AssertionError(f"{label} B=1 other one-row kernel: relative error {err:.2e}")
+                other_kernel = f"{chained_time_us(other, sets):.1f} ({'dot' if takes else 'GEMV'})"
             rows_out.append([
                 label, f"{groups} x {n} x {k}", batch, f"{ours:.1f}", f"{theirs:.1f}", f"{theirs / ours:.2f}x",
+                f"{chained_time_us(ours_fn, sets):.1f}", f"{chained_time_us(cublas_fn, sets):.1f}", other_kernel,
                 kernels_per_call(ours_fn, sets[0]), kernels_per_call(cublas_fn, sets[0]),
                 f"{weight_bytes / ours / 1e3:.0f} ({100 * weight_bytes / ours / 1e3 / copy_gbs:.0f}%)",
             ])
-    header = ["projection", "G x N x K", "B", "ours us", "cuBLAS us", "speed-up", "kernels (ours)", "kernels (cuBLAS)", "ours GB/s (% copy)"]
+    header = [
+        "projection", "G x N x K", "B", "ours us", "cuBLAS us", "speed-up", "chained: ours us", "chained: cuBLAS us",
+        "chained: the other one-row kernel us", "kernels (ours)", "kernels (cuBLAS)", "ours GB/s (% copy)",
+    ]
     verdict = ", ".join(f"{label}: worst {ratio:.2f}x cuBLAS's time" for label, ratio in worst.items())
     return (
         "## Decode projections (`v4::grouped_linear` vs cuBLAS, bf16)\n\n"
-        "One CUDA graph per rotating weight set; every case matched an fp64 product within "
-        f"{TOLERANCE:g} of the output scale first.\n\n" + markdown_table(header, rows_out) + f"\n\n{verdict}.\n"
+        "One CUDA graph per rotating weight set ('ours', 'cuBLAS': each replay carries a graph launch); "
+        "'chained': one graph calling every set in turn, time per call, as calls run in a step. At B=1 "
+        "the one-row kernel the routing did not pick (GEMV or dot kernel), chained. Every case matched "
+        f"an fp64 product within {TOLERANCE:g} of the output scale first.\n\n" + markdown_table(header, rows_out) + f"\n\n{verdict}.\n"
     )

@@ -128,10 +128,16 @@ def row_tile(rows: int) -> int:
     return max(16, triton.next_power_of_2(rows))
 
 
-def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """For one row: whether the dot kernel's narrowest strips would leave SMs without a program."""
+    return weight.shape[0] * triton.cdiv(weight.shape[1], _DOT_MIN_BLOCK_N) < num_sms(x.device)
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, one_row_gemv: bool | None = None) -> torch.Tensor:
     """x [M, G, K] (M <= MAX_ROWS) and weight [G, N, K] -> [M, G, N] in x's dtype, fp32 accumulation:
     out[:, g] = x[:, g] @ weight[g]^T. K must be contiguous in both. Allocates only the output
-    (CUDA-graph safe)."""
+    (CUDA-graph safe). one_row_gemv: None lets `takes_gemv` choose between the GEMV and the dot
+    kernel for one row; True or False forces it (benchmarks)."""
     rows, groups, k = x.shape
     n = weight.shape[1]
     if rows > MAX_ROWS:
@@ -141,7 +147,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, groups, n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0 or groups == 0:
         return out
-    if rows == 1 and groups * triton.cdiv(n, _DOT_MIN_BLOCK_N) < num_sms(x.device):
+    if rows == 1 and (takes_gemv(x, weight) if one_row_gemv is None else one_row_gemv):
         _launch_gemv(x, weight, out)
         return out
     args = (x, weight, out, rows, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1))
