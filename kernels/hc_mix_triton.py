@@ -131,6 +131,8 @@ def hc_mix_triton(
     batch, hc, dim = streams.shape
     if division not in (0, 1, 2, 3):
         raise ValueError(f"hc_mix (triton): division must be 0, 1, 2 or 3, got {division!r}")
+    if finish_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"hc_mix (triton): finish_warps must be a power of two from 1 to 16, got {finish_warps!r}")
     if hc != HC or not tiles(dim):
         raise ValueError(f"hc_mix (triton): needs hc = {HC} and D a multiple of {SLICE} with 4 * D / {SLICE} a power of two, got hc={hc}, D={dim}")
     if streams.stride(-1) != 1 or fn.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):

@@ -174,6 +174,8 @@ def test_triton_rejects_widths_it_does_not_tile_and_unknown_divisions():
     t = random_boundary(1, 256, seed=6)
     with pytest.raises(ValueError, match="division must be 0, 1, 2 or 3"):
         run_op(t, True, impl=None, division=4)
+    with pytest.raises(ValueError, match="finish_warps must be a power of two"):
+        run_op(t, True, impl=None, finish_warps=3)
 
 
 def test_torch_compile_traces_one_call_cpu():
