@@ -7,8 +7,8 @@ layout `wo_b` reads), bf16, for every batch bucket.
 Both run one CUDA graph per rotating weight set (sets together > 4x L2), so the time is device
 time with the weights read from memory, plus one graph launch per call; "chained" times one graph
 that calls every set in turn, per call: calls back to back as a decode step runs them. At B=1 the
-one-row kernel the routing did not pick (`takes_gemv`) is chained too. Kernels per call are counted from the profiler: cuBLAS's
-split-K adds a reduce kernel. Bandwidth counts the weight bytes (x and y are L2-sized). Every
+one-row kernel the routing did not pick (`takes_gemv`) is chained too. Kernels per call are
+counted from the profiler: cuBLAS's split-K adds a reduce kernel. Bandwidth counts the weight bytes (x and y are L2-sized). Every
 case is checked against an fp64 product before it is timed."""
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def run(copy_gbs: float) -> str:
             worst[label] = max(worst.get(label, 0.0), ours / theirs)
             other_kernel = "-"
             if batch == 1:  # the one-row kernel the routing did not pick, chained like the others
-                takes = takes_gemv(sets[0][0].view(1, groups, k), sets[0][1].view(groups, n, k))
+                takes = takes_gemv(x.view(1, groups, k), w.view(groups, n, k))
                 other = lambda x, w: linear_triton(x.view(1, groups, k), w.view(groups, n, k), one_row_gemv=not takes)  # noqa: E731
                 err = ((other(x, w).float().view_as(expected) - expected).abs().max() / expected.abs().max()).item()
                 if err > TOLERANCE:

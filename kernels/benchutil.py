@@ -45,13 +45,12 @@ def graph_time_us(fn: Callable[..., object], input_sets: Sequence[tuple]) -> flo
     """Median time of replaying one CUDA graph per input set (no launch overhead)."""
     return median_time_us(lambda g: g.replay(), [(g,) for g in graphs_of(fn, input_sets)])
 
-
-
 def chained_time_us(fn: Callable[..., object], input_sets: Sequence[tuple], reps: int = 20) -> float:
     """Time per call of one CUDA graph that calls fn on every input set in turn: calls back to
     back as in a decode step (no graph launch per call, each kernel's ramp and tail included)."""
     graph = graphs_of(lambda: [fn(*args) for args in input_sets], [()])[0]
     return median_time_us(graph.replay, [()], warmup=3, reps=reps) / len(input_sets)
+
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30, reps: int = 20) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""

@@ -32,8 +32,6 @@ def hc_pre(streams, fn, scale, base, sinkhorn_iters: int, hc_eps: float, norm_ep
     return x.to(streams.dtype), post, comb
 
 
-
-
 def hc_pre_norm(streams, fn, scale, base, norm: RMSNorm, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
     """hc_pre, then the sublayer's `norm`: (normed input [B, D], post [B, hc], comb [B, hc, hc]).
     On CUDA one op of two kernels (kernels/hc_mix.py), where Inductor would write 4-5."""

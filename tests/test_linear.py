@@ -59,7 +59,6 @@ def test_grouped_triton_matches_einsum(rows, groups):
     torch.testing.assert_close(out, torch.einsum("mgk,gnk->mgn", x.double(), w.double()).float(), rtol=1e-5, atol=1e-5)
 
 
-
 @interpreter
 @pytest.mark.parametrize("n,groups,takes_gemv", [(30, 1, True), (24, 3, True), (200, 1, False), (40, 4, False)])
 def test_one_row_takes_the_gemv_where_strips_leave_sms_idle(monkeypatch, n, groups, takes_gemv):
@@ -75,6 +74,7 @@ def test_one_row_takes_the_gemv_where_strips_leave_sms_idle(monkeypatch, n, grou
     out = grouped_linear(x, w, impl="triton")
     assert bool(launched) == takes_gemv
     torch.testing.assert_close(out, torch.einsum("mgk,gnk->mgn", x.double(), w.double()).float(), rtol=1e-5, atol=1e-5)
+
 
 @interpreter
 def test_triton_reads_a_column_slice_of_a_wider_input():
@@ -191,7 +191,6 @@ def test_gpu_grouped_output_projection_shape(rows):
     assert (out.float() - ref).abs().max() <= 8e-3 * ref.abs().max()
 
 
-
 @on_gpu
 @pytest.mark.gpu
 def test_gpu_grouped_one_row_gemv():
@@ -202,6 +201,7 @@ def test_gpu_grouped_one_row_gemv():
     out = grouped_linear(x, w)
     ref = torch.einsum("mgk,gnk->mgn", x.double(), w.double()).float()
     assert (out.float() - ref).abs().max() <= 8e-3 * ref.abs().max()
+
 
 @on_gpu
 @pytest.mark.gpu
