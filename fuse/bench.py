@@ -321,7 +321,7 @@ def accuracy(actual: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
 def copy_bandwidth_gbs(device: torch.device) -> float:
     """Bytes read plus written per second by a large copy on `device`."""
     if device.type == "cuda":
-        from kernels.benchutil import copy_bandwidth_gbs as measure
+        from kernels.bench.timing import copy_bandwidth_gbs as measure
 
         return measure()
     src = torch.randn(32 << 20)

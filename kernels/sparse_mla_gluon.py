@@ -273,7 +273,7 @@ def _sparse_mla_wgmma_kernel(
 
 
 def kernel_constants(head_dim: int, block_n: int, stages: int, gl_dtype) -> dict:
-    """The kernel's shape and layout constexprs (shared with kernels.resource_usage)."""
+    """The kernel's shape and layout constexprs (shared with kernels.bench.resource_usage)."""
     return dict(
         D=head_dim, BLOCK_N=block_n, STAGES=stages,
         Q_SMEM=gl.NVMMASharedLayout.get_default_for([BLOCK_H, head_dim], gl_dtype),

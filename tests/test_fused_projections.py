@@ -244,7 +244,8 @@ def gpu_decoder(preset: str, dtype: torch.dtype) -> Decoder:
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_fused_gemms_match_separate_gemms_and_time_them():
-    from kernels.benchutil import graph_time_us, markdown_table, rotation_count
+    from kernels.bench.tables import markdown_table
+    from kernels.bench.timing import graph_time_us, rotation_count
 
     decoder = gpu_decoder("bench", torch.bfloat16)
     state = decoder.state_dict()

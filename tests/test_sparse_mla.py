@@ -794,10 +794,10 @@ def test_gpu_split_kernel_overlapping_its_predecessor_reads_its_output(batch, to
 
 
 def offline_usages(code: str) -> list[dict]:
-    """Run `code`, which leaves a list of kernels.resource_usage.Usage in `usages`, in a fresh
+    """Run `code`, which leaves a list of kernels.bench.resource_usage.Usage in `usages`, in a fresh
     process without the interpreter (which cannot compile); the usages as dicts. Skips where
     this Triton ships no cuobjdump."""
-    from kernels.resource_usage import _cuobjdump
+    from kernels.bench.resource_usage import _cuobjdump
 
     if not os.path.exists(_cuobjdump()):
         pytest.skip("this Triton ships no cuobjdump")
@@ -809,13 +809,13 @@ def offline_usages(code: str) -> list[dict]:
 
 
 def test_offline_resource_usage_of_three_tiles():
-    """kernels.resource_usage compiles for sm_90 without a GPU and reads the cubin: the 64-head
+    """kernels.bench.resource_usage compiles for sm_90 without a GPU and reads the cubin: the 64-head
     tile runs on Hopper's warpgroup MMA and needs more shared memory than the 16-head one, which
     uses warp-level MMA; a five-stage pipeline gets more KV buffers than a two-stage one. (A fresh
     process: this module runs Triton's interpreter, which cannot compile.)"""
     small, big, deep = offline_usages(
         "from kernels import sparse_mla_plan as plan\n"
-        "from kernels.resource_usage import head_batched_usage\n"
+        "from kernels.bench.resource_usage import head_batched_usage\n"
         "tiles = [plan.TileConfig(16, 32, 4, 2), plan.head_batched_tiles(64), plan.TileConfig(64, 32, 8, 5)]\n"
         "usages = [head_batched_usage(t) for t in tiles]\n"
     )
@@ -833,7 +833,7 @@ def test_offline_resource_usage_of_the_wgmma_kernel():
     fresh process, as above.)"""
     pytest.importorskip("triton.experimental.gluon")
     default, split, small = offline_usages(
-        "from kernels.resource_usage import wgmma_usage\n"
+        "from kernels.bench.resource_usage import wgmma_usage\n"
         "usages = [wgmma_usage(**s) for s in (dict(), dict(split=True), dict(block_n=32, stages=3))]\n"
     )
     for usage in (default, split, small):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.benchutil import graph_time_us, markdown_table
+from kernels.bench.tables import markdown_table
+from kernels.bench.timing import graph_time_us
 from kernels.hc_sinkhorn import hc_split_sinkhorn_reference
 from kernels.hc_sinkhorn_triton import CELLS_PER_PROGRAM, NUM_WARPS, hc_split_sinkhorn_triton
 

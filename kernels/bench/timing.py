@@ -1,4 +1,5 @@
-"""Timing helpers shared by the GPU kernel benchmarks (CUDA events, medians, rotating inputs)."""
+"""The one place for CUDA-event and CUDA-graph timing of the GPU kernel benchmarks (medians,
+rotating inputs, copy bandwidth)."""
 from __future__ import annotations
 
 import statistics
@@ -65,9 +66,3 @@ def rotation_count(bytes_per_set: int, l2_bytes: int | None = None) -> int:
     if l2_bytes is None:
         l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     return max(2, min(64, -(-4 * l2_bytes // max(1, bytes_per_set))))
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)

@@ -3,7 +3,7 @@
     python -m kernels.bench [--only sparse_mla,indexer,moe,linear,hc_sinkhorn,hc_mix] [--out docs/kernels.md]
         [--sparse-mla-parts main,split,tiles,fused,plan,overlap,stages]
 
-Each section is a module `kernels.bench_<name>` with `run(copy_gbs) -> str` returning markdown."""
+Each section is a module `kernels.bench.<name>` with `run(copy_gbs) -> str` returning markdown."""
 from __future__ import annotations
 
 import argparse
@@ -13,13 +13,13 @@ import sys
 
 import torch
 
-from kernels.benchutil import copy_bandwidth_gbs
+from kernels.bench.timing import copy_bandwidth_gbs
 
 SECTIONS = ("sparse_mla", "indexer", "moe", "linear", "hc_sinkhorn", "hc_mix")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
     parser.add_argument("--out", default=None, help="also write the markdown results here")
     parser.add_argument(
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parts = [head]
     for name in args.only.split(","):
-        section = importlib.import_module(f"kernels.bench_{name}")
+        section = importlib.import_module(f"kernels.bench.{name}")
         if name == "sparse_mla":
             parts.append(section.run(copy_gbs, tuple(args.sparse_mla_parts.split(","))))
         else:

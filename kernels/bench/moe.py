@@ -13,7 +13,8 @@ import dataclasses
 import torch
 from triton.runtime.errors import OutOfResources
 
-from kernels.benchutil import graph_time_us, markdown_table, median_time_us
+from kernels.bench.tables import markdown_table
+from kernels.bench.timing import graph_time_us, median_time_us
 from kernels.moe import moe_experts, swiglu
 from kernels.moe_triton import MoeTiles, choose_tiles, moe_experts_triton
 from kernels.triton_util import shared_memory_per_block

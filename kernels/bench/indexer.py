@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.benchutil import graphs_of, markdown_table, median_time_us, rotation_count
+from kernels.bench.tables import markdown_table
+from kernels.bench.timing import graphs_of, median_time_us, rotation_count
 from kernels.indexer import indexer_topk
 
 BATCH, HEADS, DIM, TOPK = 64, 64, 128, 512

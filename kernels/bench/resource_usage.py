@@ -2,7 +2,7 @@
 head-batched kernel per tile shape, the Gluon wgmma kernel per ring shape), from an offline
 compile (no GPU needed):
 
-    python -m kernels.resource_usage [--arch 90]
+    python -m kernels.bench.resource_usage [--arch 90]
 
 A tile's cost is not only its shared memory: when a program's accumulator, Q tile, scores and
 gather addresses need more than 255 registers per thread, the compiler spills to local memory
@@ -124,9 +124,11 @@ def wgmma_usage(block_n: int = plan.WGMMA_BLOCK_N, stages: int = plan.WGMMA_STAG
 
 
 def main(argv: list[str] | None = None) -> None:
-    from kernels.bench_sparse_mla import TILE_SWEEP, tile_name
+    from kernels.bench.sparse_mla import TILE_SWEEP, tile_name
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m kernels.bench.resource_usage", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
     args = parser.parse_args(argv)
     planned = plan.candidate_tiles(64, 512, 2)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.benchutil import chained_time_us, graph_time_us, markdown_table, rotation_count
+from kernels.bench.tables import markdown_table
+from kernels.bench.timing import chained_time_us, graph_time_us, rotation_count
 from kernels.hc_mix import hc_post_pre_norm_reference, hc_post_reference, hc_pre_norm_reference
 from kernels.hc_mix_triton import FINISH_WARPS, hc_mix_triton
 import kernels.hc_sinkhorn  # noqa: F401 (registers v4::hc_split_sinkhorn, which the composition calls)

@@ -25,7 +25,8 @@ from dataclasses import replace
 
 import torch
 
-from kernels.benchutil import markdown_table, median_time_us
+from kernels.bench.tables import markdown_table
+from kernels.bench.timing import median_time_us
 from kernels.sparse_mla import sparse_mla_decode_reference
 from kernels import sparse_mla_plan as plan
 from kernels import sparse_mla_triton as smt
@@ -44,7 +45,7 @@ TILE_SWEEP = (
     plan.TileConfig(64, 32, 4, 1, dv_split=2),  # no software pipelining, but two programs fit per SM
     plan.TileConfig(64, 64, 4, 2, dv_split=2),  # the default at full occupancy
     # Two warpgroups per 64-head program: whole rows without the DV split's second gather, or
-    # with it and no spills (kernels.resource_usage); and a deep pipeline of small tiles.
+    # with it and no spills (kernels.bench.resource_usage); and a deep pipeline of small tiles.
     plan.TileConfig(64, 64, 8, 2),
     plan.TileConfig(64, 64, 8, 2, dv_split=2),
     plan.TileConfig(64, 32, 8, 3),
@@ -57,7 +58,7 @@ TILE_SWEEP = (
     plan.TileConfig(16, 32, 4, 2),
     plan.TileConfig(16, 64, 4, 3),
     # Pipelines deep enough that the gather runs two blocks ahead of its use (three KV buffers in
-    # the sm_90 compile, kernels.resource_usage); shallower ones keep one gather in flight.
+    # the sm_90 compile, kernels.bench.resource_usage); shallower ones keep one gather in flight.
     plan.TileConfig(64, 32, 8, 5),
     plan.TileConfig(64, 32, 4, 5, dv_split=2),
 )

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from kernels.benchutil import chained_time_us, graph_time_us, markdown_table, rotation_count
+from kernels.bench.tables import markdown_table
+from kernels.bench.timing import chained_time_us, graph_time_us, rotation_count
 from kernels.linear import grouped_linear, grouped_linear_reference, linear
 from kernels.linear_triton import linear_triton, takes_gemv
 
