@@ -16,7 +16,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 import pytest  # noqa: E402
 
 import model.hyper as hyper  # noqa: E402
-from cuda_graphs import capture  # noqa: E402
+from kernels.cuda_graph import capture  # noqa: E402
 from kernels.hc_mix import hc_post_pre_norm, hc_pre_norm, takes_kernel, tiles  # noqa: E402
 from model.layers import RMSNorm  # noqa: E402
 

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 
 from kernels import indexer_triton  # noqa: E402
 from kernels.indexer import indexer_topk, indexer_topk_reference  # noqa: E402
-from cuda_graphs import capture  # noqa: E402
+from kernels.cuda_graph import capture  # noqa: E402
 
 interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (without the interpreter)")

@@ -18,7 +18,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 import pytest  # noqa: E402
 
 from kernels.linear import grouped_linear, grouped_linear_op, linear, takes_kernel  # noqa: E402
-from cuda_graphs import capture  # noqa: E402
+from kernels.cuda_graph import capture  # noqa: E402
 
 interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (without the interpreter)")

@@ -29,7 +29,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 triton = pytest.importorskip("triton")
 
-from cuda_graphs import capture  # noqa: E402
+from kernels.cuda_graph import capture  # noqa: E402
 from kernels import sparse_mla_plan as plan  # noqa: E402
 from kernels import sparse_mla_triton as smt  # noqa: E402
 from kernels.sparse_mla import (  # noqa: E402
@@ -631,14 +631,9 @@ def test_gpu_cuda_graph_per_batch_bucket(topk):
     for batch in buckets:
         q, indices, sink = make_gpu_query(batch, topk, seed=batch)
         workspace = sparse_mla_workspace(batch, heads, dim, topk, "cuda", torch.bfloat16)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up compiles the kernels outside the capture
-            sparse_mla_decode(q, kv_cache, indices, sink, scale, return_lse=True, workspace=workspace)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out, lse = sparse_mla_decode(q, kv_cache, indices, sink, scale, return_lse=True, workspace=workspace)
+        graph, (out, lse) = capture(
+            lambda: sparse_mla_decode(q, kv_cache, indices, sink, scale, return_lse=True, workspace=workspace)
+        )
         # The graph writes into the workspace on every replay: it must live as long as the graph
         # (freed, its memory would go to the next bucket's tensors and be overwritten).
         graphs[batch] = (graph, dict(q=q, indices=indices, sink=sink, out=out, lse=lse, workspace=workspace))

@@ -27,6 +27,7 @@ import torch
 
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import median_time_us
+from kernels.cuda_graph import capture
 from kernels.sparse_mla import sparse_mla_decode_reference
 from kernels import sparse_mla_plan as plan
 from kernels import sparse_mla_triton as smt
@@ -118,11 +119,8 @@ def check_against_reference(name: str, fn, case: Case) -> torch.Tensor:
 def time_per_call_us(fn, case: Case) -> tuple[float, torch.Tensor]:
     """Device time per call: one graph replays fn over every input set. Also returns the graph's
     output for set 0 so the caller can check that the captured run matches the eager one."""
-    fn(*case.sets[0])
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [fn(*args)[0] for args in case.sets]
+    fn(*case.sets[0])  # one warm-up call, not one per set: the SIMT calls are slow
+    graph, outs = capture(lambda: [fn(*args)[0] for args in case.sets], warmup=0)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -7,6 +7,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from kernels.cuda_graph import capture
+
 
 def median_time_us(fn: Callable[..., object], input_sets: Sequence[tuple], warmup: int = 10, reps: int = 100) -> float:
     """Median device time of fn(*inputs) in microseconds, cycling through input_sets so that
@@ -26,18 +28,10 @@ def median_time_us(fn: Callable[..., object], input_sets: Sequence[tuple], warmu
 
 
 def graphs_of(fn: Callable[..., object], input_sets: Sequence[tuple]) -> list[torch.cuda.CUDAGraph]:
-    """One CUDA graph per input set, each replaying fn on that set."""
-    side = torch.cuda.Stream()  # warm up (compile, allocate) off the capture, as torch recommends
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(*input_sets[0])
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    """One CUDA graph per input set, each replaying fn on that set (fn warmed up once, on the first)."""
     graphs = []
-    for args in input_sets:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(*args)
+    for i, args in enumerate(input_sets):
+        graph, _ = capture(lambda: fn(*args), warmup=1 if i == 0 else 0)
         graphs.append(graph)
     return graphs
 
@@ -45,6 +39,7 @@ def graphs_of(fn: Callable[..., object], input_sets: Sequence[tuple]) -> list[to
 def graph_time_us(fn: Callable[..., object], input_sets: Sequence[tuple]) -> float:
     """Median time of replaying one CUDA graph per input set (no launch overhead)."""
     return median_time_us(lambda g: g.replay(), [(g,) for g in graphs_of(fn, input_sets)])
+
 
 def chained_time_us(fn: Callable[..., object], input_sets: Sequence[tuple], reps: int = 20) -> float:
     """Time per call of one CUDA graph that calls fn on every input set in turn: calls back to
