@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.hc_sinkhorn import hc_split_sinkhorn_reference
+from kernels.hc_sinkhorn.ref import hc_split_sinkhorn_reference
 
 IMPLS = ("auto", "triton", "reference")
 # The Triton path's Sinkhorn is written out for the model's hc; its first kernel takes the

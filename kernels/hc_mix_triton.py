@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.hc_mix import KERNEL_HC as HC, SLICE, tiles
-from kernels.hc_sinkhorn_triton import _comb_row_softmax, _hc4_pre_post, _sinkhorn4, _store_cells
+from kernels.hc_sinkhorn.triton import _comb_row_softmax, _hc4_pre_post, _sinkhorn4, _store_cells
 
 WIDTH = (2 + HC) * HC  # mixes per token: pre, post, comb
 PARTS = 32  # partial sums per token and slice: the 24 mixes, the sum of squares, padding
@@ -122,7 +122,7 @@ def hc_mix_triton(
     """(new streams or None, normed x [B, D], post [B, 4], comb [B, 4, 4]); with out/post/comb the
     write-back first (hc_post_pre_norm), without it hc_pre_norm. Shapes as checked by
     kernels.hc_mix.check_hc_mix_inputs; D a multiple of SLICE with 4 * D / SLICE a power of two.
-    division: how the Sinkhorn steps divide (kernels.hc_sinkhorn_triton._norm4): 0 every cell by
+    division: how the Sinkhorn steps divide (kernels.hc_sinkhorn.triton._norm4): 0 every cell by
     the rounded division torch does, 1 one rounded reciprocal per row or column corrected by two
     fmas (the same quotients), 2 an approximate reciprocal refined by a Newton step, then the same
     correction (the last bit of a quotient may differ), 3 (default) each cell times the approximate

@@ -20,7 +20,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
 
-from kernels import hc_sinkhorn_triton  # noqa: E402
+import kernels.hc_sinkhorn.triton as hc_sinkhorn_triton  # noqa: E402
 from kernels.hc_sinkhorn import hc_split_sinkhorn, hc_split_sinkhorn_reference  # noqa: E402
 from kernels.cuda_graph import capture  # noqa: E402
 
@@ -138,7 +138,7 @@ def test_interpreter_active():
     from triton.runtime.interpreter import InterpretedFunction
 
     assert isinstance(hc_sinkhorn_triton._hc_split_sinkhorn_kernel, InterpretedFunction), (
-        "kernels.hc_sinkhorn_triton was imported before TRITON_INTERPRET=1 was set; run this file on its own"
+        "kernels.hc_sinkhorn.triton was imported before TRITON_INTERPRET=1 was set; run this file on its own"
     )
     # tl.sum and tl.max are themselves jit functions, fixed when triton is first imported
     assert isinstance(tl.sum, InterpretedFunction), (

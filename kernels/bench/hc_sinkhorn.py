@@ -12,8 +12,8 @@ import torch
 
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import graph_time_us
-from kernels.hc_sinkhorn import hc_split_sinkhorn_reference
-from kernels.hc_sinkhorn_triton import CELLS_PER_PROGRAM, NUM_WARPS, hc_split_sinkhorn_triton
+from kernels.hc_sinkhorn.ref import hc_split_sinkhorn_reference
+from kernels.hc_sinkhorn.triton import CELLS_PER_PROGRAM, NUM_WARPS, hc_split_sinkhorn_triton
 
 HC, ITERS, EPS = 4, 20, 1e-6
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)

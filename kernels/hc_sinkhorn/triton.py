@@ -1,4 +1,4 @@
-"""Triton mHC split + Sinkhorn (semantics: kernels/hc_sinkhorn.py) in one kernel.
+"""Triton mHC split + Sinkhorn (semantics: kernels/hc_sinkhorn/ref.py) in one kernel.
 
 Each program takes BLOCK_B tokens. It loads their mixes, writes pre and post, and keeps the
 [BLOCK_B, HC, HC] combination matrices in registers from the softmax through every row and column
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.hc_sinkhorn import check_hc_inputs
+from kernels.hc_sinkhorn.ref import check_hc_inputs
 
 # 256 matrix cells per program (16 tokens at hc=4) over 2 warps: a few cells per thread, so each
 # of the 2 * ITERS sums is a short in-register add plus warp shuffles, and B=128 fills 8 programs.
