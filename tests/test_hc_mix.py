@@ -1,4 +1,4 @@
-"""The mHC boundary ops (kernels/hc_mix.py): the reference against the model's own hc_post, hc_pre
+"""The mHC boundary ops (kernels/hc_mix/): the reference against the model's own hc_post, hc_pre
 and RMSNorm composed, and the Triton kernels against the reference, on fresh random inputs.
 
 CPU tests run the kernels in the interpreter (TRITON_INTERPRET=1) at a small width; GPU tests run
@@ -63,7 +63,7 @@ def model_composition(t: dict, write_back: bool):
 def run_op(t: dict, write_back: bool, impl: str, **kernel_options):
     common = (t["fn"], t["scale"], t["base"], t["weight"], ITERS, HC_EPS, NORM_EPS, NORM_EPS)
     if kernel_options:
-        from kernels.hc_mix_triton import hc_mix_triton
+        from kernels.hc_mix.triton import hc_mix_triton
 
         extra = dict(out=t["out"], post=t["post"], comb=t["comb"]) if write_back else {}
         result = hc_mix_triton(t["streams"], *common, **extra, **kernel_options)

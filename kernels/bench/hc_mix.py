@@ -1,4 +1,4 @@
-"""GPU benchmark of the mHC boundary ops (kernels/hc_mix.py) at V4 widths (hc=4, D=4096, bf16
+"""GPU benchmark of the mHC boundary ops (kernels/hc_mix/) at V4 widths (hc=4, D=4096, bf16
 copies, fp32 fn): `v4::hc_post_pre_norm` and `v4::hc_pre_norm` against the same math in plain
 torch compiled by Inductor (what the model's blocks ran before: hc_post, hc_pre with the Sinkhorn
 op, the RMSNorm), the op's four ways of dividing in the Sinkhorn steps, and its finish kernel at
@@ -14,8 +14,8 @@ import torch
 
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import chained_time_us, graph_time_us, rotation_count
-from kernels.hc_mix import hc_post_pre_norm_reference, hc_post_reference, hc_pre_norm_reference
-from kernels.hc_mix_triton import FINISH_WARPS, hc_mix_triton
+from kernels.hc_mix.ref import hc_post_pre_norm_reference, hc_post_reference, hc_pre_norm_reference
+from kernels.hc_mix.triton import FINISH_WARPS, hc_mix_triton
 import kernels.hc_sinkhorn  # noqa: F401 (registers v4::hc_split_sinkhorn, which the composition calls)
 
 HC, DIM, ITERS, EPS = 4, 4096, 20, 1e-6

@@ -1,4 +1,4 @@
-"""Triton mHC boundary (semantics: kernels/hc_mix.py) in two kernels, hc = 4.
+"""Triton mHC boundary (semantics: kernels/hc_mix/ref.py) in two kernels, hc = 4.
 
 Slices: program (s, t) of the first kernel owns slice s of SLICE values of the flattened copies
 [hc * D] (one copy h, a range of d) for TOKENS tokens. With a write-back it forms the new copies
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.hc_mix import KERNEL_HC as HC, SLICE, tiles
+from kernels.hc_mix.ref import KERNEL_HC as HC, SLICE, tiles
 from kernels.hc_sinkhorn.triton import _comb_row_softmax, _hc4_pre_post, _sinkhorn4, _store_cells
 
 WIDTH = (2 + HC) * HC  # mixes per token: pre, post, comb
@@ -104,7 +104,7 @@ def _hc_mix_finish_kernel(
     _store_cells(comb_ptr + token * 16, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, ok)
 
     # The sublayer input: the pre-weighted sum of the copies, rounded to their dtype, then RMSNorm.
-    # D is a power of two (kernels.hc_mix.tiles), so one unmasked range covers it.
+    # D is a power of two (kernels.hc_mix.ref.tiles), so one unmasked range covers it.
     d = tl.arange(0, D)
     copies = tl.load(copies_ptr + t * stride_cb + lanes[:, None] * stride_ch + d[None, :])
     x = tl.sum(tl.reshape(pre, (HC, 1)) * copies.to(tl.float32), axis=0)
@@ -121,7 +121,7 @@ def hc_mix_triton(
 ) -> tuple[torch.Tensor, ...]:
     """(new streams or None, normed x [B, D], post [B, 4], comb [B, 4, 4]); with out/post/comb the
     write-back first (hc_post_pre_norm), without it hc_pre_norm. Shapes as checked by
-    kernels.hc_mix.check_hc_mix_inputs; D a multiple of SLICE with 4 * D / SLICE a power of two.
+    kernels.hc_mix.ref.check_hc_mix_inputs; D a multiple of SLICE with 4 * D / SLICE a power of two.
     division: how the Sinkhorn steps divide (kernels.hc_sinkhorn.triton._norm4): 0 every cell by
     the rounded division torch does, 1 one rounded reciprocal per row or column corrected by two
     fmas (the same quotients), 2 an approximate reciprocal refined by a Newton step, then the same
