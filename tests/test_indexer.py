@@ -18,7 +18,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
 
-from kernels import indexer_triton  # noqa: E402
+import kernels.indexer.triton as indexer_triton  # noqa: E402
 from kernels.indexer import indexer_topk, indexer_topk_reference  # noqa: E402
 from kernels.cuda_graph import capture  # noqa: E402
 
@@ -86,7 +86,7 @@ def test_interpreter_active():
     from triton.runtime.interpreter import InterpretedFunction
 
     assert isinstance(indexer_triton._indexer_score_kernel, InterpretedFunction), (
-        "kernels.indexer_triton was imported before TRITON_INTERPRET=1 was set; run this file on its own"
+        "kernels.indexer.triton was imported before TRITON_INTERPRET=1 was set; run this file on its own"
     )
 
 

@@ -1,4 +1,4 @@
-"""Triton indexer top-k (semantics: kernels/indexer.py), with work proportional to the visible
+"""Triton indexer top-k (semantics: kernels/indexer/ref.py), with work proportional to the visible
 entries rather than the cache capacity.
 
 Two kernels:
