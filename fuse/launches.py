@@ -82,7 +82,7 @@ def _custom_kernel_names() -> set[str]:
 @functools.cache
 def _gemm_kernel_names() -> frozenset[str]:
     """Names of kernels/' own matrix-product kernels (`v4::grouped_linear`): gemm, as cuBLAS's are."""
-    return frozenset(_triton_kernel_names(("kernels.linear_triton",)))
+    return frozenset(_triton_kernel_names(("kernels.linear.triton",)))
 
 
 def classify_op(name: str) -> str:

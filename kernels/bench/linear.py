@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import chained_time_us, graph_time_us, rotation_count
 from kernels.linear import grouped_linear, grouped_linear_reference, linear
-from kernels.linear_triton import linear_triton, takes_gemv
+from kernels.linear.triton import linear_triton, takes_gemv
 
 # name: (groups, N, K); one group is a plain projection
 SHAPES = {"x projection": (1, 1600, 4096), "wo_b": (1, 4096, 8192), "shared w1/w3": (1, 4096, 4096), "wo_a (grouped)": (8, 1024, 4096)}

@@ -6,7 +6,7 @@ At decode batch sizes such a product reads the whole weight for a handful of row
 splits K across programs for these shapes (N alone gives too few tiles to fill the GPU) and
 then launches a second kernel to add the partial products; a grouped product through einsum
 is a batched GEMM whose [G, M, N] result needs a transposing copy before the next product.
-`torch.ops.v4.grouped_linear` on CUDA runs one Triton kernel instead (kernels/linear_triton.py):
+`torch.ops.v4.grouped_linear` on CUDA runs one Triton kernel instead (kernels/linear/triton.py):
 every program owns a strip of one group's output columns for all rows, streams its strip of the
 weight once over the whole of K, and writes [M, G, N] directly; no split, no second launch, no
 copy. One row whose strips would leave SMs idle takes a CUDA-core GEMV with narrower strips
@@ -21,22 +21,17 @@ the grouped wo_a) go through it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-# Rows up to this count take the Triton kernel (one tile of rows per program); more rows go to
-# cuBLAS, which is compute-efficient there and has no reason to split K.
-MAX_ROWS = 64
-HALF_DTYPES = (torch.bfloat16, torch.float16)
+from kernels.linear.ref import (
+    HALF_DTYPES,
+    MAX_ROWS,
+    check_grouped_inputs,
+    check_linear_inputs,
+    grouped_linear_reference,
+    linear_reference,
+)
+
 IMPLS = ("auto", "triton", "reference")
-
-
-def grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, G, K], weight [G, N, K] -> [M, G, N]: out[:, g] = x[:, g] @ weight[g]^T."""
-    return torch.einsum("mgk,gnk->mgn", x, weight)
-
-
-def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
 
 
 def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -49,19 +44,6 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"linear: impl must be one of {IMPLS}, got {impl!r}")
-
-
-def check_same_dtype(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if x.dtype != weight.dtype:
-        raise ValueError(f"linear: x and weight must have one dtype, got {x.dtype} and {weight.dtype}")
-
-
-def check_grouped_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if weight.dim() != 3 or x.dim() != 3 or x.shape[1:] != (weight.shape[0], weight.shape[2]):
-        raise ValueError(
-            f"linear: x [M, G, K] and weight [G, N, K] must agree on G and K; got {tuple(x.shape)} and {tuple(weight.shape)}"
-        )
-    check_same_dtype(x, weight)
 
 
 @torch.library.custom_op("v4::grouped_linear", mutates_args=())
@@ -79,7 +61,7 @@ def _(x, weight):
     strided_k = x.stride(-1) != 1 or weight.stride(-1) != 1
     if x.shape[0] > MAX_ROWS or x.dtype not in HALF_DTYPES or strided_k:
         return grouped_linear_reference(x, weight)
-    from kernels.linear_triton import linear_triton  # triton only where the kernel runs
+    from kernels.linear.triton import linear_triton  # triton only where the kernel runs
 
     return linear_triton(x, weight)
 
@@ -95,7 +77,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, impl: str = "auto") ->
 
 def _grouped_linear_checked(x: torch.Tensor, weight: torch.Tensor, impl: str) -> torch.Tensor:
     if impl == "triton":
-        from kernels.linear_triton import linear_triton
+        from kernels.linear.triton import linear_triton
 
         return linear_triton(x, weight)
     if impl == "reference" or not takes_kernel(x, weight):
@@ -107,9 +89,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, impl: str = "auto") -> torch.T
     """x [..., K] @ weight [N, K]^T: F.linear, or the one-group case of `grouped_linear` where
     `takes_kernel` says so (impl as there)."""
     check_impl(impl)
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"linear: x [..., K] and weight [N, K] must agree on K; got {tuple(x.shape)} and {tuple(weight.shape)}")
-    check_same_dtype(x, weight)
+    check_linear_inputs(x, weight)
     if impl == "reference" or (impl == "auto" and not takes_kernel(x, weight)):
         return linear_reference(x, weight)
     rows = x.reshape(-1, 1, x.shape[-1])  # one group: already checked, as [M, 1, K] and [1, N, K]

@@ -1,4 +1,4 @@
-"""Triton y[:, g] = x[:, g] W[g]^T for at most 64 rows of x (semantics: kernels/linear.py), one
+"""Triton y[:, g] = x[:, g] W[g]^T for at most 64 rows of x (semantics: kernels/linear/ref.py), one
 launch for every group g.
 
 Program (p, g) owns output columns [p * BLOCK_N, (p + 1) * BLOCK_N) of group g for every row: it loops over K in
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from kernels.linear import MAX_ROWS
+from kernels.linear.ref import MAX_ROWS
 from kernels.triton_util import dot_precision, interpreting, num_sms
 
 

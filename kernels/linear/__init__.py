@@ -1,0 +1,10 @@
+"""Decode-shaped projections: `ref` (the plain-torch references, input checks, the row bound),
+`triton` (the CUDA kernels: the tensor-core product and the one-row GEMV), `op` (the custom op
+`v4::grouped_linear`, the routing rule and the choice of implementation)."""
+from kernels.linear.op import IMPLS, grouped_linear, grouped_linear_op, linear, takes_kernel
+from kernels.linear.ref import MAX_ROWS, grouped_linear_reference, linear_reference
+
+__all__ = [
+    "IMPLS", "MAX_ROWS", "grouped_linear", "grouped_linear_op", "grouped_linear_reference", "linear", "linear_reference",
+    "takes_kernel",
+]
