@@ -20,7 +20,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 import pytest  # noqa: E402
 
-from kernels import moe_triton  # noqa: E402
+import kernels.moe.triton as moe_triton  # noqa: E402
 from kernels.moe import moe_experts, moe_experts_reference  # noqa: E402
 from kernels.cuda_graph import capture  # noqa: E402
 
@@ -75,7 +75,7 @@ def test_interpreter_active():
     from triton.runtime.interpreter import InterpretedFunction
 
     assert isinstance(moe_triton._gate_up_kernel, InterpretedFunction), (
-        "kernels.moe_triton was imported before TRITON_INTERPRET=1 was set; run this file on its own"
+        "kernels.moe.triton was imported before TRITON_INTERPRET=1 was set; run this file on its own"
     )
 
 

@@ -16,7 +16,7 @@ from triton.runtime.errors import OutOfResources
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import graph_time_us, median_time_us
 from kernels.moe import moe_experts, swiglu
-from kernels.moe_triton import MoeTiles, choose_tiles, moe_experts_triton
+from kernels.moe.triton import MoeTiles, choose_tiles, moe_experts_triton
 from kernels.triton_util import shared_memory_per_block
 
 DIM, INTER, EXPERTS, PICKS, LIMIT = 4096, 2048, 16, 6, 10.0

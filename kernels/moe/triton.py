@@ -1,4 +1,4 @@
-"""Triton routed experts (semantics: kernels/moe.py): a grouped GEMM over the (token, expert)
+"""Triton routed experts (semantics: kernels/moe/ref.py): a grouped GEMM over the (token, expert)
 pairs of the batch, CUDA-graph safe (no host sync, no data-dependent shape).
 
 Pipeline, all on the device:
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe import check_shared_expert, with_shared_ids
+from kernels.moe.ref import check_shared_expert, with_shared_ids
 from kernels.triton_util import SM90_SHARED_MEMORY_PER_BLOCK, dot_precision, num_sms, shared_memory_per_block
 
 # The interpreter has no SMs; a small count keeps its grids small.

@@ -7,8 +7,7 @@ summed in fp32):
     g = clamp(x w1[e]^T, max=limit), u = clamp(x w3[e]^T, -limit, limit)
     out[b] += (w * silu(g) * u) w2[e]^T
 
-`torch.ops.v4.moe_experts` runs the plain-torch reference on CPU and the Triton grouped GEMM of
-kernels/moe_triton.py on CUDA; neither syncs with the host.
+The plain-torch reference, the shared-expert helpers and the input checks.
 """
 from __future__ import annotations
 
@@ -77,44 +76,8 @@ def moe_experts_reference(
     return out
 
 
-@torch.library.custom_op("v4::moe_experts", mutates_args=())
-def moe_experts_op(
-    x: torch.Tensor,
-    expert_ids: torch.Tensor,
-    expert_weights: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    w3: torch.Tensor,
-    swiglu_limit: float,
-    shared_expert: int,
-) -> torch.Tensor:
-    return moe_experts_reference(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit, shared_expert)
-
-
-@moe_experts_op.register_fake
-def _(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit, shared_expert):
-    return x.new_empty(x.shape, dtype=torch.float32)
-
-
-@moe_experts_op.register_kernel("cuda")
-def _(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit, shared_expert):
-    from kernels.moe_triton import moe_experts_triton  # triton only where the kernel runs
-
-    return moe_experts_triton(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit, shared_expert)
-
-
-IMPLS = ("auto", "triton", "reference")
-
-
-def moe_experts(
-    x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit: float, impl: str = "auto", shared_expert: int = -1
-) -> torch.Tensor:
-    """[B,D] fp32 (see moe_experts_reference). impl: "auto" (the custom op: Triton on CUDA,
-    reference on CPU), "triton" (the Triton path directly, e.g. on CPU under
-    TRITON_INTERPRET=1) or "reference". shared_expert: -1, or the expert every token runs after
-    its picks with weight 1."""
-    if impl not in IMPLS:
-        raise ValueError(f"moe_experts: impl must be one of {IMPLS}, got {impl!r}")
+def check_moe_inputs(x, expert_ids, expert_weights, w1, w2, w3, shared_expert: int) -> None:
+    """Raise ValueError naming the first argument whose shape does not fit (no host sync)."""
     if x.dim() != 2 or expert_ids.shape != expert_weights.shape or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(
             "moe_experts expects x [B,D], expert_ids and expert_weights [B,k]; got "
@@ -125,11 +88,3 @@ def moe_experts(
             f"moe_experts: expert weights disagree: w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}, w3 {tuple(w3.shape)}"
         )
     check_shared_expert(shared_expert, w1.shape[0])
-    args = (x, expert_ids, expert_weights, w1, w2, w3, float(swiglu_limit), int(shared_expert))
-    if impl == "triton":
-        from kernels.moe_triton import moe_experts_triton
-
-        return moe_experts_triton(*args)
-    if impl == "reference":
-        return moe_experts_reference(*args)
-    return moe_experts_op(*args)

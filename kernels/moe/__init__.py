@@ -1,0 +1,7 @@
+"""Routed experts: `ref` (the plain-torch reference, SwiGLU, the shared-expert helpers, input
+checks), `triton` (the CUDA grouped GEMM), `op` (the custom op `v4::moe_experts` and the choice
+of implementation)."""
+from kernels.moe.op import IMPLS, moe_experts, moe_experts_op
+from kernels.moe.ref import moe_experts_reference, swiglu
+
+__all__ = ["IMPLS", "moe_experts", "moe_experts_op", "moe_experts_reference", "swiglu"]
