@@ -76,7 +76,7 @@ def _triton_kernel_names(modules: Iterable[str]) -> set[str]:
 
 def _custom_kernel_names() -> set[str]:
     """Names of the Triton kernels behind the opaque custom ops (defined in kernels/)."""
-    return _triton_kernel_names(("kernels.sparse_mla_triton", "kernels.indexer.triton", "kernels.moe.triton", "kernels.hc_sinkhorn.triton", "kernels.hc_mix.triton"))
+    return _triton_kernel_names(("kernels.sparse_mla.triton", "kernels.sparse_mla.common", "kernels.indexer.triton", "kernels.moe.triton", "kernels.hc_sinkhorn.triton", "kernels.hc_mix.triton"))
 
 
 @functools.cache

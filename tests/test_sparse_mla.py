@@ -30,8 +30,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 triton = pytest.importorskip("triton")
 
 from kernels.cuda_graph import capture  # noqa: E402
-from kernels import sparse_mla_plan as plan  # noqa: E402
-from kernels import sparse_mla_triton as smt  # noqa: E402
+from kernels.sparse_mla import common, plan  # noqa: E402
+from kernels.sparse_mla import triton as smt  # noqa: E402
+from kernels.sparse_mla.op import sparse_mla_decode_cuda  # noqa: E402
 from kernels.sparse_mla import (  # noqa: E402
     sparse_mla_decode,
     sparse_mla_decode_op,
@@ -106,7 +107,7 @@ VARIANTS = {
     "split_k_3_overlapped": lambda *a: smt.sparse_mla_decode_split_k(
         *a, num_splits=3, tiles=SMALL_TILES, pdl=True, overlap_launch=True
     ),
-    "default": lambda *a: smt.sparse_mla_decode_triton(*a),
+    "default": lambda *a: sparse_mla_decode_cuda(*a),
     # Fused combine, workspace allocated per call.
     "fused_default": lambda *a: smt.sparse_mla_decode_split_k(*a, fused_combine=True),
     "fused_1": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=1, tiles=SMALL_TILES, fused_combine=True),
@@ -125,7 +126,7 @@ VARIANTS = {
 def test_interpreter_is_active():
     from triton.runtime.interpreter import InterpretedFunction
 
-    for kernel in (smt._simt_kernel, smt._head_batched_kernel, smt._combine_kernel):
+    for kernel in (smt._simt_kernel, smt._head_batched_kernel, common._combine_kernel):
         assert isinstance(kernel, InterpretedFunction)
 
 
@@ -203,7 +204,7 @@ def test_strided_inputs_and_int64_indices(variant):
     padded = torch.randn(3, 30, 32, dtype=torch.float16)
     padded[:, :24] = kv_cache
     kv_view = padded[:, :24]
-    assert not smt._flat_rows(kv_view)
+    assert not common._flat_rows(kv_view)
     out, lse = VARIANTS[variant](q_strided, kv_view, indices.long(), sink, scale)
     assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
 
@@ -230,7 +231,7 @@ def test_default_path_with_its_workspace():
     workspace = plan.sparse_mla_workspace(1, 8, 64, 640, "cpu", torch.float16)
     splits = plan.choose_num_splits(1, 8, 640, INTERPRETER_NUM_SMS, 64, 2)
     assert splits > 1 and workspace.numel() == plan.workspace_numel(1, 8, 64, splits)
-    out, lse = smt.sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace=workspace)
+    out, lse = sparse_mla_decode_cuda(q, kv_cache, indices, sink, scale, workspace=workspace)
     assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
 
 
@@ -447,7 +448,7 @@ def test_workspace_holds_the_wgmma_splits(monkeypatch):
 
 def test_wgmma_kernel_refuses_what_it_cannot_take():
     pytest.importorskip("triton.experimental.gluon")
-    from kernels.sparse_mla_gluon import check_wgmma_inputs, launch_wgmma
+    from kernels.sparse_mla.gluon import check_wgmma_inputs, launch_wgmma
 
     q, kv_cache, _, _, _ = make_inputs(2, 64, 512, 16, torch.bfloat16)
     with pytest.raises(ValueError, match="bf16 or fp16"):
@@ -543,7 +544,7 @@ def test_gpu_variant_matches_reference(variant, batch, topk):
 
 def wgmma(**kwargs):
     def call(*args):
-        from kernels.sparse_mla_gluon import sparse_mla_decode_wgmma
+        from kernels.sparse_mla.gluon import sparse_mla_decode_wgmma
 
         return sparse_mla_decode_wgmma(*args, **kwargs)
 
@@ -809,7 +810,7 @@ def test_offline_resource_usage_of_three_tiles():
     uses warp-level MMA; a five-stage pipeline gets more KV buffers than a two-stage one. (A fresh
     process: this module runs Triton's interpreter, which cannot compile.)"""
     small, big, deep = offline_usages(
-        "from kernels import sparse_mla_plan as plan\n"
+        "from kernels.sparse_mla import plan\n"
         "from kernels.bench.resource_usage import head_batched_usage\n"
         "tiles = [plan.TileConfig(16, 32, 4, 2), plan.head_batched_tiles(64), plan.TileConfig(64, 32, 8, 5)]\n"
         "usages = [head_batched_usage(t) for t in tiles]\n"

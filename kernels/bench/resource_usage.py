@@ -23,8 +23,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import sparse_mla_plan as plan
-from kernels import sparse_mla_triton as smt
+from kernels.sparse_mla import plan
+from kernels.sparse_mla import triton as smt
 
 # The argument types of _head_batched_kernel at the model's dtypes (bf16 activations and cache).
 _POINTERS = {
@@ -108,12 +108,12 @@ def head_batched_usage(tiles: plan.TileConfig, head_dim: int = 512, split: bool 
 
 def wgmma_usage(block_n: int = plan.WGMMA_BLOCK_N, stages: int = plan.WGMMA_STAGES, head_dim: int = 512,
                 split: bool = False, arch: int = 90) -> Usage:
-    """Compile the Gluon wgmma kernel (kernels/sparse_mla_gluon.py) for sm_`arch` at bf16 and
+    """Compile the Gluon wgmma kernel (kernels/sparse_mla/gluon.py) for sm_`arch` at bf16 and
     read its resource usage; kv_buffers is its ring of gather buffers."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels import sparse_mla_gluon as sg
+    from kernels.sparse_mla import gluon as sg
 
     constants = dict(
         sg.kernel_constants(head_dim, block_n, stages, gl.bfloat16),
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             f"| {label} | {usage.registers} | {usage.spill_bytes} | {usage.shared_bytes / 1024:.1f} | "
             f"{usage.wgmma} | {usage.mma_sync} | {usage.async_copies} | {usage.kv_buffers} |"
         )
-    print(f"\nsparse MLA Gluon wgmma kernel (kernels/sparse_mla_gluon.py), D=512, bf16, sm_{args.arch}\n")
+    print(f"\nsparse MLA Gluon wgmma kernel (kernels/sparse_mla/gluon.py), D=512, bf16, sm_{args.arch}\n")
     print("| rows x stages | split | registers | spilled bytes per thread | shared KiB | wgmma | cp.async |")
     print("|---|---|---|---|---|---|---|")
     for block_n, stages in ((plan.WGMMA_BLOCK_N, plan.WGMMA_STAGES), (32, 4), (32, 3), (16, 6)):

@@ -28,9 +28,10 @@ import torch
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import median_time_us
 from kernels.cuda_graph import capture
-from kernels.sparse_mla import sparse_mla_decode_reference
-from kernels import sparse_mla_plan as plan
-from kernels import sparse_mla_triton as smt
+from kernels.sparse_mla import plan
+from kernels.sparse_mla import triton as smt
+from kernels.sparse_mla.op import sparse_mla_decode_cuda
+from kernels.sparse_mla.ref import sparse_mla_decode_reference
 from kernels.triton_util import launches_dependents
 
 HEADS, DIM, DTYPE = 64, 512, torch.bfloat16
@@ -139,7 +140,7 @@ VARIANTS = {
     "simt": smt.sparse_mla_decode_simt,
     "head_batched": smt.sparse_mla_decode_head_batched,
     "split_k": smt.sparse_mla_decode_split_k,
-    "default": smt.sparse_mla_decode_triton,
+    "default": sparse_mla_decode_cuda,
 }
 WGMMA = "wgmma"  # the Gluon kernel at its own split rule at every batch (Hopper only)
 FUSED = "split_k_fused"  # not in VARIANTS: the default cannot pick it, so it stays out of 'best other'
@@ -147,7 +148,7 @@ PDL = "split_k_pdl"  # split-K with the combine as a programmatic dependent (Hop
 
 
 def wgmma_call(*args):
-    from kernels.sparse_mla_gluon import sparse_mla_decode_wgmma
+    from kernels.sparse_mla.gluon import sparse_mla_decode_wgmma
 
     return sparse_mla_decode_wgmma(*args)
 
@@ -443,7 +444,7 @@ def run_stage_check(l2_bytes: int, num_sms: int) -> str:
             continue
         other = replace(tiles, num_stages=2 if tiles.num_stages == 1 else 1)
         case = Case(batch, topk, l2_bytes, seed=11 + batch)
-        calls = {"default": smt.sparse_mla_decode_triton, "other": plan_call(other, splits, pdl=True, overlap_launch=True)}
+        calls = {"default": sparse_mla_decode_cuda, "other": plan_call(other, splits, pdl=True, overlap_launch=True)}
         for name, fn in calls.items():
             check_against_reference(name, fn, case)
         times = {name: [] for name in calls}

@@ -1,4 +1,4 @@
-"""Triton implementations of sparse MLA decode (semantics: kernels/sparse_mla.py).
+"""Triton implementations of sparse MLA decode (semantics: kernels/sparse_mla/ref.py).
 
 Three kernels compute the same thing:
 
@@ -7,22 +7,20 @@ Three kernels compute the same thing:
 - head_batched: one program per (sequence, block of heads). Each KV tile of `block_k` gathered
   rows is loaded once and feeds two tensor-core products, S = Q K^T and O += P V, with an online
   softmax in fp32. The 512-wide head dim is one tile (Triton splits the products into MMA steps),
-  except that a 64-head block splits its output columns between two programs (sparse_mla_plan).
+  except that a 64-head block splits its output columns between two programs (plan.py).
 - split_k: head_batched with the index list cut into `num_splits` contiguous pieces. Each
-  program writes its normalised partial output and base-2 LSE to fp32 scratch; a combine kernel
-  merges the pieces with log-sum-exp and adds the sink. This fills the GPU when
-  batch x head-blocks is far below the SM count.
+  program writes its normalised partial output and base-2 LSE to fp32 scratch; the combine
+  kernel (common.py) merges the pieces with log-sum-exp and adds the sink. This fills the GPU
+  when batch x head-blocks is far below the SM count.
 - split_k with fused_combine=True (opt-in): the same split programs, one launch. Each program
   counts its arrival per (sequence, head block, column part) in an int32 counter in the
   workspace; the last one to arrive merges the splits (same math as the combine kernel) and
   resets the counter, so the next call and CUDA-graph replays start from zero.
 
-`sparse_mla_decode_triton` is the default: on a Hopper GPU with enough 64-head blocks to fill it
-it runs the Gluon wgmma kernel (kernels/sparse_mla_gluon.py, same semantics, its partials merged
-by the combine kernel here); otherwise its tiles and split count come from
-kernels/sparse_mla_plan.py, pure functions of the shapes and the SM count (so one CUDA-graph
-capture per batch bucket stays valid), and it skips the combine when one split suffices.
-Softmax runs in base 2: scores carry scale * log2(e).
+`sparse_mla_decode_triton` is the Triton plan: tiles and split count from kernels/sparse_mla/plan.py,
+pure functions of the shapes and the SM count (so one CUDA-graph capture per batch bucket stays
+valid), and no combine when one split suffices. Softmax runs in base 2: scores carry
+scale * log2(e).
 """
 from __future__ import annotations
 
@@ -30,56 +28,38 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.sparse_mla import check_sparse_mla_inputs
-from kernels.sparse_mla_plan import (
+from kernels.sparse_mla.common import (
+    LN2_C,
+    LOG2E,
+    LOG2E_C,
+    _check,
+    _check_workspace,
+    _flat_rows,
+    _load_indices,
+    _new_outputs,
+    _offsets_of,
+    _split_scratch,
+    launch_combine,
+)
+from kernels.sparse_mla.plan import (
     MAX_SPLITS,
-    WGMMA_BLOCK_N,
-    WGMMA_STAGES,
     TileConfig,
     _block_d,
     blocks_per_split,
     choose_num_splits,
     choose_plan,
-    device_capability,
     fused_counters,
     head_batched_tiles,
     num_fused_counters,
-    wgmma_splits,
     workspace_numel,
 )
 from kernels.triton_util import interpreting, launches_dependents
 from kernels.triton_util import num_sms as device_sm_count
 
-LOG2E = 1.4426950408889634
-# Globals read inside kernels must be constexpr.
-LOG2E_C = tl.constexpr(LOG2E)
-LN2_C = tl.constexpr(0.6931471805599453)
-
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _load_indices(idx_row_ptr, offs_k, k_end, stride_ik):
-    """indices[offs_k], -1 where offs_k >= k_end."""
-    return tl.load(idx_row_ptr + offs_k * stride_ik, mask=offs_k < k_end, other=-1)
-
-
-@triton.jit
-def _offsets_of(idx, rows_per_slot, stride_slot, stride_row, FLAT_ROWS: tl.constexpr):
-    """Element offsets of the KV rows named by idx (global row numbers; -1 masked: offset 0,
-    valid False). FLAT_ROWS: slots are evenly strided (stride_slot = rows_per_slot *
-    stride_row), so row g sits at g * stride_row; otherwise g is split into (slot, row) first."""
-    valid = idx >= 0
-    row = tl.where(valid, idx, 0)
-    if FLAT_ROWS:
-        row_off = row.to(tl.int64) * stride_row
-    else:
-        slot = row // rows_per_slot
-        row_off = slot.to(tl.int64) * stride_slot + (row - slot * rows_per_slot).to(tl.int64) * stride_row
-    return row_off, valid
 
 
 @triton.jit
@@ -336,68 +316,14 @@ def _head_batched_kernel(
             tl.store(lse_ptr + b * stride_lb + offs_h, lse, mask=h_ok)
 
 
-@triton.jit
-def _combine_kernel(
-    part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr,
-    H, D, num_splits,
-    stride_sink, stride_ob, stride_oh, stride_lb,
-    BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, WAIT_FOR_SPLITS: tl.constexpr = False,
-):
-    """Program (column chunk, head, sequence): merge the splits' partial outputs with weights
-    exp2(lse_s - M) and add the sink to the denominator. Empty splits have lse_s = -inf and
-    weight 0; M includes the (finite) sink, so the weights never become NaN.
-    WAIT_FOR_SPLITS: launched as a programmatic dependent of the split kernel, so it waits on the
-    device for that grid (and its writes) before it reads a partial."""
-    dc = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < num_splits
-    row = (b * num_splits + offs_s) * H + h
-    sink2 = tl.load(sink_ptr + h * stride_sink).to(tl.float32) * LOG2E_C
-    if WAIT_FOR_SPLITS:
-        tl.extra.cuda.gdc_wait()
-    lse_s = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
-    m_all = tl.maximum(tl.max(lse_s, axis=0), sink2)
-    w = tl.exp2(lse_s - m_all)
-    denom = tl.sum(w, axis=0) + tl.exp2(sink2 - m_all)
-
-    offs_d = dc * BLOCK_DC + tl.arange(0, BLOCK_DC)
-    d_ok = offs_d < D
-    parts = tl.load(part_out_ptr + row[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(parts * w[:, None], axis=0) / denom
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
-    if dc == 0:
-        tl.store(lse_ptr + b * stride_lb + h, (m_all + tl.log2(denom)) * LN2_C)
-
-
 # ---------------------------------------------------------------------------------------------
 # Python entry points
 # ---------------------------------------------------------------------------------------------
 
 
-def _check(q, kv_cache, indices, sink) -> None:
-    check_sparse_mla_inputs(q, kv_cache, indices, sink)
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"sparse_mla_decode (triton): q must be bf16, fp16 or fp32, got {q.dtype}")
-    if kv_cache.dtype != q.dtype:
-        raise ValueError(f"sparse_mla_decode (triton): kv_cache dtype {kv_cache.dtype} differs from q dtype {q.dtype}")
-
-
 def _kv_strides(kv_cache: torch.Tensor) -> tuple:
     # Global row g lives at slot g // rows, row g % rows: any slot/row strides work.
     return kv_cache.shape[1], kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2)
-
-
-def _flat_rows(kv_cache: torch.Tensor) -> bool:
-    """Whether global row g is simply at g * row stride (true for a contiguous cache)."""
-    return kv_cache.shape[0] == 1 or kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
-
-
-def _new_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    return out, lse
 
 
 def sparse_mla_decode_simt(q, kv_cache, indices, sink, scale, block_k: int = 16, num_warps: int = 4):
@@ -476,30 +402,6 @@ def sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale, tiles: Til
     n_blocks = triton.cdiv(indices.shape[1], tiles.block_k)
     _launch_head_batched(q, kv_cache, indices, sink, scale, tiles, 1, max(n_blocks, 1), out, lse, None, None)
     return out, lse
-
-
-def _check_workspace(workspace, numel, batch, heads, head_dim, num_splits, device, fused_combine=False) -> None:
-    if workspace.dtype != torch.float32 or workspace.device != device or not workspace.is_contiguous():
-        raise ValueError(
-            f"sparse_mla_decode: workspace must be a contiguous fp32 tensor on {device}, got "
-            f"{workspace.dtype} on {workspace.device}"
-        )
-    if workspace.numel() < numel:
-        how = "sparse_mla_workspace(..., fused_combine=True)" if fused_combine else "sparse_mla_workspace"
-        raise ValueError(
-            f"sparse_mla_decode: workspace holds {workspace.numel()} fp32 elements, {num_splits} splits at "
-            f"B={batch}, H={heads}, D={head_dim} need {numel} (allocate it with {how})"
-        )
-
-
-def _split_scratch(workspace, batch, heads, head_dim, num_splits, device):
-    numel = workspace_numel(batch, heads, head_dim, num_splits)
-    if workspace is None:
-        workspace = torch.empty(numel, dtype=torch.float32, device=device)
-    else:
-        _check_workspace(workspace, numel, batch, heads, head_dim, num_splits, device)
-    n_out = batch * num_splits * heads * head_dim
-    return workspace[:n_out], workspace[n_out:numel]
 
 
 def _fused_scratch(workspace, batch, heads, head_dim, num_splits, device):
@@ -585,40 +487,14 @@ def sparse_mla_decode_split_k(
     return out, lse
 
 
-def launch_combine(part_out, part_lse, sink, out, lse, num_splits: int, pdl: bool = False) -> None:
-    """Merge the splits' partials ([B, splits, H, D] and [B, splits, H] fp32) into out and lse.
-    pdl: launched as a programmatic dependent of the split kernel, which must allow it."""
-    batch, heads, head_dim = out.shape
-    block_s = triton.next_power_of_2(num_splits)
-    block_dc = max(16, min(_block_d(head_dim), 4096 // block_s))
-    _combine_kernel[(triton.cdiv(head_dim, block_dc), heads, batch)](
-        part_out, part_lse, sink, out, lse,
-        heads, head_dim, num_splits,
-        sink.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        BLOCK_S=block_s, BLOCK_DC=block_dc, WAIT_FOR_SPLITS=pdl, num_warps=4,
-        **({"launch_pdl": True} if pdl else {}),
-    )
-
-
 def sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace=None):
-    """Default path. On Hopper at large batches (wgmma_splits) the Gluon wgmma kernel
-    (kernels/sparse_mla_gluon.py) with its split count; otherwise tiles and split count from the
-    shapes (choose_plan): one split runs the head-batched kernel alone, several run split-K with
-    the combine. Where the GPU has programmatic dependent launch, the combine starts while the
-    splits run and the split kernel while the kernel before it finishes (0.3-1 us and 0.1-0.5 us
-    less per call on the H200, docs/kernels.md). Returns (out, lse)."""
+    """The Triton plan: tiles and split count from the shapes (choose_plan); one split runs the
+    head-batched kernel alone, several run split-K with the combine. Where the GPU has
+    programmatic dependent launch, the combine starts while the splits run and the split kernel
+    while the kernel before it finishes. Returns (out, lse)."""
     _check(q, kv_cache, indices, sink)
     batch, heads, head_dim = q.shape
-    topk = indices.shape[1]
-    num_sms = device_sm_count(q.device)
-    wgmma = wgmma_splits(batch, heads, topk, num_sms, head_dim, q.element_size(), device_capability(q.device))
-    if wgmma is not None and q.stride(2) == 1 and kv_cache.stride(2) == 1:
-        from kernels.sparse_mla_gluon import sparse_mla_decode_wgmma  # Gluon only where it runs
-
-        return sparse_mla_decode_wgmma(
-            q, kv_cache, indices, sink, scale, wgmma, workspace, block_n=WGMMA_BLOCK_N, stages=WGMMA_STAGES
-        )
-    tiles, num_splits = choose_plan(batch, heads, topk, num_sms, head_dim, q.element_size())
+    tiles, num_splits = choose_plan(batch, heads, indices.shape[1], device_sm_count(q.device), head_dim, q.element_size())
     if num_splits == 1:
         return sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale, tiles)
     overlap = launches_dependents(q.device)

@@ -1,33 +1,37 @@
-"""Sparse MLA decode: one query token per sequence attends to a gathered set of cache rows.
+"""Sparse MLA decode as custom ops (semantics: kernels/sparse_mla/ref.py) and the choice of
+implementation.
 
-Semantics (the official V4 decode): K and V are the same 512-wide row; scores are fp32 and
-scaled; index -1 is masked; a per-head learned sink adds exp(sink - max) to the softmax
-denominator only; probabilities are rounded to the activation dtype before P·V. A row whose
-indices are all masked returns zeros, and its LSE is the sink.
+On CUDA the op runs, on a Hopper GPU with enough 64-head blocks to fill it (plan.wgmma_splits),
+the Gluon wgmma kernel (gluon.py), and otherwise the Triton plan (triton.py): tiles and split
+count from the shapes and the SM count, so one CUDA-graph capture per batch bucket stays valid.
+The CPU runs the plain-torch reference.
 """
 from __future__ import annotations
 
 import torch
 
+from kernels.sparse_mla.ref import check_sparse_mla_inputs, sparse_mla_decode_reference
 
-def sparse_mla_decode_reference(
-    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch reference. q [B,H,D]; kv_cache [S,R,D]; indices [B,K] global rows into
-    kv_cache viewed as [S*R, D] (-1 = masked); sink [H] fp32. Returns (out [B,H,D] in q.dtype,
-    lse [B,H] fp32 natural log of the denominator including the sink)."""
-    rows = kv_cache.reshape(-1, kv_cache.shape[-1])
-    valid = indices >= 0
-    gathered = rows[indices.clamp(min=0).long()].float()  # [B,K,D]
-    scores = torch.einsum("bhd,bkd->bhk", q.float(), gathered) * scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    sink = sink.float()[None, :]
-    row_max = torch.maximum(scores.amax(-1), sink)  # finite even when every index is masked
-    probs = torch.exp(scores - row_max[..., None])
-    denom = probs.sum(-1) + torch.exp(sink - row_max)
-    probs = probs.to(q.dtype).float()
-    out = torch.einsum("bhk,bkd->bhd", probs, gathered) / denom[..., None]
-    return out.to(q.dtype), row_max + torch.log(denom)
+
+def sparse_mla_decode_cuda(q, kv_cache, indices, sink, scale, workspace=None):
+    """The CUDA path: on Hopper at large batches (plan.wgmma_splits) the Gluon wgmma kernel with
+    its split count, otherwise the Triton plan. Returns (out, lse)."""
+    from kernels.sparse_mla.plan import WGMMA_BLOCK_N, WGMMA_STAGES, device_capability, wgmma_splits
+    from kernels.triton_util import num_sms  # triton only where CUDA runs
+
+    batch, heads, head_dim = q.shape
+    wgmma = wgmma_splits(
+        batch, heads, indices.shape[1], num_sms(q.device), head_dim, q.element_size(), device_capability(q.device)
+    )
+    if wgmma is not None and q.stride(2) == 1 and kv_cache.stride(2) == 1:
+        from kernels.sparse_mla.gluon import sparse_mla_decode_wgmma  # Gluon only where it runs
+
+        return sparse_mla_decode_wgmma(
+            q, kv_cache, indices, sink, scale, wgmma, workspace, block_n=WGMMA_BLOCK_N, stages=WGMMA_STAGES
+        )
+    from kernels.sparse_mla.triton import sparse_mla_decode_triton
+
+    return sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace)
 
 
 # Two ops, one computation. The model calls the functional one: the split-K scratch is allocated
@@ -44,9 +48,7 @@ def sparse_mla_decode_op(
 
 @sparse_mla_decode_op.register_kernel("cuda")
 def _(q, kv_cache, indices, sink, scale):
-    from kernels.sparse_mla_triton import sparse_mla_decode_triton  # triton only where CUDA runs
-
-    return sparse_mla_decode_triton(q, kv_cache, indices, sink, scale)
+    return sparse_mla_decode_cuda(q, kv_cache, indices, sink, scale)
 
 
 def _fake_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,35 +72,12 @@ def sparse_mla_decode_with_workspace_op(
 
 @sparse_mla_decode_with_workspace_op.register_kernel("cuda")
 def _(q, kv_cache, indices, sink, scale, workspace):
-    from kernels.sparse_mla_triton import sparse_mla_decode_triton
-
-    return sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace=workspace)
+    return sparse_mla_decode_cuda(q, kv_cache, indices, sink, scale, workspace)
 
 
 @sparse_mla_decode_with_workspace_op.register_fake
 def _(q, kv_cache, indices, sink, scale, workspace):
     return _fake_outputs(q)
-
-
-def check_sparse_mla_inputs(q, kv_cache, indices, sink) -> None:
-    if q.dim() != 3 or kv_cache.dim() != 3 or indices.dim() != 2 or sink.dim() != 1:
-        raise ValueError(
-            "sparse_mla_decode expects q [B,H,D], kv_cache [S,R,D], indices [B,K], sink [H]; got "
-            f"{tuple(q.shape)}, {tuple(kv_cache.shape)}, {tuple(indices.shape)}, {tuple(sink.shape)}"
-        )
-    if q.shape[-1] != kv_cache.shape[-1] or indices.shape[0] != q.shape[0] or sink.shape[0] != q.shape[1]:
-        raise ValueError("sparse_mla_decode: q, kv_cache, indices and sink disagree on B, H or D")
-    if indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"sparse_mla_decode: indices must be int32 or int64, got {indices.dtype}")
-    if not q.is_floating_point() or not kv_cache.is_floating_point() or not sink.is_floating_point():
-        raise ValueError(
-            f"sparse_mla_decode: q, kv_cache and sink must be floating point, got {q.dtype}, {kv_cache.dtype}, {sink.dtype}"
-        )
-    if len({t.device for t in (q, kv_cache, indices, sink)}) != 1:
-        raise ValueError(
-            "sparse_mla_decode: q, kv_cache, indices and sink must be on one device, got "
-            f"{q.device}, {kv_cache.device}, {indices.device}, {sink.device}"
-        )
 
 
 IMPLS = ("default", "reference", "simt", "head_batched", "split_k", "wgmma")
@@ -108,7 +87,7 @@ def sparse_mla_workspace(batch: int, heads: int, head_dim: int, topk: int, devic
     """Split-K scratch for the CUDA path at these shapes, to allocate per batch bucket before a
     CUDA-graph capture and pass as `workspace` (empty when the plan needs no split). A captured
     graph writes into it on every replay: keep it alive as long as the graph."""
-    from kernels.sparse_mla_plan import sparse_mla_workspace as plan_workspace
+    from kernels.sparse_mla.plan import sparse_mla_workspace as plan_workspace
 
     return plan_workspace(batch, heads, head_dim, topk, device, dtype)
 
@@ -132,16 +111,20 @@ def sparse_mla_decode(
     elif impl == "reference":
         out, lse = sparse_mla_decode_reference(q, kv_cache, indices, sink, float(scale))
     elif impl in ("simt", "head_batched", "split_k"):
-        from kernels import sparse_mla_triton as triton_impl
+        from kernels.sparse_mla.triton import (
+            sparse_mla_decode_head_batched,
+            sparse_mla_decode_simt,
+            sparse_mla_decode_split_k,
+        )
 
         if impl == "simt":
-            out, lse = triton_impl.sparse_mla_decode_simt(q, kv_cache, indices, sink, scale)
+            out, lse = sparse_mla_decode_simt(q, kv_cache, indices, sink, scale)
         elif impl == "head_batched":
-            out, lse = triton_impl.sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale)
+            out, lse = sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale)
         else:
-            out, lse = triton_impl.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, workspace=workspace)
+            out, lse = sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, workspace=workspace)
     elif impl == "wgmma":
-        from kernels.sparse_mla_gluon import sparse_mla_decode_wgmma
+        from kernels.sparse_mla.gluon import sparse_mla_decode_wgmma
 
         out, lse = sparse_mla_decode_wgmma(q, kv_cache, indices, sink, scale, workspace=workspace)
     else:

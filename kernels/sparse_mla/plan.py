@@ -1,4 +1,4 @@
-"""How the CUDA path of sparse MLA decode is launched (kernels/sparse_mla_triton.py): which
+"""How the CUDA path of sparse MLA decode is launched (kernels/sparse_mla/op.py): which
 kernel (the Gluon wgmma kernel on Hopper at large batches, else the Triton head-batched one), its
 tiles, the split count, and the split-K scratch a CUDA-graph caller preallocates. Every choice is
 a pure function of the shapes and the SM count, so one capture per batch bucket stays valid: the
@@ -202,7 +202,7 @@ def _best_splits(batch, heads, topk, num_sms, head_dim, itemsize, tiles: TileCon
     return min(costs)[1]
 
 
-# The Gluon kernel (kernels/sparse_mla_gluon.py), at its tile: 64 heads x 64 gathered rows per
+# The Gluon kernel (kernels/sparse_mla/gluon.py), at its tile: 64 heads x 64 gathered rows per
 # step, two shared-memory stages. On the H200 its first schedule beat every Triton plan once the
 # 64-head blocks alone nearly fill the GPU and the index lists are long (1.0-1.45x from 16 blocks
 # up at 640 and 2048 indices, 0.64-1.05x below 16 blocks, 0.62-0.95x at the 128-160 indices of

@@ -1,6 +1,6 @@
 """Sparse MLA decode on Hopper tensor cores, warp-specialised (Gluon).
 
-Semantics: kernels/sparse_mla.py. One program per (64-head block, split, sequence) runs three
+Semantics: kernels/sparse_mla/ref.py. One program per (64-head block, split, sequence) runs three
 partitions of four warps, which hand work to each other through shared memory and mbarriers:
 
 - a producer gathers each block of BLOCK_N cache rows with cp.async into a ring of STAGES
@@ -21,7 +21,7 @@ docs/kernels.md.)
 
 With one split the program finishes the softmax with the sink and writes out and lse; with
 several it writes the same fp32 partials as the Triton split kernel (normalised by their own sum,
-base-2 LSE) and sparse_mla_triton's combine kernel merges them. sm_90 only (wgmma), bf16 or fp16,
+base-2 LSE) and the combine kernel (common.py) merges them. sm_90 only (wgmma), bf16 or fp16,
 heads a multiple of 64, head dim 128-512.
 """
 from __future__ import annotations
@@ -32,12 +32,22 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-from kernels import sparse_mla_triton as smt
-from kernels.sparse_mla_plan import (
+# _load_indices and _offsets_of are Triton functions: Gluon kernels call them as they are.
+from kernels.sparse_mla.common import (
+    LN2_C,
+    LOG2E,
+    LOG2E_C,
+    _check,
+    _flat_rows,
+    _load_indices,
+    _new_outputs,
+    _offsets_of,
+    _split_scratch,
+    launch_combine,
+)
+from kernels.sparse_mla.plan import (
     MAX_SPLITS, WGMMA_BLOCK_N, WGMMA_HEAD_DIMS, WGMMA_STAGES, blocks_per_split, wgmma_splits,
 )
-# Triton functions: Gluon kernels call them as they are.
-from kernels.sparse_mla_triton import _load_indices, _offsets_of
 from kernels.triton_util import num_sms
 
 BLOCK_H = 64  # one wgmma M tile: a warpgroup of four 16-row warps
@@ -47,10 +57,6 @@ NUM_WARPS = 4  # the scores warpgroup, the default partition
 # indices in flight (64 spill at D=512); the scores warpgroup gets the rest.
 WORKER_REGS = (168, 72)
 PRODUCER_THREADS = gl.constexpr(4 * 32)  # each thread arrives on a buffer's mbarrier when its copies land
-LOG2E = 1.4426950408889634
-# Globals read inside kernels must be constexpr.
-LOG2E_C = gl.constexpr(LOG2E)
-LN2_C = gl.constexpr(0.6931471805599453)
 
 # Rows of 16-byte pieces, a warp per row, over four warps: the producer's gathers and Q's load.
 ROWS_LAYOUT = gl.constexpr(
@@ -305,14 +311,13 @@ def launch_wgmma(
     block_n: int = WGMMA_BLOCK_N, stages: int = WGMMA_STAGES,
 ):
     """Launch the kernel; with part_out/part_lse (fp32 [B, splits, H, D] / [B, splits, H]) it
-    writes partials for sparse_mla_triton's combine instead of out and lse."""
+    writes partials for the combine kernel (common.py) instead of out and lse."""
     batch, heads, head_dim = q.shape
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"sparse_mla_decode (wgmma): num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if block_n not in (16, 32, 64) or not 2 <= stages <= 8:
         raise ValueError(f"sparse_mla_decode (wgmma): block_n must be 16, 32 or 64 and stages 2-8, got {block_n}, {stages}")
     rows_per_slot = kv_cache.shape[1]
-    flat_rows = kv_cache.shape[0] == 1 or kv_cache.stride(0) == rows_per_slot * kv_cache.stride(1)
     gl_dtype = _GL_DTYPES[q.dtype]
     split = part_out is not None
     _sparse_mla_wgmma_kernel[(heads // BLOCK_H, num_splits, batch)](
@@ -323,7 +328,7 @@ def launch_wgmma(
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), indices.stride(0), indices.stride(1),
         sink.stride(0), out.stride(0), out.stride(1), lse.stride(0),
         **kernel_constants(head_dim, block_n, stages, gl_dtype),
-        FLAT_ROWS=flat_rows, SPLIT=split,
+        FLAT_ROWS=_flat_rows(kv_cache), SPLIT=split,
         num_warps=NUM_WARPS,
     )
 
@@ -333,9 +338,9 @@ def sparse_mla_decode_wgmma(
     block_n: int = WGMMA_BLOCK_N, stages: int = WGMMA_STAGES,
 ):
     """This kernel alone at one split; at more, its partials merged by the Triton combine kernel.
-    num_splits None: the default path's rule (sparse_mla_plan.wgmma_splits), at any batch.
-    workspace: as for sparse_mla_triton.sparse_mla_decode_split_k. Returns (out, lse)."""
-    smt._check(q, kv_cache, indices, sink)
+    num_splits None: the default path's rule (plan.wgmma_splits), at any batch.
+    workspace: as for triton.sparse_mla_decode_split_k. Returns (out, lse)."""
+    _check(q, kv_cache, indices, sink)
     check_wgmma_inputs(q, kv_cache)
     batch, heads, head_dim = q.shape
     if num_splits is None:
@@ -343,13 +348,13 @@ def sparse_mla_decode_wgmma(
             batch, heads, indices.shape[1], num_sms(q.device), head_dim, q.element_size(),
             torch.cuda.get_device_capability(q.device), min_head_blocks=1, min_topk=1,
         ) or 1
-    out, lse = smt._new_outputs(q)
+    out, lse = _new_outputs(q)
     if batch == 0:
         return out, lse
     if num_splits == 1:
         launch_wgmma(q, kv_cache, indices, sink, scale, 1, out, lse, block_n=block_n, stages=stages)
         return out, lse
-    part_out, part_lse = smt._split_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
+    part_out, part_lse = _split_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
     launch_wgmma(q, kv_cache, indices, sink, scale, num_splits, out, lse, part_out, part_lse, block_n, stages)
-    smt.launch_combine(part_out, part_lse, sink, out, lse, num_splits)
+    launch_combine(part_out, part_lse, sink, out, lse, num_splits)
     return out, lse
