@@ -3,12 +3,12 @@
 Each program takes BLOCK_B tokens. It loads their mixes, writes pre and post, and keeps the
 [BLOCK_B, HC, HC] combination matrices in registers from the softmax through every row and column
 normalisation: a row sum is a reduction over the last axis, a column sum over the middle one, so
-no step has to go through memory. At hc=4 (V4) an opt-in second kernel gives each thread one
-whole token: its 16 cells are 16 values, so every sum is three adds in one thread instead of a
-cross-thread reduction; on the H200 it is nevertheless twice as slow (docs/kernels.md). Math is
-fp32 throughout, divisions rounded as torch's. hc and the iteration count are compile-time
-constants (the model uses one pair). The launch depends on B and those only and allocates nothing
-but the outputs, so the op can be captured in a CUDA graph.
+no step has to go through memory. Math is fp32 throughout, divisions rounded as torch's. hc and
+the iteration count are compile-time constants (the model uses one pair). The launch depends on B
+and those only and allocates nothing but the outputs, so the op can be captured in a CUDA graph.
+
+The hc=4 helpers below (_sinkhorn4 and the ones around it) hold each matrix cell as its own value;
+the mHC boundary's kernel (kernels/hc_mix/triton.py) runs its Sinkhorn with them.
 """
 from __future__ import annotations
 
@@ -35,16 +35,6 @@ def _div(x, y):
 
 
 @triton.jit
-def _normalise(x, total, EXACT_DIVISION: tl.constexpr):
-    # x / total: rounded as torch rounds, or (opt-in, for benchmarking) the approximate fp32
-    # division `/` lowers to (2 ulp, a reciprocal and a product: a shorter dependent chain).
-    if EXACT_DIVISION:
-        return _div(x, total)
-    else:
-        return x / total
-
-
-@triton.jit
 def _sigmoid(x):
     # exp of -|x| only, so no intermediate overflows for large negative x
     e = tl.exp(-tl.abs(x))
@@ -57,7 +47,7 @@ def _hc_split_sinkhorn_kernel(
     pre_ptr, post_ptr, comb_ptr,
     batch, eps,
     stride_mb, stride_mc, stride_scale, stride_base,
-    HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_B: tl.constexpr, EXACT_DIVISION: tl.constexpr,
+    HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     token_ok = tokens < batch
@@ -90,11 +80,11 @@ def _hc_split_sinkhorn_kernel(
     # Row softmax (max subtracted), then column, then iters - 1 rounds of row and column
     # normalisation; masked tokens hold zeros and stay finite.
     exps = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
-    comb = _normalise(exps, tl.sum(exps, axis=2)[:, :, None], EXACT_DIVISION) + eps
-    comb = _normalise(comb, tl.sum(comb, axis=1)[:, None, :] + eps, EXACT_DIVISION)
+    comb = _div(exps, tl.sum(exps, axis=2)[:, :, None]) + eps
+    comb = _div(comb, tl.sum(comb, axis=1)[:, None, :] + eps)
     for _ in range(ITERS - 1):
-        comb = _normalise(comb, tl.sum(comb, axis=2)[:, :, None] + eps, EXACT_DIVISION)
-        comb = _normalise(comb, tl.sum(comb, axis=1)[:, None, :] + eps, EXACT_DIVISION)
+        comb = _div(comb, tl.sum(comb, axis=2)[:, :, None] + eps)
+        comb = _div(comb, tl.sum(comb, axis=1)[:, None, :] + eps)
 
     vec_offsets = tokens[:, None] * HC + lanes[None, :]
     tl.store(pre_ptr + vec_offsets, pre, mask=token_ok[:, None])
@@ -232,62 +222,11 @@ def _hc4_pre_post(mixes_row, scale_ptr, base_ptr, stride_mc, stride_scale, strid
     return pre, post
 
 
-@triton.jit
-def _hc4_split_sinkhorn_kernel(
-    mixes_ptr, scale_ptr, base_ptr,
-    pre_ptr, post_ptr, comb_ptr,
-    batch, eps,
-    stride_mb, stride_mc, stride_scale, stride_base,
-    ITERS: tl.constexpr, BLOCK_B: tl.constexpr,
-):
-    """hc=4, one token per thread: cell (i, j) of the combination matrix is the [BLOCK_B] value
-    c{i}{j}, so row and column sums are in-thread adds. Same math as _hc_split_sinkhorn_kernel."""
-    tokens = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    token_ok = tokens < batch
-    tokens = tokens.to(tl.int64)
-    lanes = tl.arange(0, 4)
-    mixes_row = mixes_ptr + tokens * stride_mb
-
-    pre, post = _hc4_pre_post(mixes_row, scale_ptr, base_ptr, stride_mc, stride_scale, stride_base, token_ok, eps)
-    vec_offsets = tokens[:, None] * 4 + lanes[None, :]
-    tl.store(pre_ptr + vec_offsets, pre, mask=token_ok[:, None])
-    tl.store(post_ptr + vec_offsets, post, mask=token_ok[:, None])
-
-    s = tl.load(scale_ptr + 2 * stride_scale)
-    c00, c01, c02, c03 = _comb_row_softmax(mixes_row, base_ptr, 0, stride_mc, stride_base, s, token_ok, eps)
-    c10, c11, c12, c13 = _comb_row_softmax(mixes_row, base_ptr, 1, stride_mc, stride_base, s, token_ok, eps)
-    c20, c21, c22, c23 = _comb_row_softmax(mixes_row, base_ptr, 2, stride_mc, stride_base, s, token_ok, eps)
-    c30, c31, c32, c33 = _comb_row_softmax(mixes_row, base_ptr, 3, stride_mc, stride_base, s, token_ok, eps)
-    c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33 = _sinkhorn4(
-        c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, eps, ITERS, 0
-    )
-
-    _store_cells(
-        comb_ptr + tokens * 16, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, token_ok
-    )
-
-
-# hc=4: one token per thread, one warp per program (B=128 makes 4 programs).
-HC4_TOKENS_PER_PROGRAM = 32
-
-
 def hc_split_sinkhorn_triton(
-    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float,
-    per_token: bool = False, cells_per_program: int = CELLS_PER_PROGRAM, num_warps: int = NUM_WARPS,
-    exact_division: bool = True,
+    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [B, hc], post [B, hc], comb [B, hc, hc]), contiguous fp32, for hc a power of two up
-    to 8. Arguments as `hc_split_sinkhorn_reference` (fp32, any strides); one kernel launch.
-    per_token=True: the hc=4 kernel with one token per thread (no cross-thread sums; opt-in: on
-    the H200 it takes 24 us against the general kernel's 11.7 us at every batch up to 128, its
-    one thread per token running the 20 dependent iterations serially, docs/kernels.md).
-    cells_per_program (a power of two, at least hc*hc) and num_warps shape the general kernel's
-    programs (benchmarking; the defaults are the model's). exact_division=False: the general
-    kernel's normalisations divide with the approximate fp32 division (benchmarking)."""
-    if per_token and not exact_division:
-        raise ValueError("hc_split_sinkhorn (triton): exact_division=False is an option of the general kernel, not the per-token one")
-    if per_token and hc != 4:
-        raise ValueError(f"hc_split_sinkhorn (triton): the per-token kernel takes hc=4, got hc={hc}")
+    to 8. Arguments as `hc_split_sinkhorn_reference` (fp32, any strides); one kernel launch."""
     if hc not in SUPPORTED_HC:
         raise ValueError(f"hc_split_sinkhorn (triton): hc must be one of {SUPPORTED_HC}, got {hc}")
     check_hc_inputs(mixes, scale, base, hc, iters)  # also when the op is called directly
@@ -297,27 +236,13 @@ def hc_split_sinkhorn_triton(
     comb = torch.empty((batch, hc, hc), dtype=torch.float32, device=mixes.device)
     if batch == 0:
         return pre, post, comb
-    if per_token:
-        _hc4_split_sinkhorn_kernel[(triton.cdiv(batch, HC4_TOKENS_PER_PROGRAM),)](
-            mixes, scale, base,
-            pre, post, comb,
-            batch, eps,
-            mixes.stride(0), mixes.stride(1), scale.stride(0), base.stride(0),
-            ITERS=iters, BLOCK_B=HC4_TOKENS_PER_PROGRAM,
-            num_warps=1,
-        )
-        return pre, post, comb
-    if cells_per_program < hc * hc or cells_per_program & (cells_per_program - 1):
-        raise ValueError(
-            f"hc_split_sinkhorn (triton): cells_per_program must be a power of two >= hc*hc = {hc * hc}, got {cells_per_program}"
-        )
-    block_b = cells_per_program // (hc * hc)
+    block_b = CELLS_PER_PROGRAM // (hc * hc)
     _hc_split_sinkhorn_kernel[(triton.cdiv(batch, block_b),)](
         mixes, scale, base,
         pre, post, comb,
         batch, eps,
         mixes.stride(0), mixes.stride(1), scale.stride(0), base.stride(0),
-        HC=hc, ITERS=iters, BLOCK_B=block_b, EXACT_DIVISION=exact_division,
-        num_warps=num_warps,
+        HC=hc, ITERS=iters, BLOCK_B=block_b,
+        num_warps=NUM_WARPS,
     )
     return pre, post, comb
