@@ -60,14 +60,8 @@ def model_composition(t: dict, write_back: bool):
     return (streams, *outputs) if write_back else outputs
 
 
-def run_op(t: dict, write_back: bool, impl: str, **kernel_options):
+def run_op(t: dict, write_back: bool, impl: str):
     common = (t["fn"], t["scale"], t["base"], t["weight"], ITERS, HC_EPS, NORM_EPS, NORM_EPS)
-    if kernel_options:
-        from kernels.hc_mix.triton import hc_mix_triton
-
-        extra = dict(out=t["out"], post=t["post"], comb=t["comb"]) if write_back else {}
-        result = hc_mix_triton(t["streams"], *common, **extra, **kernel_options)
-        return result if write_back else result[1:]
     if write_back:
         return hc_post_pre_norm(t["out"], t["streams"], t["post"], t["comb"], *common, impl=impl)
     return hc_pre_norm(t["streams"], *common, impl=impl)
@@ -116,14 +110,6 @@ def test_triton_matches_reference_interpreter(write_back, batch, dtype):
 
 
 @interpreter
-@pytest.mark.parametrize("division", [0, 1, 2, 3])
-def test_triton_division_modes_interpreter(division):
-    t = random_boundary(2, 256, seed=20)
-    want = run_op(t, True, impl="reference")
-    assert_outputs_close(run_op(t, True, impl=None, division=division), want, torch.float32, f"division {division}")
-
-
-@interpreter
 def test_triton_reads_strided_streams_interpreter():
     """Streams that are a view with a batch stride of their own (a slice of a larger buffer)."""
     t = random_boundary(6, 256, seed=30)
@@ -167,15 +153,10 @@ def test_bad_impl_and_iters():
 
 
 @interpreter
-def test_triton_rejects_widths_it_does_not_tile_and_unknown_divisions():
+def test_triton_rejects_widths_it_does_not_tile():
     t = random_boundary(1, 64, seed=6)
     with pytest.raises(ValueError, match="needs hc = 4 and D a multiple of 256"):
         run_op(t, True, impl="triton")
-    t = random_boundary(1, 256, seed=6)
-    with pytest.raises(ValueError, match="division must be 0, 1, 2 or 3"):
-        run_op(t, True, impl=None, division=4)
-    with pytest.raises(ValueError, match="finish_warps must be a power of two"):
-        run_op(t, True, impl=None, finish_warps=3)
 
 
 def test_torch_compile_traces_one_call_cpu():

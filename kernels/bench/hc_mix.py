@@ -1,8 +1,7 @@
 """GPU benchmark of the mHC boundary ops (kernels/hc_mix/) at V4 widths (hc=4, D=4096, bf16
 copies, fp32 fn): `v4::hc_post_pre_norm` and `v4::hc_pre_norm` against the same math in plain
 torch compiled by Inductor (what the model's blocks ran before: hc_post, hc_pre with the Sinkhorn
-op, the RMSNorm), the op's four ways of dividing in the Sinkhorn steps, and its finish kernel at
-8 warps.
+op, the RMSNorm).
 
 One CUDA graph per rotating input set (each set its own fn, as each layer has its own), and one
 graph calling every set in turn (chained: per call, as a step runs them); the calls are
@@ -15,7 +14,7 @@ import torch
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import chained_time_us, graph_time_us, rotation_count
 from kernels.hc_mix.ref import hc_post_pre_norm_reference, hc_post_reference, hc_pre_norm_reference
-from kernels.hc_mix.triton import FINISH_WARPS, hc_mix_triton
+from kernels.hc_mix.triton import hc_mix_triton
 import kernels.hc_sinkhorn  # noqa: F401 (registers v4::hc_split_sinkhorn, which the composition calls)
 
 HC, DIM, ITERS, EPS = 4, 4096, 20, 1e-6
@@ -49,12 +48,10 @@ def _pre_composition(streams, fn, scale, base, weight):
     return (weight * x).to(streams.dtype), post, comb
 
 
-def _op(division: int, write_back: bool, finish_warps: int = FINISH_WARPS):
+def _op(write_back: bool):
     def call(out, streams, post, comb, fn, scale, base, weight):
         extra = dict(out=out, post=post, comb=comb) if write_back else {}
-        result = hc_mix_triton(
-            streams, fn, scale, base, weight, ITERS, EPS, EPS, EPS, division=division, finish_warps=finish_warps, **extra
-        )
+        result = hc_mix_triton(streams, fn, scale, base, weight, ITERS, EPS, EPS, EPS, **extra)
         return result if write_back else result[1:]
     return call
 
@@ -75,13 +72,9 @@ def run(copy_gbs: float) -> str:
     )
     paths = [
         ("post + pre, Inductor", inductor, True),
-        ("post + pre, op (default: approximate reciprocal times each cell, 4 finish warps)", _op(3, True), True),
-        ("post + pre, op (the same, 8 finish warps)", _op(3, True, finish_warps=8), True),
-        ("post + pre, op (approximate reciprocal + Newton + fmas)", _op(2, True), True),
-        ("post + pre, op (rounded reciprocal + fmas)", _op(1, True), True),
-        ("post + pre, op (every cell divided)", _op(0, True), True),
+        ("post + pre, op", _op(True), True),
         ("pre, Inductor", inductor_pre, False),
-        ("pre, op (default)", _op(3, False), False),
+        ("pre, op", _op(False), False),
     ]
     rows, chained_rows = [], []
     for batch in BATCHES:

@@ -73,7 +73,7 @@ def _hc_mix_finish_kernel(
     x_ptr, post_ptr, comb_ptr,
     stride_cb, stride_ch, stride_scale, stride_base,
     hc_eps, hc_norm_eps, norm_eps,
-    D: tl.constexpr, SLICES: tl.constexpr, ITERS: tl.constexpr, DIVISION: tl.constexpr,
+    D: tl.constexpr, SLICES: tl.constexpr, ITERS: tl.constexpr,
     HC: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -99,7 +99,7 @@ def _hc_mix_finish_kernel(
     c20, c21, c22, c23 = _comb_row_softmax(row, base_ptr, 2, 1, stride_base, s, ok, hc_eps)
     c30, c31, c32, c33 = _comb_row_softmax(row, base_ptr, 3, 1, stride_base, s, ok, hc_eps)
     c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33 = _sinkhorn4(
-        c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, hc_eps, ITERS, DIVISION
+        c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, hc_eps, ITERS
     )
     _store_cells(comb_ptr + token * 16, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, ok)
 
@@ -117,22 +117,13 @@ def hc_mix_triton(
     streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight: torch.Tensor,
     iters: int, hc_eps: float, hc_norm_eps: float, norm_eps: float,
     out: torch.Tensor | None = None, post: torch.Tensor | None = None, comb: torch.Tensor | None = None,
-    division: int = 3, finish_warps: int = FINISH_WARPS,
 ) -> tuple[torch.Tensor, ...]:
     """(new streams or None, normed x [B, D], post [B, 4], comb [B, 4, 4]); with out/post/comb the
     write-back first (hc_post_pre_norm), without it hc_pre_norm. Shapes as checked by
     kernels.hc_mix.ref.check_hc_mix_inputs; D a multiple of SLICE with 4 * D / SLICE a power of two.
-    division: how the Sinkhorn steps divide (kernels.hc_sinkhorn.triton._norm4): 0 every cell by
-    the rounded division torch does, 1 one rounded reciprocal per row or column corrected by two
-    fmas (the same quotients), 2 an approximate reciprocal refined by a Newton step, then the same
-    correction (the last bit of a quotient may differ), 3 (default) each cell times the approximate
-    reciprocal (a few ulp: comb within 2e-7 of the rounded path's on the H200). finish_warps: the
-    second kernel's warps (each runs the whole Sinkhorn chain, so fewer issue it sooner)."""
+    The Sinkhorn steps divide by one approximate reciprocal per row or column (a few ulp from the
+    rounded quotients: kernels.hc_sinkhorn.triton._norm4)."""
     batch, hc, dim = streams.shape
-    if division not in (0, 1, 2, 3):
-        raise ValueError(f"hc_mix (triton): division must be 0, 1, 2 or 3, got {division!r}")
-    if finish_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"hc_mix (triton): finish_warps must be a power of two from 1 to 16, got {finish_warps!r}")
     if hc != HC or not tiles(dim):
         raise ValueError(f"hc_mix (triton): needs hc = {HC} and D a multiple of {SLICE} with 4 * D / {SLICE} a power of two, got hc={hc}, D={dim}")
     if streams.stride(-1) != 1 or fn.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
@@ -162,6 +153,6 @@ def hc_mix_triton(
         x, post_out, comb_out,
         copies.stride(0), copies.stride(1), scale.stride(0), base.stride(0),
         hc_eps, hc_norm_eps, norm_eps,
-        D=dim, SLICES=slices, ITERS=iters, DIVISION=division, HC=HC, WIDTH=WIDTH, PARTS=PARTS, num_warps=finish_warps,
+        D=dim, SLICES=slices, ITERS=iters, HC=HC, WIDTH=WIDTH, PARTS=PARTS, num_warps=FINISH_WARPS,
     )
     return new, x, post_out, comb_out

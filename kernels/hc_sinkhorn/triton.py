@@ -105,68 +105,33 @@ def _softmax4(a, b, c, d, eps):
 
 
 @triton.jit
-def _normalise4(a, b, c, d, eps):
-    """Four cells of one row or column divided by their sum plus eps."""
-    total = a + b + c + d + eps
-    return _div(a, total), _div(b, total), _div(c, total), _div(d, total)
-
-
-@triton.jit
-def _normalise4_one_division(a, b, c, d, eps, ROUNDED_RECIPROCAL: tl.constexpr):
-    """_normalise4 with one division per row or column: q = x * r corrected by two fmas (Markstein),
-    which is the rounded quotient when r is the rounded 1 / total (checked bit for bit against the
-    division on 1e8 pairs). ROUNDED_RECIPROCAL=False takes r from the approximate fp32 division
-    refined by one Newton step instead of the rounded division's slow-path-guarded sequence: the
-    chain's latency halves and a quotient may differ from the rounded one in its last bit."""
-    total = a + b + c + d + eps
-    one = tl.full(total.shape, 1.0, tl.float32)
-    if ROUNDED_RECIPROCAL:
-        r = _div(one, total)
-    else:
-        r = one / total
-        r = tl.fma(tl.fma(-total, r, one), r, r)
-    qa, qb, qc, qd = a * r, b * r, c * r, d * r
-    qa = tl.fma(tl.fma(-qa, total, a), r, qa)
-    qb = tl.fma(tl.fma(-qb, total, b), r, qb)
-    qc = tl.fma(tl.fma(-qc, total, c), r, qc)
-    qd = tl.fma(tl.fma(-qd, total, d), r, qd)
-    return qa, qb, qc, qd
-
-
-@triton.jit
-def _norm4(a, b, c, d, eps, DIVISION: tl.constexpr):
-    # DIVISION: 0 every cell divided (rounded), 1 one rounded reciprocal per row or column, 2 one
-    # approximate reciprocal refined by a Newton step (see _normalise4_one_division), 3 the
-    # approximate reciprocal times each cell, uncorrected (a few ulp; the shortest chain).
-    if DIVISION == 0:
-        return _normalise4(a, b, c, d, eps)
-    elif DIVISION == 3:
-        r = 1.0 / (a + b + c + d + eps)
-        return a * r, b * r, c * r, d * r
-    else:
-        return _normalise4_one_division(a, b, c, d, eps, DIVISION == 1)
+def _norm4(a, b, c, d, eps):
+    # Four cells of one row or column over their sum plus eps: one approximate reciprocal times
+    # each cell (a few ulp from the rounded quotients), the shortest dependent chain.
+    r = 1.0 / (a + b + c + d + eps)
+    return a * r, b * r, c * r, d * r
 
 
 @triton.jit
 def _sinkhorn4(
     c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
-    eps, ITERS: tl.constexpr, DIVISION: tl.constexpr,
+    eps, ITERS: tl.constexpr,
 ):
     """The rounds after the row softmax on the 16 cells of a 4x4 matrix held as separate values:
     a column step, then iters - 1 rounds of a row and a column step."""
-    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps, DIVISION)
-    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps, DIVISION)
-    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps, DIVISION)
-    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps, DIVISION)
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
     for _ in range(ITERS - 1):
-        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps, DIVISION)
-        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps, DIVISION)
-        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps, DIVISION)
-        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps, DIVISION)
-        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps, DIVISION)
-        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps, DIVISION)
-        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps, DIVISION)
-        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps, DIVISION)
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
     return c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33
 
 
