@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.hc_mix.ref import KERNEL_HC as HC, SLICE, tiles
-from kernels.hc_sinkhorn.triton import _comb_row_softmax, _hc4_pre_post, _sinkhorn4, _store_cells
+from kernels.hc_sinkhorn.triton import _div, _sigmoid
 
 WIDTH = (2 + HC) * HC  # mixes per token: pre, post, comb
 PARTS = 32  # partial sums per token and slice: the 24 mixes, the sum of squares, padding
@@ -30,6 +30,103 @@ TOKENS = 4  # tokens per program of the first kernel: fn's block is loaded once 
 # Warps of the second kernel. Every warp runs the Sinkhorn chain on values all threads hold, so
 # warps that share a scheduler slow it down; 4 still spread the pre-weighted sum over D.
 FINISH_WARPS = 4
+
+
+# hc=4 helpers: each cell of a token's 4x4 matrix is a value of its own, so every row or column
+# sum is three adds in one thread.
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    """One row's softmax plus eps, max subtracted first."""
+    top = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a = tl.exp(a - top)
+    b = tl.exp(b - top)
+    c = tl.exp(c - top)
+    d = tl.exp(d - top)
+    total = a + b + c + d
+    return _div(a, total) + eps, _div(b, total) + eps, _div(c, total) + eps, _div(d, total) + eps
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    # Four cells of one row or column over their sum plus eps: one approximate reciprocal times
+    # each cell (a few ulp from the rounded quotients), the shortest dependent chain.
+    r = 1.0 / (a + b + c + d + eps)
+    return a * r, b * r, c * r, d * r
+
+
+@triton.jit
+def _sinkhorn4(
+    c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
+    eps, ITERS: tl.constexpr,
+):
+    """The rounds after the row softmax on the 16 cells of a 4x4 matrix held as separate values:
+    a column step, then iters - 1 rounds of a row and a column step."""
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
+    for _ in range(ITERS - 1):
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
+    return c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33
+
+
+@triton.jit
+def _comb_logit(mixes_row, base_ptr, cell, stride_mc, stride_base, scale_comb, token_ok):
+    m = tl.load(mixes_row + (8 + cell) * stride_mc, mask=token_ok, other=0.0)
+    return m * scale_comb + tl.load(base_ptr + (8 + cell) * stride_base)
+
+
+@triton.jit
+def _comb_row_softmax(mixes_row, base_ptr, row, stride_mc, stride_base, scale_comb, token_ok, eps):
+    """Row `row` of the combination matrix: its four logits through _softmax4."""
+    return _softmax4(
+        _comb_logit(mixes_row, base_ptr, 4 * row, stride_mc, stride_base, scale_comb, token_ok),
+        _comb_logit(mixes_row, base_ptr, 4 * row + 1, stride_mc, stride_base, scale_comb, token_ok),
+        _comb_logit(mixes_row, base_ptr, 4 * row + 2, stride_mc, stride_base, scale_comb, token_ok),
+        _comb_logit(mixes_row, base_ptr, 4 * row + 3, stride_mc, stride_base, scale_comb, token_ok),
+        eps,
+    )
+
+
+@triton.jit
+def _store_cells(out, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, mask):
+    """The 16 cells of a 4x4 matrix, row major from `out`."""
+    tl.store(out + 0, c00, mask=mask)
+    tl.store(out + 1, c01, mask=mask)
+    tl.store(out + 2, c02, mask=mask)
+    tl.store(out + 3, c03, mask=mask)
+    tl.store(out + 4, c10, mask=mask)
+    tl.store(out + 5, c11, mask=mask)
+    tl.store(out + 6, c12, mask=mask)
+    tl.store(out + 7, c13, mask=mask)
+    tl.store(out + 8, c20, mask=mask)
+    tl.store(out + 9, c21, mask=mask)
+    tl.store(out + 10, c22, mask=mask)
+    tl.store(out + 11, c23, mask=mask)
+    tl.store(out + 12, c30, mask=mask)
+    tl.store(out + 13, c31, mask=mask)
+    tl.store(out + 14, c32, mask=mask)
+    tl.store(out + 15, c33, mask=mask)
+
+
+@triton.jit
+def _hc4_pre_post(mixes_row, scale_ptr, base_ptr, stride_mc, stride_scale, stride_base, token_ok, eps):
+    """pre and post [BLOCK_B, 4] of the tokens whose mixes start at mixes_row [BLOCK_B]: elementwise, no sums."""
+    lanes = tl.arange(0, 4)
+    scale_pre = tl.load(scale_ptr)
+    scale_post = tl.load(scale_ptr + stride_scale)
+    m_pre = tl.load(mixes_row[:, None] + lanes[None, :] * stride_mc, mask=token_ok[:, None], other=0.0)
+    pre = _sigmoid(m_pre * scale_pre + tl.load(base_ptr + lanes * stride_base)[None, :]) + eps
+    m_post = tl.load(mixes_row[:, None] + (4 + lanes)[None, :] * stride_mc, mask=token_ok[:, None], other=0.0)
+    post = 2.0 * _sigmoid(m_post * scale_post + tl.load(base_ptr + (4 + lanes) * stride_base)[None, :])
+    return pre, post
 
 
 @triton.jit
