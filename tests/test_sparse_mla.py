@@ -3,9 +3,7 @@
 Without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set below before
 triton is imported and checked by test_interpreter_is_active) on small fp16/fp32 shapes; the
 interpreter's tl.dot is wrong for bf16, so bf16 is tested on the GPU only, at the real shapes
-(H=64, D=512, K=640/2048) and under CUDA-graph capture. The split-K path with the combine fused
-into the split kernel (fused_combine=True) runs the same checks, and its arrival counters must be
-back at zero after every call.
+(H=64, D=512, K=640/2048) and under CUDA-graph capture.
 
 Tolerances. The kernels round the probabilities to the activation dtype relative to the running
 max of the online softmax, the reference relative to the final max; both are within half an ulp of
@@ -108,12 +106,6 @@ VARIANTS = {
         *a, num_splits=3, tiles=SMALL_TILES, pdl=True, overlap_launch=True
     ),
     "default": lambda *a: sparse_mla_decode_cuda(*a),
-    # Fused combine, workspace allocated per call.
-    "fused_default": lambda *a: smt.sparse_mla_decode_split_k(*a, fused_combine=True),
-    "fused_1": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=1, tiles=SMALL_TILES, fused_combine=True),
-    "fused_3": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=3, tiles=SMALL_TILES, fused_combine=True),
-    "fused_7_some_empty": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=7, tiles=SMALL_TILES, fused_combine=True),
-    "fused_3_dv_split": lambda *a: smt.sparse_mla_decode_split_k(*a, num_splits=3, tiles=DV_SPLIT_TILES, fused_combine=True),
 }
 
 
@@ -147,10 +139,7 @@ def test_variant_matches_reference(variant, batch, heads, dim, topk, dtype):
 @interp
 @pytest.mark.parametrize(
     "variant",
-    [
-        "simt", "head_batched", "head_batched_dv_split", "split_k_3", "split_k_7_some_empty", "default",
-        "fused_3", "fused_7_some_empty", "fused_3_dv_split",
-    ],
+    ["simt", "head_batched", "head_batched_dv_split", "split_k_3", "split_k_7_some_empty", "default"],
 )
 def test_all_masked_rows_give_zeros_and_the_sink_as_lse(variant):
     q, kv_cache, indices, sink, scale = make_inputs(2, 4, 32, 40, torch.float32, seed=7)
@@ -165,7 +154,7 @@ def test_masked_block_before_valid_rows():
     """A whole masked tile first, then valid rows: the running max starts at -inf and must recover."""
     q, kv_cache, indices, sink, scale = make_inputs(2, 4, 32, 48, torch.float32, seed=3, pattern="scattered")
     indices[:, :16] = -1
-    for variant in ("simt", "head_batched_k16", "head_batched_dv_split", "split_k_2", "fused_3", "split_k_3_dv_split"):
+    for variant in ("simt", "head_batched_k16", "head_batched_dv_split", "split_k_2", "split_k_3_dv_split"):
         out, lse = VARIANTS[variant](q, kv_cache, indices, sink, scale)
         assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
 
@@ -233,105 +222,6 @@ def test_default_path_with_its_workspace():
     assert splits > 1 and workspace.numel() == plan.workspace_numel(1, 8, 64, splits)
     out, lse = sparse_mla_decode_cuda(q, kv_cache, indices, sink, scale, workspace=workspace)
     assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
-
-
-def fused_workspace(batch, heads, dim, num_splits, fill=float("nan")):
-    """A fused-combine workspace whose partial region holds stale `fill` (which must never reach
-    the result) and whose counters are zero, as after allocation."""
-    workspace = torch.full((plan.workspace_numel(batch, heads, dim, num_splits, fused_combine=True),), fill)
-    plan.fused_counters(workspace, batch, heads).zero_()
-    return workspace
-
-
-def assert_counters_reset(workspace, batch, heads):
-    counters = plan.fused_counters(workspace, batch, heads)
-    assert counters.dtype == torch.int32 and counters.numel() >= batch * heads * plan.MAX_DV_SPLIT
-    assert torch.equal(counters, torch.zeros_like(counters))
-
-
-@interp
-@pytest.mark.parametrize(
-    "tiles,splits",
-    [(SMALL_TILES, 3), (SMALL_TILES, 7), (DV_SPLIT_TILES, 2)],
-    ids=["k16_s3", "k16_s7_some_empty", "dv_split_s2"],
-)
-def test_fused_combine_reuses_its_workspace(tiles, splits):
-    """Consecutive calls on one workspace with fresh inputs (first fp32, then fp16), then a call
-    with fewer splits on the same workspace: each matches the reference and leaves every counter
-    at zero, and the stale NaNs in the partial region never leak into a result."""
-    batch, heads, dim, topk = 3, 8, 64, 40
-    workspace = fused_workspace(batch, heads, dim, splits)
-    for call, (dtype, num_splits) in enumerate([(torch.float32, splits), (torch.float16, splits), (torch.float16, 1)]):
-        inputs = make_inputs(batch, heads, dim, topk, dtype, seed=40 + call)
-        out, lse = smt.sparse_mla_decode_split_k(
-            *inputs, num_splits=num_splits, workspace=workspace, tiles=tiles, fused_combine=True
-        )
-        assert_matches_reference(out, lse, *inputs)
-        assert_counters_reset(workspace, batch, heads)
-    assert torch.isfinite(workspace[plan.num_fused_counters(batch, heads):]).any()  # the partials went there
-
-
-@interp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize(
-    "tiles",
-    [plan.TileConfig(32, 16, 4, 2), plan.TileConfig(64, 16, 4, 2, dv_split=2)],
-    ids=["h32", "h64_dv_split"],
-)
-def test_fused_combine_in_column_chunks(tiles, dtype):
-    """Wide rows (D=300, padded to 512) and more heads per block than the 20 there are: the
-    combine merges each column part in several chunks, the last one partly past D."""
-    batch, heads, dim, topk = 2, 20, 300, 40
-    assert smt._fused_combine_columns(tiles, dim) < plan._block_d(dim) // tiles.dv_split  # several chunks
-    inputs = make_inputs(batch, heads, dim, topk, dtype, seed=50)
-    workspace = fused_workspace(batch, heads, dim, 3)
-    out, lse = smt.sparse_mla_decode_split_k(*inputs, num_splits=3, workspace=workspace, tiles=tiles, fused_combine=True)
-    assert_matches_reference(out, lse, *inputs)
-    assert_counters_reset(workspace, batch, heads)
-
-
-@interp
-@pytest.mark.parametrize("batch", [1, 8])
-def test_fused_combine_at_the_h200_plan(batch):
-    """The real shapes (H=64, D=512, K=640) in fp16 with the plan a 132-SM GPU gets: 16-head
-    blocks and 20 one-block splits at B=1; 64-head blocks with split columns, merged in column chunks,
-    and 5 splits at B=8 (with all-masked and ragged sequences)."""
-    heads, dim, topk = 64, 512, 640
-    tiles = plan.choose_tiles(batch, heads, topk, 132)
-    splits = plan.choose_num_splits(batch, heads, topk, 132)
-    assert splits > 1 and (tiles.dv_split == 2) == (batch == 8)
-    inputs = make_inputs(
-        batch, heads, dim, topk, torch.float16, slots=batch + 1, rows=1024, seed=60 + batch,
-        pattern="scattered" if batch == 1 else "mixed",
-    )
-    workspace = fused_workspace(batch, heads, dim, splits)
-    out, lse = smt.sparse_mla_decode_split_k(
-        *inputs, num_splits=splits, workspace=workspace, tiles=tiles, fused_combine=True
-    )
-    assert_matches_reference(out, lse, *inputs)
-    assert_counters_reset(workspace, batch, heads)
-
-
-@interp
-def test_fused_combine_workspace_is_sized_and_checked():
-    q, kv_cache, indices, sink, scale = make_inputs(1, 8, 64, 640, torch.float16, seed=9, pattern="scattered")
-    workspace = plan.sparse_mla_workspace(1, 8, 64, 640, "cpu", torch.float16, fused_combine=True)
-    splits = plan.choose_num_splits(1, 8, 640, INTERPRETER_NUM_SMS, 64, 2)
-    assert splits > 1 and workspace.numel() == plan.workspace_numel(1, 8, 64, splits, fused_combine=True)
-    assert workspace.numel() > plan.workspace_numel(1, 8, 64, splits)  # room for counters and per-part LSEs
-    assert torch.equal(workspace, torch.zeros_like(workspace))
-    out, lse = smt.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, workspace=workspace, fused_combine=True)
-    assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
-    assert_counters_reset(workspace, 1, 8)
-    # A plan with one split still gets scratch: the fused path always goes through it.
-    assert plan.choose_num_splits(64, 8, 40, INTERPRETER_NUM_SMS, 64, 2) == 1
-    assert plan.sparse_mla_workspace(64, 8, 64, 40, "cpu", torch.float16, fused_combine=True).numel() > 0
-    with pytest.raises(ValueError, match="fused_combine=True"):
-        smt.sparse_mla_decode_split_k(
-            q, kv_cache, indices, sink, scale, workspace=workspace[:-1], fused_combine=True
-        )
-    with pytest.raises(ValueError, match="fp32"):
-        smt.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, workspace=workspace.double(), fused_combine=True)
 
 
 @interp
@@ -485,8 +375,6 @@ def test_bad_input_raises_value_error():
         smt.sparse_mla_decode_simt(q.double(), kv_cache.double(), indices, sink, scale)
     with pytest.raises(ValueError, match="num_splits"):
         smt.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, num_splits=0)
-    with pytest.raises(ValueError, match="fused_combine=True has none"):
-        smt.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, fused_combine=True, pdl=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -649,78 +537,6 @@ def test_gpu_cuda_graph_per_batch_bucket(topk):
             graph.replay()
             torch.cuda.synchronize()
             assert_matches_reference(static["out"], static["lse"], q, kv_cache, indices, sink, scale)
-
-
-def fused_call(q, kv_cache, indices, sink, scale, workspace, **kwargs):
-    return smt.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, workspace=workspace, fused_combine=True, **kwargs)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("topk", [640, 2048])
-@pytest.mark.parametrize("batch", [1, 2, 8, 32])
-def test_gpu_fused_combine_matches_reference(batch, topk):
-    """Default tiles and split count (B >= 8: 64-head blocks with split columns, each part merged
-    in column chunks) on a preallocated workspace: two calls with fresh inputs,
-    each against the reference with the counters back at zero; then ten more calls must repeat
-    the output bit for bit (the combine reads the splits in a fixed order, so a difference means
-    a program combined before another's partial had landed)."""
-    heads, dim, scale = 64, 512, 512**-0.5
-    kv_cache = make_gpu_cache(batch + 1, seed=topk)
-    workspace = plan.sparse_mla_workspace(batch, heads, dim, topk, "cuda", torch.bfloat16, fused_combine=True)
-    for call in range(2):
-        q, indices, sink = make_gpu_query(batch, topk, seed=100 * call + batch)
-        out, lse = fused_call(q, kv_cache, indices, sink, scale, workspace)
-        assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
-        assert_counters_reset(workspace, batch, heads)
-    for _ in range(10):
-        again, lse_again = fused_call(q, kv_cache, indices, sink, scale, workspace)
-        assert torch.equal(again, out) and torch.equal(lse_again, lse)
-    assert_counters_reset(workspace, batch, heads)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("case", ["dv_split_16_heads", "64_splits_some_empty", "fp16", "fp32"])
-def test_gpu_fused_combine_other_plans(case):
-    """Plans the default does not take at bf16: 16-head blocks with split columns (twice the
-    combining programs), 64 splits over 20 KV blocks (44 empty), and fp16/fp32 (32-head fp32
-    tiles with 8 warps). The workspace comes per call here."""
-    batch, topk, dtype, kwargs = 1, 640, torch.bfloat16, {}
-    if case == "dv_split_16_heads":
-        kwargs["tiles"] = plan.TileConfig(16, 32, 4, 2, dv_split=2)
-    elif case == "64_splits_some_empty":
-        kwargs["num_splits"] = 64
-    else:
-        batch, dtype = 5, {"fp16": torch.float16, "fp32": torch.float32}[case]
-    inputs = make_gpu_inputs(batch, topk, dtype=dtype, seed=31)
-    out, lse = fused_call(*inputs, workspace=None, **kwargs)
-    assert_matches_reference(out, lse, *inputs)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize(
-    "batch,topk,preallocated", [(1, 640, True), (2, 2048, True), (8, 640, True), (1, 640, False)]
-)
-def test_gpu_fused_combine_in_cuda_graph(batch, topk, preallocated):
-    """Capture one fused call, then replay it with new inputs copied into the static tensors (and
-    a rewritten cache) several times: every replay matches the reference and leaves the counters
-    at zero. Without a preallocated workspace the graph holds the allocation and the zeroing."""
-    heads, dim, scale = 64, 512, 512**-0.5
-    kv_cache = make_gpu_cache(batch + 1)
-    q, indices, sink = make_gpu_query(batch, topk, seed=batch)
-    workspace = (
-        plan.sparse_mla_workspace(batch, heads, dim, topk, "cuda", torch.bfloat16, fused_combine=True)
-        if preallocated
-        else None
-    )
-    graph, (out, lse) = capture(lambda: fused_call(q, kv_cache, indices, sink, scale, workspace))
-    for round_ in range(4):
-        replay_on_fresh_inputs(graph, round_, kv_cache, q, indices, sink)
-        assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
-        if preallocated:
-            assert_counters_reset(workspace, batch, heads)
 
 
 def replay_on_fresh_inputs(graph, round_, kv_cache, q, indices, sink):

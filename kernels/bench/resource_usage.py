@@ -29,7 +29,7 @@ from kernels.sparse_mla import triton as smt
 # The argument types of _head_batched_kernel at the model's dtypes (bf16 activations and cache).
 _POINTERS = {
     "q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
-    "lse_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32",
+    "lse_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
 }
 _FLOATS = {"scale_log2": "fp32"}
 
@@ -92,8 +92,7 @@ def head_batched_usage(tiles: plan.TileConfig, head_dim: int = 512, split: bool 
     """Compile the head-batched kernel at these tiles for sm_`arch` and read its resource usage."""
     constants = dict(
         BLOCK_H=tiles.block_h, BLOCK_K=tiles.block_k, BLOCK_D=plan._block_d(head_dim), DV_SPLIT=tiles.dv_split,
-        FLAT_ROWS=True, SPLIT=split, DOT_PRECISION="tf32", FUSED_COMBINE=False, BLOCK_DC=1,
-        SPLITS_PER_STEP=smt.COMBINE_SPLITS_PER_STEP,
+        FLAT_ROWS=True, SPLIT=split, DOT_PRECISION="tf32",
         D=head_dim, stride_qd=1, stride_d=1,  # contiguous head dim, as the runtime specialises it
         stride_ik=1, stride_sink=1,  # the index and sink strides, 1 at the model's shapes
     )

@@ -1,6 +1,5 @@
 """Sparse MLA decode benchmark (H=64, D=512, bf16): SIMT vs head-batched vs split-K vs the Gluon
-wgmma kernel (Hopper) vs default, and split-K with the combine fused into the split kernel
-(opt-in, not used by the default).
+wgmma kernel (Hopper) vs default.
 
 Every variant is first checked against the reference on fresh inputs (an AssertionError stops the
 run). Timing: one CUDA graph per variant holds one call per rotating input set (enough sets to
@@ -9,9 +8,6 @@ without host launch gaps, as in the captured decode step. Each sequence gathers 
 cache slot of 128 window + 16384 compressed rows (at least 16 slots: the rows the sets touch
 never fit in L2); its indices are the 128 ring rows plus random compressed rows, 10% set to -1
 at random positions.
-
-The fused-combine variant gets a workspace preallocated once per shape (as a CUDA-graph caller
-would): with workspace=None each call would also zero its counters, one more node in the graph.
 
 Effective bandwidth counts the bytes the op must move at least once: each sequence's distinct
 valid KV rows (D x 2 bytes each) plus q and out (B x H x D x 2 bytes each); indices, sink and LSE
@@ -143,8 +139,7 @@ VARIANTS = {
     "default": sparse_mla_decode_cuda,
 }
 WGMMA = "wgmma"  # the Gluon kernel at its own split rule at every batch (Hopper only)
-FUSED = "split_k_fused"  # not in VARIANTS: the default cannot pick it, so it stays out of 'best other'
-PDL = "split_k_pdl"  # split-K with the combine as a programmatic dependent (Hopper+); opt-in as well
+PDL = "split_k_pdl"  # split-K with the combine as a programmatic dependent (Hopper+), not in 'best other'
 
 
 def wgmma_call(*args):
@@ -181,40 +176,13 @@ def plan_call(tiles: plan.TileConfig, splits: int, pdl: bool = False, overlap_la
     )
 
 
-class FusedCombine:
-    """Split-K with the fused combine on a zeroed workspace of its own (sized for the default
-    split count, or num_splits). Every call must leave the arrival counters at zero again:
-    check_reset raises if one did not."""
-
-    def __init__(self, case: Case, num_splits: int | None = None, tiles: plan.TileConfig | None = None):
-        self.batch, self.num_splits, self.tiles = case.batch, num_splits, tiles
-        device = case.kv_cache.device
-        if num_splits is None:
-            self.workspace = plan.sparse_mla_workspace(case.batch, HEADS, DIM, case.topk, device, DTYPE, fused_combine=True)
-        else:
-            numel = plan.workspace_numel(case.batch, HEADS, DIM, num_splits, fused_combine=True)
-            self.workspace = torch.zeros(numel, dtype=torch.float32, device=device)
-
-    def __call__(self, *args):
-        return smt.sparse_mla_decode_split_k(
-            *args, num_splits=self.num_splits, workspace=self.workspace, tiles=self.tiles, fused_combine=True
-        )
-
-    def check_reset(self, name: str, case: Case) -> None:
-        if plan.fused_counters(self.workspace, self.batch, HEADS).any():
-            raise AssertionError(f"sparse_mla {name} at B={case.batch}, K={case.topk}: arrival counters not reset")
-
-
 def checked_time_us(name: str, fn, case: Case) -> float:
     """Check fn against the reference, then time it; its graph replay must reproduce the eager
-    output bit for bit (the fused combine reads every split back in a fixed order, so it is
-    deterministic too) and a FusedCombine must have reset its counters."""
+    output bit for bit."""
     eager = check_against_reference(name, fn, case)
     us, captured = time_per_call_us(fn, case)
     if not torch.equal(captured, eager):
         raise AssertionError(f"sparse_mla {name} at B={case.batch}, K={case.topk}: graph replay differs from eager")
-    if isinstance(fn, FusedCombine):
-        fn.check_reset(name, case)
     return us
 
 
@@ -228,7 +196,6 @@ def run_main_table(copy_gbs: float, l2_bytes: int, num_sms: int):
             times = {name: checked_time_us(name, fn, case) for name, fn in VARIANTS.items()}
             if capability[0] == 9:
                 times[WGMMA] = checked_time_us(WGMMA, wgmma_call, case)
-            times[FUSED] = checked_time_us(FUSED, FusedCombine(case), case)
             if pdl_supported:
                 times[PDL] = checked_time_us(PDL, split_k_pdl, case)
             gbs = case.bytes_per_call / (times["default"] * 1e-6) / 1e9
@@ -238,20 +205,19 @@ def run_main_table(copy_gbs: float, l2_bytes: int, num_sms: int):
                 batch, topk,
                 f"{times['simt']:.1f}", f"{times['head_batched']:.1f}", f"{times['split_k']:.1f}",
                 f"{times[WGMMA]:.1f}" if WGMMA in times else "n/a",
-                f"{times['default']:.1f}", f"{times[FUSED]:.1f}", default_plan_name(batch, topk, num_sms, capability),
+                f"{times['default']:.1f}", default_plan_name(batch, topk, num_sms, capability),
                 f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%",
                 f"{times['simt'] / times['head_batched']:.1f}x",
                 f"{times['head_batched'] / times['split_k']:.2f}x",
                 f"{best_other / times['default']:.2f}",
-                f"{times['default'] / times[FUSED]:.2f}x",
                 f"{times[PDL]:.1f} ({times['split_k'] / times[PDL]:.2f}x)" if PDL in times else "n/a",
             ])
             print(f"sparse_mla B={batch} K={topk}: " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()), flush=True)
             del case
     header = [
-        "B", "K", "SIMT us", "head-batched us", "split-K us", "wgmma us", "default us", "split-K fused us",
+        "B", "K", "SIMT us", "head-batched us", "split-K us", "wgmma us", "default us",
         "default plan (tiles, splits)", "default GB/s", "% of copy", "HB vs SIMT", "split-K vs HB",
-        "best other / default", "default / fused", "split-K PDL us (vs split-K)",
+        "best other / default", "split-K PDL us (vs split-K)",
     ]
     return markdown_table(header, rows), results
 
@@ -282,14 +248,6 @@ def acceptance(results: dict) -> str:
     lines.append(
         f"- default vs the fastest other variant, worst case B={worst[1][0]}, K={worst[1][1]}: "
         f"{worst[0]:.2f}x its time (target <= 1.10): {verdict(worst[0] <= 1.10)}"
-    )
-    t = results[(1, 640)]["times"]
-    lines.append(
-        f"- split-K with fused combine at B=1, K=640: {t[FUSED]:.1f} us vs the default's {t['default']:.1f} us "
-        f"({t['default'] / t[FUSED]:.2f}x), {t['head_batched'] / t[FUSED]:.1f}x faster than head-batched "
-        f"(targets <= 10 us and faster than the default; ideal <= {t['head_batched'] / 4:.1f} us = head-batched / 4): "
-        f"{verdict(t[FUSED] <= 10 and t[FUSED] < t['default'])}"
-        f"{', ideal met' if t[FUSED] <= t['head_batched'] / 4 else ''}"
     )
     return "\n".join(lines)
 
@@ -341,46 +299,6 @@ def run_tile_sweep(l2_bytes: int, num_sms: int) -> str:
         rows.append([batch, topk, "head-batched" if fixed_splits == 1 else "split-K"] + cells)
         del case
     header = ["B", "K", "path"] + [tile_name(t) for t in TILE_SWEEP]
-    return markdown_table(header, rows)
-
-
-FUSED_SWEEP_TILES = (
-    plan.TileConfig(16, 32, 4, 2),  # the default at B <= 2
-    plan.TileConfig(16, 32, 4, 2, dv_split=2),  # twice the programs, so twice the combiners, each merging half the columns
-    plan.TileConfig(16, 64, 4, 3),
-)
-FUSED_SWEEP_SPLITS = {640: (4, 5, 7, 10, 20), 2048: (8, 11, 16, 22, 32, 64)}
-
-
-def run_fused_sweep(l2_bytes: int, num_sms: int) -> str:
-    """Split-K with the fused combine at batch 1 and 2 over tiles and split counts: the last
-    program of each block merges num_splits partials alone, so the best count may differ from
-    the two-kernel path's. Bold: the default split count for that tile."""
-    counts = sorted({s for per_k in FUSED_SWEEP_SPLITS.values() for s in per_k})
-    rows = []
-    for topk in TOPKS:
-        for batch in (1, 2):
-            case = Case(batch, topk, l2_bytes, seed=3 + batch)
-            for tiles in FUSED_SWEEP_TILES:
-                chosen = plan.choose_num_splits(batch, HEADS, topk, num_sms, tiles=tiles)
-                n_blocks = -(-topk // tiles.block_k)
-                cells = []
-                for splits in counts:
-                    if splits not in FUSED_SWEEP_SPLITS[topk] or splits > n_blocks:
-                        cells.append("")
-                        continue
-                    try:
-                        fn = FusedCombine(case, num_splits=splits, tiles=tiles)
-                        us = checked_time_us(f"fused {tile_name(tiles)} S={splits}", fn, case)
-                        cells.append(f"**{us:.1f}**" if splits == chosen else f"{us:.1f}")
-                    except AssertionError:
-                        raise
-                    except Exception as err:  # e.g. a tile that needs more shared memory than the SM has
-                        cells.append(type(err).__name__)
-                rows.append([batch, topk, tile_name(tiles), chosen] + cells)
-                print(f"sparse_mla fused sweep B={batch} K={topk} {tile_name(tiles)}: {cells}", flush=True)
-            del case
-    header = ["B", "K", "tile", "default S"] + [f"S={s}" for s in counts]
     return markdown_table(header, rows)
 
 
@@ -462,11 +380,11 @@ def run_stage_check(l2_bytes: int, num_sms: int) -> str:
     )
 
 
-PARTS = ("main", "split", "tiles", "fused", "plan", "overlap", "stages")  # the main table with its acceptance, then the sweeps
+PARTS = ("main", "split", "tiles", "plan", "overlap", "stages")  # the main table with its acceptance, then the sweeps
 
 
 def run(copy_gbs: float, parts: tuple[str, ...] = PARTS) -> str:
-    """The section's markdown; `parts` picks tables (the first five took ~12 minutes on an H200)."""
+    """The section's markdown; `parts` picks tables."""
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise ValueError(f"unknown parts {unknown}; choose from {list(PARTS)}")
@@ -482,11 +400,9 @@ def run(copy_gbs: float, parts: tuple[str, ...] = PARTS) -> str:
             "bytes / time. Variants: SIMT = one program per (sequence, head); head-batched = blocks of 64 heads (two "
             "programs per block, one per half of the output columns), no split; split-K = default tiles and split "
             "count, always with the combine; default = the op's CUDA path (head-batched alone when the plan has one "
-            "split; on Hopper the split kernel and the combine launched with PDL; on Hopper from 16 64-head blocks up the Gluon wgmma kernel); wgmma = the Gluon kernel (64 heads x 64 rows, two cp.async stages) at its split rule at every batch; split-K fused = split-K at the "
-            "default tiles and split count with the combine done by the last split program of each block (one launch; opt-in, the default never uses it). Tiles: heads x rows per "
+            "split; on Hopper the split kernel and the combine launched with PDL; on Hopper from 16 64-head blocks up the Gluon wgmma kernel); wgmma = the Gluon kernel (64 heads x 64 rows, two cp.async stages) at its split rule at every batch. Tiles: heads x rows per "
             "program, warps, pipeline stages, dv2 = output columns split in two programs. 'best other / default' "
-            "< 0.91 means the default is over 10% slower than some variant it could have picked (the fused one "
-            "excluded); 'default / fused' > 1 means the fused variant is faster than the default. Split-K PDL = "
+            "< 0.91 means the default is over 10% slower than some variant it could have picked. Split-K PDL = "
             "split-K with its combine launched as a programmatic dependent of the split kernel (opt-in, Hopper "
             "and later), against plain split-K at the same tiles and split count.",
             table,
@@ -517,10 +433,5 @@ def run(copy_gbs: float, parts: tuple[str, ...] = PARTS) -> str:
         out += [
             "### Pipeline depth of the default plan's splits (the other depth at the same tiles and split count)",
             run_stage_check(l2_bytes, num_sms),
-        ]
-    if "fused" in parts:
-        out += [
-            "### Split-K with fused combine: tiles x split counts at B=1, 2 (bold = the default split count)",
-            run_fused_sweep(l2_bytes, num_sms),
         ]
     return "\n\n".join(out)

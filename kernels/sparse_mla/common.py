@@ -93,17 +93,16 @@ def _new_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def _check_workspace(workspace, numel, batch, heads, head_dim, num_splits, device, fused_combine=False) -> None:
+def _check_workspace(workspace, numel, batch, heads, head_dim, num_splits, device) -> None:
     if workspace.dtype != torch.float32 or workspace.device != device or not workspace.is_contiguous():
         raise ValueError(
             f"sparse_mla_decode: workspace must be a contiguous fp32 tensor on {device}, got "
             f"{workspace.dtype} on {workspace.device}"
         )
     if workspace.numel() < numel:
-        how = "sparse_mla_workspace(..., fused_combine=True)" if fused_combine else "sparse_mla_workspace"
         raise ValueError(
             f"sparse_mla_decode: workspace holds {workspace.numel()} fp32 elements, {num_splits} splits at "
-            f"B={batch}, H={heads}, D={head_dim} need {numel} (allocate it with {how})"
+            f"B={batch}, H={heads}, D={head_dim} need {numel} (allocate it with sparse_mla_workspace)"
         )
 
 

@@ -242,57 +242,23 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
-# The fused combine keeps one LSE and one arrival counter per column part; a head block has at
-# most two parts (TileConfig.dv_split).
-MAX_DV_SPLIT = 2
-
-
-def num_fused_counters(batch: int, heads: int) -> int:
-    """int32 arrival counters at the front of a fused-combine workspace: one per (sequence, head
-    block, column part) needs at most batch x heads x MAX_DV_SPLIT whatever the tiles, so one
-    workspace serves any tiles and split count at this batch and head count. Rounded up to 32
-    (128 bytes) to keep the partials behind them aligned."""
-    return -(-batch * heads * MAX_DV_SPLIT // 32) * 32
-
-
-def workspace_numel(batch: int, heads: int, head_dim: int, num_splits: int, fused_combine: bool = False) -> int:
-    """fp32 elements of split-K scratch: partial outputs [B, S, H, D] then partial LSEs [B, S, H].
-    With fused_combine: the arrival counters (num_fused_counters, int32 bits), then the partial
-    outputs [B, S, H, D], then partial LSEs per column part [B, S, H, dv_split] (room for
-    MAX_DV_SPLIT parts)."""
-    if fused_combine:
-        return num_fused_counters(batch, heads) + batch * num_splits * heads * (head_dim + MAX_DV_SPLIT)
+def workspace_numel(batch: int, heads: int, head_dim: int, num_splits: int) -> int:
+    """fp32 elements of split-K scratch: partial outputs [B, S, H, D] then partial LSEs [B, S, H]."""
     return batch * num_splits * heads * (head_dim + 1)
 
 
 def sparse_mla_workspace(
-    batch: int, heads: int, head_dim: int, topk: int, device, dtype: torch.dtype = torch.bfloat16,
-    fused_combine: bool = False,
+    batch: int, heads: int, head_dim: int, topk: int, device, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """Scratch for the default path at these shapes (activation dtype `dtype`), to allocate before
-    a CUDA-graph capture and pass as `workspace`. May be empty when one split suffices.
-
-    fused_combine=True: scratch for sparse_mla_decode_split_k(..., fused_combine=True) at the
-    default split count (sized even when that count is 1), zero-filled because the arrival
-    counters must start at 0; every call leaves them at 0 again. Use it for one batch and head
-    count (the per-bucket pattern) and only with fused_combine=True: the two-kernel path would
-    write partials over the counters."""
+    a CUDA-graph capture and pass as `workspace`. May be empty when one split suffices."""
     device = torch.device(device)
     itemsize = dtype.itemsize
     num_sms = device_sm_count(device)
     splits = choose_num_splits(batch, heads, topk, num_sms, head_dim, itemsize)
-    if not fused_combine:
-        # Room for the wgmma kernel's splits too: the default path takes it at these shapes
-        # unless q or the cache has a strided last dimension.
-        wgmma = wgmma_splits(batch, heads, topk, num_sms, head_dim, itemsize, device_capability(device))
-        splits = max(splits, wgmma or 1)
-    if fused_combine:
-        numel = workspace_numel(batch, heads, head_dim, splits, fused_combine=True)
-        return torch.zeros(numel, dtype=torch.float32, device=device)
+    # Room for the wgmma kernel's splits too: the default path takes it at these shapes unless q
+    # or the cache has a strided last dimension.
+    wgmma = wgmma_splits(batch, heads, topk, num_sms, head_dim, itemsize, device_capability(device))
+    splits = max(splits, wgmma or 1)
     numel = workspace_numel(batch, heads, head_dim, splits) if splits > 1 else 0
     return torch.empty(numel, dtype=torch.float32, device=device)
-
-
-def fused_counters(workspace: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
-    """The int32 arrival counters of a fused-combine workspace (all 0 between calls)."""
-    return workspace[: num_fused_counters(batch, heads)].view(torch.int32)

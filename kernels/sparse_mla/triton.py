@@ -12,10 +12,6 @@ Three kernels compute the same thing:
   program writes its normalised partial output and base-2 LSE to fp32 scratch; the combine
   kernel (common.py) merges the pieces with log-sum-exp and adds the sink. This fills the GPU
   when batch x head-blocks is far below the SM count.
-- split_k with fused_combine=True (opt-in): the same split programs, one launch. Each program
-  counts its arrival per (sequence, head block, column part) in an int32 counter in the
-  workspace; the last one to arrive merges the splits (same math as the combine kernel) and
-  resets the counter, so the next call and CUDA-graph replays start from zero.
 
 `sparse_mla_decode_triton` is the Triton plan: tiles and split count from kernels/sparse_mla/plan.py,
 pure functions of the shapes and the SM count (so one CUDA-graph capture per batch bucket stays
@@ -33,7 +29,6 @@ from kernels.sparse_mla.common import (
     LOG2E,
     LOG2E_C,
     _check,
-    _check_workspace,
     _flat_rows,
     _load_indices,
     _new_outputs,
@@ -48,10 +43,7 @@ from kernels.sparse_mla.plan import (
     blocks_per_split,
     choose_num_splits,
     choose_plan,
-    fused_counters,
     head_batched_tiles,
-    num_fused_counters,
-    workspace_numel,
 )
 from kernels.triton_util import interpreting, launches_dependents
 from kernels.triton_util import num_sms as device_sm_count
@@ -143,72 +135,6 @@ def _simt_kernel(
 
 
 @triton.jit
-def _combine_if_last(
-    counter_ptr, part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr,
-    b, part, offs_h, h_ok, H, D,
-    stride_sink, stride_ob, stride_oh, stride_lb,
-    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, DV_SPLIT: tl.constexpr,
-    BLOCK_DC: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
-):
-    """Run by every split program right after it wrote its partial: count the arrival at this
-    (sequence, head block, column part); the last of the num_splits programs merges all their
-    partials and sets the counter back to 0 for the next call.
-
-    The merge is _combine_kernel's (weights exp2(lse_s - max), the sink in the denominator only)
-    done in one pass: a running max seeded with the finite sink rescales the sums when a split
-    raises it, so an empty split (lse -inf) weighs exactly 0 and nothing becomes NaN. Every value
-    then lives in the row layout of the loaded tiles (no layout conversion, hence no barrier, in
-    the loop), and each step loads SPLITS_PER_STEP splits at once: the lone merging program is
-    bound by the bytes it keeps in flight. It reads its own partial back like the others, in split
-    order, so the result does not depend on which split arrives last. Columns go in chunks of
-    BLOCK_DC so the accumulator fits in registers; partials are read at L2 (.cg): other SMs wrote
-    them during this launch."""
-    num_splits = tl.num_programs(1)
-    # All threads' partial stores are issued before the one thread that does the atomic releases
-    # them; acquire on the last arrival orders the reads below after every other program's stores.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-    if arrived == num_splits - 1:
-        sink2 = tl.load(sink_ptr + offs_h * stride_sink, mask=h_ok, other=0.0).to(tl.float32) * LOG2E_C
-        # Defined before the loop so the LSE below can read them; every chunk restarts them and
-        # reaches the same values.
-        m_i = sink2
-        denom = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
-        for c in range(0, BLOCK_DV, BLOCK_DC):
-            offs_d = part * BLOCK_DV + c + tl.arange(0, BLOCK_DC)
-            mask = h_ok[:, None] & (offs_d < D)[None, :]
-            m_i = sink2
-            denom = tl.full([BLOCK_H], 1.0, dtype=tl.float32)  # the sink's own term, exp2(sink2 - m_i)
-            acc = tl.zeros([BLOCK_H, BLOCK_DC], dtype=tl.float32)
-            for s0 in range(0, num_splits, SPLITS_PER_STEP):
-                for j in tl.static_range(SPLITS_PER_STEP):
-                    # A vector, not a scalar: Triton's interpreter mishandles scalar & vector masks.
-                    row_ok = h_ok & (tl.full([BLOCK_H], s0 + j, tl.int32) < num_splits)
-                    row = (b * num_splits + s0 + j) * H + offs_h
-                    lse = tl.load(
-                        part_lse_ptr + row * DV_SPLIT + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
-                    )
-                    parts = tl.load(
-                        part_out_ptr + row[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & mask, other=0.0,
-                        cache_modifier=".cg",
-                    )
-                    m_new = tl.maximum(m_i, lse)
-                    alpha = tl.exp2(m_i - m_new)
-                    w = tl.exp2(lse - m_new)
-                    acc = acc * alpha[:, None] + parts * w[:, None]
-                    denom = denom * alpha + w
-                    m_i = m_new
-            tl.store(
-                out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
-                (acc / denom[:, None]).to(out_ptr.dtype.element_ty),
-                mask=mask,
-            )
-        if part == 0:
-            tl.store(lse_ptr + b * stride_lb + offs_h, (m_i + tl.log2(denom)) * LN2_C, mask=h_ok)
-        tl.atomic_xchg(counter_ptr, 0)
-
-
-@triton.jit
 def _softmax_and_pv(s, kv, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
     """A block's scores S = Q K^T [BLOCK_H, BLOCK_K] into the running softmax, and acc += P V on
     this program's columns of the block's rows kv."""
@@ -220,7 +146,7 @@ def _softmax_and_pv(s, kv, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.c
 
 @triton.jit
 def _head_batched_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     H, K, D, rows_per_slot, blocks_per_split, scale_log2,
     stride_qb, stride_qh, stride_qd,
     stride_slot, stride_row, stride_d,
@@ -228,7 +154,6 @@ def _head_batched_kernel(
     stride_ob, stride_oh, stride_lb,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DV_SPLIT: tl.constexpr,
     FLAT_ROWS: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr, BLOCK_DC: tl.constexpr, SPLITS_PER_STEP: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr = False,
     WAIT_FOR_PREDECESSOR: tl.constexpr = False,
 ):
@@ -238,9 +163,7 @@ def _head_batched_kernel(
     half of the columns plus the other half) but P V only for its own half, which halves the
     accumulator and lets one warpgroup own a 64-head tile. SPLIT=False: the only split, writes out
     and lse. SPLIT=True: writes the partial output (normalised by its own sum, zeros when the split
-    has no valid index) and its base-2 LSE (-inf when empty) to the fp32 scratch. FUSED_COMBINE
-    (with SPLIT): every column part writes its own LSE (its Q K^T sums in its own order), and the
-    last split program of the block merges the splits (_combine_if_last). WAIT_FOR_PREDECESSOR:
+    has no valid index) and its base-2 LSE (-inf when empty) to the fp32 scratch. WAIT_FOR_PREDECESSOR:
     launched with PDL after whatever ran before it (sparse_mla_decode_split_k's overlap_launch)."""
     BLOCK_DV: tl.constexpr = BLOCK_D // DV_SPLIT
     if LAUNCH_DEPENDENTS:
@@ -292,16 +215,7 @@ def _head_batched_kernel(
             part_out_ptr + row[:, None] * D + offs_dv[None, :], acc / l_safe[:, None],
             mask=h_ok[:, None] & dv_ok[None, :],
         )
-        if FUSED_COMBINE:
-            tl.store(part_lse_ptr + row * DV_SPLIT + part, m_i + tl.log2(l_safe), mask=h_ok)
-            _combine_if_last(
-                counters_ptr + b * tl.num_programs(0) + tl.program_id(0),
-                part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, lse_ptr,
-                b, part, offs_h, h_ok, H, D,
-                stride_sink, stride_ob, stride_oh, stride_lb,
-                BLOCK_H, BLOCK_DV, DV_SPLIT, BLOCK_DC, SPLITS_PER_STEP,
-            )
-        elif part == 0:
+        if part == 0:
             tl.store(part_lse_ptr + row, m_i + tl.log2(l_safe), mask=h_ok)
     else:
         sink2 = tl.load(sink_ptr + offs_h * stride_sink, mask=h_ok, other=0.0).to(tl.float32) * LOG2E_C
@@ -345,46 +259,24 @@ def sparse_mla_decode_simt(q, kv_cache, indices, sink, scale, block_k: int = 16,
     return out, lse
 
 
-# The fused combine loads this many splits' tiles per step: one program merges every partial of
-# its block, so its speed is the bytes it keeps in flight.
-COMBINE_SPLITS_PER_STEP = 2
-
-
-def _fused_combine_columns(tiles: TileConfig, head_dim: int) -> int:
-    """Output columns the fused combine merges per chunk, sized by registers (Triton 3.6, sm_90,
-    checked with ptxas). A column part of at most 64 fp32 per thread (the small head blocks of
-    batch 1-4, whose main loop leaves registers free) is one chunk: 16x32 tiles then use 248
-    registers without spilling. Larger parts (64-head blocks) go in chunks of 32 per thread,
-    which spill no more than the main loop does; bigger chunks spill."""
-    block_dv = _block_d(head_dim) // tiles.dv_split
-    per_thread = 32 * tiles.num_warps  # fp32 elements per register across the program's threads
-    if tiles.block_h * block_dv <= 64 * per_thread:
-        return block_dv
-    return max(16, 32 * per_thread // tiles.block_h)
-
-
 def _launch_head_batched(
-    q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse, counters=None,
+    q, kv_cache, indices, sink, scale, tiles, num_splits, blocks_per_split, out, lse, part_out, part_lse,
     launch_dependents=False, wait_for_predecessor=False,
 ):
-    """counters (int32) given: split-K with the combine fused into the split programs.
-    launch_dependents: the next kernel (the combine, launched with PDL) may start early.
+    """launch_dependents: the next kernel (the combine, launched with PDL) may start early.
     wait_for_predecessor: this kernel is launched with PDL itself and waits on the device for the
     kernel before it."""
     batch, heads, head_dim = q.shape
     rows_per_slot, *kv_strides = _kv_strides(kv_cache)
     grid = (triton.cdiv(heads, tiles.block_h) * tiles.dv_split, num_splits, batch)
-    fused = counters is not None
     _head_batched_kernel[grid](
-        q, kv_cache, indices, sink, out, lse, part_out, part_lse, counters,
+        q, kv_cache, indices, sink, out, lse, part_out, part_lse,
         heads, indices.shape[1], head_dim, rows_per_slot, blocks_per_split, float(scale) * LOG2E,
         *q.stride(), *kv_strides,
         *indices.stride(), sink.stride(0),
         out.stride(0), out.stride(1), lse.stride(0),
         BLOCK_H=tiles.block_h, BLOCK_K=tiles.block_k, BLOCK_D=_block_d(head_dim), DV_SPLIT=tiles.dv_split,
         FLAT_ROWS=_flat_rows(kv_cache), SPLIT=part_out is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FUSED_COMBINE=fused,
-        BLOCK_DC=_fused_combine_columns(tiles, head_dim) if fused else 1, SPLITS_PER_STEP=COMBINE_SPLITS_PER_STEP,
         LAUNCH_DEPENDENTS=launch_dependents, WAIT_FOR_PREDECESSOR=wait_for_predecessor,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **({"launch_pdl": True} if wait_for_predecessor else {}),
@@ -404,24 +296,6 @@ def sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale, tiles: Til
     return out, lse
 
 
-def _fused_scratch(workspace, batch, heads, head_dim, num_splits, device):
-    """(counters int32, partial outputs, partial LSEs) of a fused-combine workspace; a per-call
-    one when workspace is None (only its counters need zeroing)."""
-    numel = workspace_numel(batch, heads, head_dim, num_splits, fused_combine=True)
-    if workspace is None:
-        workspace = torch.empty(numel, dtype=torch.float32, device=device)
-        fused_counters(workspace, batch, heads).zero_()
-    else:
-        _check_workspace(workspace, numel, batch, heads, head_dim, num_splits, device, fused_combine=True)
-    n_counters = num_fused_counters(batch, heads)
-    n_out = batch * num_splits * heads * head_dim
-    return (
-        fused_counters(workspace, batch, heads),
-        workspace[n_counters : n_counters + n_out],
-        workspace[n_counters + n_out : numel],
-    )
-
-
 def sparse_mla_decode_split_k(
     q,
     kv_cache,
@@ -431,7 +305,6 @@ def sparse_mla_decode_split_k(
     num_splits: int | None = None,
     workspace=None,
     tiles: TileConfig | None = None,
-    fused_combine: bool = False,
     pdl: bool = False,
     overlap_launch: bool = False,
 ):
@@ -444,11 +317,7 @@ def sparse_mla_decode_split_k(
     (also inside a CUDA graph). No effect under the interpreter, which has no grids to overlap.
     overlap_launch=True (Hopper and later): the split kernel too is launched as a programmatic
     dependent, of whatever kernel precedes it, and waits on the device for it before its first
-    load (and so before any write), so its launch overlaps that kernel's tail.
-
-    fused_combine=True: one launch, the last split program of each block does the combine. Its
-    workspace (sparse_mla_workspace(..., fused_combine=True), or one allocated per call when None)
-    holds arrival counters that must be 0 at the start; each call leaves them at 0."""
+    load (and so before any write), so its launch overlaps that kernel's tail."""
     _check(q, kv_cache, indices, sink)
     batch, heads, head_dim = q.shape
     topk = indices.shape[1]
@@ -460,8 +329,6 @@ def sparse_mla_decode_split_k(
         num_splits = choose_num_splits(batch, heads, topk, num_sms, head_dim, q.element_size(), tiles)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"sparse_mla_decode: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    if pdl and fused_combine:
-        raise ValueError("sparse_mla_decode: pdl=True launches the separate combine; fused_combine=True has none")
     for name, wanted in (("pdl", pdl), ("overlap_launch", overlap_launch)):
         if wanted and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
             raise ValueError(f"sparse_mla_decode: {name}=True needs compute capability 9.0 or later, {q.device} has less")
@@ -470,13 +337,6 @@ def sparse_mla_decode_split_k(
         return out, lse
     overlap_launch = overlap_launch and not interpreting()
     split_blocks = blocks_per_split(topk, tiles.block_k, num_splits)
-    if fused_combine:
-        counters, part_out, part_lse = _fused_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
-        _launch_head_batched(
-            q, kv_cache, indices, sink, scale, tiles, num_splits, split_blocks, out, lse, part_out, part_lse, counters,
-            wait_for_predecessor=overlap_launch,
-        )
-        return out, lse
     part_out, part_lse = _split_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
     pdl = pdl and not interpreting()
     _launch_head_batched(
