@@ -105,7 +105,9 @@ VARIANTS = {
     "split_k_3_overlapped": lambda *a: smt.sparse_mla_decode_split_k(
         *a, num_splits=3, tiles=SMALL_TILES, pdl=True, overlap_launch=True
     ),
-    "default": lambda *a: sparse_mla_decode_cuda(*a),
+    "triton": lambda *a: smt.sparse_mla_decode_triton(*a),
+    # What impl="auto" runs on CUDA (the Triton plan here; on Hopper at large batches the wgmma kernel).
+    "auto": lambda *a: sparse_mla_decode_cuda(*a),
 }
 
 
@@ -139,7 +141,7 @@ def test_variant_matches_reference(variant, batch, heads, dim, topk, dtype):
 @interp
 @pytest.mark.parametrize(
     "variant",
-    ["simt", "head_batched", "head_batched_dv_split", "split_k_3", "split_k_7_some_empty", "default"],
+    ["simt", "head_batched", "head_batched_dv_split", "split_k_3", "split_k_7_some_empty", "triton", "auto"],
 )
 def test_all_masked_rows_give_zeros_and_the_sink_as_lse(variant):
     q, kv_cache, indices, sink, scale = make_inputs(2, 4, 32, 40, torch.float32, seed=7)
@@ -160,7 +162,7 @@ def test_masked_block_before_valid_rows():
 
 
 @interp
-@pytest.mark.parametrize("variant", ["simt", "head_batched", "head_batched_dv_split", "split_k_2", "default", "split_k_3_overlapped"])
+@pytest.mark.parametrize("variant", ["simt", "head_batched", "head_batched_dv_split", "split_k_2", "auto", "split_k_3_overlapped"])
 def test_probabilities_are_rounded_to_the_activation_dtype(variant):
     """Two rows with payloads +100 and -100: the output is 100 (1 - p) / denom, so the fp16
     rounding of p = exp(s2 - s1) (placed between two fp16 values) moves it far beyond the
@@ -225,7 +227,7 @@ def test_default_path_with_its_workspace():
 
 
 @interp
-@pytest.mark.parametrize("impl", ["reference", "simt", "head_batched", "split_k", "default"])
+@pytest.mark.parametrize("impl", ["auto", "reference", "triton", "simt", "head_batched", "split_k"])
 def test_impl_selection(impl):
     q, kv_cache, indices, sink, scale = make_inputs(2, 4, 32, 24, torch.float32, seed=13)
     out, lse = sparse_mla_decode(q, kv_cache, indices, sink, scale, return_lse=True, impl=impl)
@@ -418,7 +420,10 @@ def make_gpu_inputs(batch, topk, dtype=torch.bfloat16, heads=64, dim=512, seed=0
 @pytest.mark.parametrize("batch", [1, 3, 16, 64])
 @pytest.mark.parametrize(
     "variant",
-    ["simt", "head_batched", "split_k_default", "split_k_2", "split_k_64", "split_k_3_dv_split", "split_k_2_whole_rows", "default"],
+    [
+        "simt", "head_batched", "split_k_default", "split_k_2", "split_k_64", "split_k_3_dv_split", "split_k_2_whole_rows",
+        "triton", "auto",
+    ],
 )
 def test_gpu_variant_matches_reference(variant, batch, topk):
     """split_k_64 uses the default tiles: at K=640 that is 20 blocks, so 44 splits are empty."""
@@ -484,7 +489,7 @@ def test_gpu_wgmma_masks_and_shapes(heads, dim, dtype):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-@pytest.mark.parametrize("impl", ["simt", "head_batched", "split_k", "default"])
+@pytest.mark.parametrize("impl", ["simt", "head_batched", "split_k", "triton", "auto"])
 def test_gpu_other_dtypes(impl, dtype):
     q, kv_cache, indices, sink, scale = make_gpu_inputs(5, 640, dtype=dtype, seed=21)
     out, lse = sparse_mla_decode(q, kv_cache, indices, sink, scale, return_lse=True, impl=impl)

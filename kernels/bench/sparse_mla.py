@@ -1,5 +1,5 @@
 """Sparse MLA decode benchmark (H=64, D=512, bf16): SIMT vs head-batched vs split-K vs the Gluon
-wgmma kernel (Hopper) vs default.
+wgmma kernel (Hopper) vs the op's own choice (impl="auto").
 
 Every variant is first checked against the reference on fresh inputs (an AssertionError stops the
 run). Timing: one CUDA graph per variant holds one call per rotating input set (enough sets to
@@ -136,7 +136,7 @@ VARIANTS = {
     "simt": smt.sparse_mla_decode_simt,
     "head_batched": smt.sparse_mla_decode_head_batched,
     "split_k": smt.sparse_mla_decode_split_k,
-    "default": sparse_mla_decode_cuda,
+    "auto": sparse_mla_decode_cuda,  # what the op runs on CUDA
 }
 WGMMA = "wgmma"  # the Gluon kernel at its own split rule at every batch (Hopper only)
 PDL = "split_k_pdl"  # split-K with the combine as a programmatic dependent (Hopper+), not in 'best other'
@@ -149,7 +149,7 @@ def wgmma_call(*args):
 
 
 def pickable(name: str) -> bool:
-    """Whether the default could have picked this variant ('best other' compares against these)."""
+    """Whether auto could have picked this variant ('best other' compares against these)."""
     return name in VARIANTS or name == WGMMA
 
 
@@ -198,26 +198,26 @@ def run_main_table(copy_gbs: float, l2_bytes: int, num_sms: int):
                 times[WGMMA] = checked_time_us(WGMMA, wgmma_call, case)
             if pdl_supported:
                 times[PDL] = checked_time_us(PDL, split_k_pdl, case)
-            gbs = case.bytes_per_call / (times["default"] * 1e-6) / 1e9
-            best_other = min(t for name, t in times.items() if pickable(name) and name != "default")
+            gbs = case.bytes_per_call / (times["auto"] * 1e-6) / 1e9
+            best_other = min(t for name, t in times.items() if pickable(name) and name != "auto")
             results[(batch, topk)] = dict(times=times, gbs=gbs)
             rows.append([
                 batch, topk,
                 f"{times['simt']:.1f}", f"{times['head_batched']:.1f}", f"{times['split_k']:.1f}",
                 f"{times[WGMMA]:.1f}" if WGMMA in times else "n/a",
-                f"{times['default']:.1f}", default_plan_name(batch, topk, num_sms, capability),
+                f"{times['auto']:.1f}", default_plan_name(batch, topk, num_sms, capability),
                 f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%",
                 f"{times['simt'] / times['head_batched']:.1f}x",
                 f"{times['head_batched'] / times['split_k']:.2f}x",
-                f"{best_other / times['default']:.2f}",
+                f"{best_other / times['auto']:.2f}",
                 f"{times[PDL]:.1f} ({times['split_k'] / times[PDL]:.2f}x)" if PDL in times else "n/a",
             ])
             print(f"sparse_mla B={batch} K={topk}: " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()), flush=True)
             del case
     header = [
-        "B", "K", "SIMT us", "head-batched us", "split-K us", "wgmma us", "default us",
-        "default plan (tiles, splits)", "default GB/s", "% of copy", "HB vs SIMT", "split-K vs HB",
-        "best other / default", "split-K PDL us (vs split-K)",
+        "B", "K", "SIMT us", "head-batched us", "split-K us", "wgmma us", "auto us",
+        "auto's plan (tiles, splits)", "auto GB/s", "% of copy", "HB vs SIMT", "split-K vs HB",
+        "best other / auto", "split-K PDL us (vs split-K)",
     ]
     return markdown_table(header, rows), results
 
@@ -231,22 +231,22 @@ def acceptance(results: dict) -> str:
     ratio = t["simt"] / t["head_batched"]
     lines.append(f"- head-batched vs SIMT at B=64, K=640: {ratio:.1f}x (target >= 6x): {verdict(ratio >= 6)}")
     t = results[(1, 640)]["times"]
-    ratio = t["head_batched"] / t["default"]
-    ok = ratio >= 4 and t["default"] < t["simt"] and t["default"] <= 10
+    ratio = t["head_batched"] / t["auto"]
+    ok = ratio >= 4 and t["auto"] < t["simt"] and t["auto"] <= 10
     lines.append(
-        f"- default at B=1, K=640: {t['default']:.1f} us, {ratio:.1f}x faster than head-batched, "
-        f"{t['simt'] / t['default']:.1f}x faster than SIMT (targets >= 4x, > 1x, <= 10 us): {verdict(ok)}"
+        f"- auto at B=1, K=640: {t['auto']:.1f} us, {ratio:.1f}x faster than head-batched, "
+        f"{t['simt'] / t['auto']:.1f}x faster than SIMT (targets >= 4x, > 1x, <= 10 us): {verdict(ok)}"
     )
     gbs = results[(128, 2048)]["gbs"]
-    lines.append(f"- default at B=128, K=2048: {gbs / 1e3:.2f} TB/s effective (target >= 3.0): {verdict(gbs >= 3000)}")
+    lines.append(f"- auto at B=128, K=2048: {gbs / 1e3:.2f} TB/s effective (target >= 3.0): {verdict(gbs >= 3000)}")
     worst = max(
         (
-            (r["times"]["default"] / min(v for k, v in r["times"].items() if pickable(k) and k != "default"), shape)
+            (r["times"]["auto"] / min(v for k, v in r["times"].items() if pickable(k) and k != "auto"), shape)
             for shape, r in results.items()
         )
     )
     lines.append(
-        f"- default vs the fastest other variant, worst case B={worst[1][0]}, K={worst[1][1]}: "
+        f"- auto vs the fastest other variant, worst case B={worst[1][0]}, K={worst[1][1]}: "
         f"{worst[0]:.2f}x its time (target <= 1.10): {verdict(worst[0] <= 1.10)}"
     )
     return "\n".join(lines)
@@ -362,7 +362,7 @@ def run_stage_check(l2_bytes: int, num_sms: int) -> str:
             continue
         other = replace(tiles, num_stages=2 if tiles.num_stages == 1 else 1)
         case = Case(batch, topk, l2_bytes, seed=11 + batch)
-        calls = {"default": sparse_mla_decode_cuda, "other": plan_call(other, splits, pdl=True, overlap_launch=True)}
+        calls = {"auto": sparse_mla_decode_cuda, "other": plan_call(other, splits, pdl=True, overlap_launch=True)}
         for name, fn in calls.items():
             check_against_reference(name, fn, case)
         times = {name: [] for name in calls}
@@ -376,7 +376,7 @@ def run_stage_check(l2_bytes: int, num_sms: int) -> str:
         ])
         del case
     return markdown_table(
-        ["B", "K", "default plan", "blocks per split", "default us", "other depth us", "other / default"], rows
+        ["B", "K", "default plan", "blocks per split", "auto us", "other depth us", "other / auto"], rows
     )
 
 
@@ -399,10 +399,10 @@ def run(copy_gbs: float, parts: tuple[str, ...] = PARTS) -> str:
             "time per call (CUDA graph over rotating inputs > 4x L2). Effective GB/s = (distinct valid KV rows + q + out) "
             "bytes / time. Variants: SIMT = one program per (sequence, head); head-batched = blocks of 64 heads (two "
             "programs per block, one per half of the output columns), no split; split-K = default tiles and split "
-            "count, always with the combine; default = the op's CUDA path (head-batched alone when the plan has one "
+            "count, always with the combine; auto = the op's CUDA path (head-batched alone when the plan has one "
             "split; on Hopper the split kernel and the combine launched with PDL; on Hopper from 16 64-head blocks up the Gluon wgmma kernel); wgmma = the Gluon kernel (64 heads x 64 rows, two cp.async stages) at its split rule at every batch. Tiles: heads x rows per "
-            "program, warps, pipeline stages, dv2 = output columns split in two programs. 'best other / default' "
-            "< 0.91 means the default is over 10% slower than some variant it could have picked. Split-K PDL = "
+            "program, warps, pipeline stages, dv2 = output columns split in two programs. 'best other / auto' "
+            "< 0.91 means auto is over 10% slower than some variant it could have picked. Split-K PDL = "
             "split-K with its combine launched as a programmatic dependent of the split kernel (opt-in, Hopper "
             "and later), against plain split-K at the same tiles and split count.",
             table,

@@ -21,8 +21,9 @@ from kernels.hc_mix.ref import (
     hc_pre_norm_reference,
     tiles,
 )
+from kernels.impl import COMMON_IMPLS, check_impl
 
-IMPLS = ("auto", "triton", "reference")
+IMPLS = COMMON_IMPLS
 
 
 def takes_kernel(streams: torch.Tensor, fn: torch.Tensor) -> bool:
@@ -91,13 +92,6 @@ def _(out, streams, post, comb, fn, scale, base, norm_weight, iters, hc_eps, hc_
     return hc_mix_triton(streams, fn, scale, base, norm_weight, iters, hc_eps, hc_norm_eps, norm_eps, out=out, post=post, comb=comb)
 
 
-def _check_impl(impl: str, iters: int) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"hc_mix: impl must be one of {IMPLS}, got {impl!r}")
-    if iters < 1:
-        raise ValueError(f"hc_mix: iters must be >= 1, got {iters}")
-
-
 def hc_pre_norm(
     streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight: torch.Tensor,
     iters: int, hc_eps: float, hc_norm_eps: float, norm_eps: float, impl: str = "auto",
@@ -105,8 +99,8 @@ def hc_pre_norm(
     """The boundary without the write-back (kernels/hc_mix/ref.py): (normed x [B, D], post [B, hc], comb [B, hc, hc]).
     impl: "auto" (the custom op: Triton on CUDA where `takes_kernel`, else the reference),
     "triton" (the Triton path directly, e.g. under TRITON_INTERPRET=1) or "reference"."""
-    _check_impl(impl, iters)
-    check_hc_mix_inputs(streams, fn, scale, base, norm_weight)
+    check_impl("hc_pre_norm", impl, IMPLS)
+    check_hc_mix_inputs(streams, fn, scale, base, norm_weight, iters)
     args = (streams, fn, scale, base, norm_weight, int(iters), float(hc_eps), float(hc_norm_eps), float(norm_eps))
     if impl == "triton":
         from kernels.hc_mix.triton import hc_mix_triton
@@ -124,8 +118,8 @@ def hc_post_pre_norm(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The whole boundary (kernels/hc_mix/ref.py): (new streams [B, hc, D], normed x [B, D], post [B, hc],
     comb [B, hc, hc]). impl as for `hc_pre_norm`."""
-    _check_impl(impl, iters)
-    check_hc_mix_inputs(streams, fn, scale, base, norm_weight, out, post, comb)
+    check_impl("hc_post_pre_norm", impl, IMPLS)
+    check_hc_mix_inputs(streams, fn, scale, base, norm_weight, iters, out, post, comb)
     rest = (fn, scale, base, norm_weight, int(iters), float(hc_eps), float(hc_norm_eps), float(norm_eps))
     if impl == "triton":
         from kernels.hc_mix.triton import hc_mix_triton

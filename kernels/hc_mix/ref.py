@@ -56,8 +56,10 @@ def hc_post_pre_norm_reference(
     return (new, *hc_pre_norm_reference(new, fn, scale, base, norm_weight, iters, hc_eps, hc_norm_eps, norm_eps))
 
 
-def check_hc_mix_inputs(streams, fn, scale, base, norm_weight, out=None, post=None, comb=None) -> None:
+def check_hc_mix_inputs(streams, fn, scale, base, norm_weight, iters: int, out=None, post=None, comb=None) -> None:
     """Raise ValueError naming the first argument whose shape, dtype or device does not fit (no host sync)."""
+    if iters < 1:
+        raise ValueError(f"hc_mix: iters must be >= 1, got {iters}")
     if streams.dim() != 3:
         raise ValueError(f"hc_mix: streams must be [B, hc, D], got shape {tuple(streams.shape)}")
     batch, hc, dim = streams.shape

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels.hc_sinkhorn.ref import check_hc_inputs, hc_split_sinkhorn_reference
+from kernels.impl import COMMON_IMPLS, check_impl
 
 
 @torch.library.custom_op("v4::hc_split_sinkhorn", mutates_args=())
@@ -38,7 +39,7 @@ def _(mixes, scale, base, hc, iters, eps):
     return hc_split_sinkhorn_triton(mixes, scale, base, hc, iters, eps)
 
 
-IMPLS = ("auto", "triton", "reference")
+IMPLS = COMMON_IMPLS
 
 
 def hc_split_sinkhorn(
@@ -53,8 +54,7 @@ def hc_split_sinkhorn(
     """(pre [B, hc], post [B, hc], comb [B, hc, hc]) in fp32 (semantics: kernels/hc_sinkhorn/ref.py).
     impl: "auto" (the custom op: Triton on CUDA, reference on CPU), "triton" (the Triton path
     directly, e.g. on CPU under TRITON_INTERPRET=1) or "reference"."""
-    if impl not in IMPLS:
-        raise ValueError(f"hc_split_sinkhorn: impl must be one of {IMPLS}, got {impl!r}")
+    check_impl("hc_split_sinkhorn", impl, IMPLS)
     hc, iters, eps = int(hc), int(iters), float(eps)
     check_hc_inputs(mixes, scale, base, hc, iters)
     if impl == "triton":

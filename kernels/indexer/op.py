@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.impl import COMMON_IMPLS, check_impl
 from kernels.indexer.ref import check_indexer_inputs, indexer_topk_reference
 
 
@@ -36,15 +37,14 @@ def _(q, weights, index_cache, slots, visible, topk):
     return indexer_topk_triton(q, weights, index_cache, slots, visible, topk)
 
 
-IMPLS = ("auto", "triton", "reference")
+IMPLS = COMMON_IMPLS
 
 
 def indexer_topk(q, weights, index_cache, slots, visible, topk: int, impl: str = "auto") -> torch.Tensor:
     """Entry numbers [B, topk] int32 (semantics: kernels/indexer/ref.py; their order: the module
     docstring). impl: "auto" (the custom op: Triton on CUDA, reference on CPU), "triton" (the
     Triton path directly, e.g. on CPU under TRITON_INTERPRET=1) or "reference"."""
-    if impl not in IMPLS:
-        raise ValueError(f"indexer_topk: impl must be one of {IMPLS}, got {impl!r}")
+    check_impl("indexer_topk", impl, IMPLS)
     check_indexer_inputs(q, weights, index_cache, slots, visible, topk)
     if impl == "triton":
         from kernels.indexer.triton import indexer_topk_triton

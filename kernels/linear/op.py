@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.impl import COMMON_IMPLS, check_impl
 from kernels.linear.ref import (
     HALF_DTYPES,
     MAX_ROWS,
@@ -31,7 +32,7 @@ from kernels.linear.ref import (
     linear_reference,
 )
 
-IMPLS = ("auto", "triton", "reference")
+IMPLS = COMMON_IMPLS
 
 
 def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -39,11 +40,6 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     (per group). Depends on the weight and the device only, never on the batch, so a graph
     compiled for a symbolic batch holds no batch-size guard for it."""
     return x.is_cuda and weight.dtype in HALF_DTYPES and weight.shape[-1] >= weight.shape[-2]
-
-
-def check_impl(impl: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"linear: impl must be one of {IMPLS}, got {impl!r}")
 
 
 @torch.library.custom_op("v4::grouped_linear", mutates_args=())
@@ -70,7 +66,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, impl: str = "auto") ->
     """x [M, G, K] and weight [G, N, K] -> [M, G, N], each group its own product. impl: "auto"
     (the custom op where `takes_kernel` says so, else the einsum reference), "triton" (the
     Triton kernel directly, e.g. on CPU under TRITON_INTERPRET=1) or "reference"."""
-    check_impl(impl)
+    check_impl("grouped_linear", impl, IMPLS)
     check_grouped_inputs(x, weight)
     return _grouped_linear_checked(x, weight, impl)
 
@@ -88,7 +84,7 @@ def _grouped_linear_checked(x: torch.Tensor, weight: torch.Tensor, impl: str) ->
 def linear(x: torch.Tensor, weight: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T: F.linear, or the one-group case of `grouped_linear` where
     `takes_kernel` says so (impl as there)."""
-    check_impl(impl)
+    check_impl("linear", impl, IMPLS)
     check_linear_inputs(x, weight)
     if impl == "reference" or (impl == "auto" and not takes_kernel(x, weight)):
         return linear_reference(x, weight)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.impl import COMMON_IMPLS, check_impl
 from kernels.moe.ref import check_moe_inputs, moe_experts_reference
 
 
@@ -36,7 +37,7 @@ def _(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit, shared_expert):
     return moe_experts_triton(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit, shared_expert)
 
 
-IMPLS = ("auto", "triton", "reference")
+IMPLS = COMMON_IMPLS
 
 
 def moe_experts(
@@ -46,8 +47,7 @@ def moe_experts(
     reference on CPU), "triton" (the Triton path directly, e.g. on CPU under
     TRITON_INTERPRET=1) or "reference". shared_expert: -1, or the expert every token runs after
     its picks with weight 1."""
-    if impl not in IMPLS:
-        raise ValueError(f"moe_experts: impl must be one of {IMPLS}, got {impl!r}")
+    check_impl("moe_experts", impl, IMPLS)
     check_moe_inputs(x, expert_ids, expert_weights, w1, w2, w3, shared_expert)
     args = (x, expert_ids, expert_weights, w1, w2, w3, float(swiglu_limit), int(shared_expert))
     if impl == "triton":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.impl import COMMON_IMPLS, check_impl
 from kernels.sparse_mla.ref import check_sparse_mla_inputs, sparse_mla_decode_reference
 
 
@@ -80,7 +81,7 @@ def _(q, kv_cache, indices, sink, scale, workspace):
     return _fake_outputs(q)
 
 
-IMPLS = ("default", "reference", "simt", "head_batched", "split_k", "wgmma")
+IMPLS = COMMON_IMPLS + ("simt", "head_batched", "split_k", "wgmma")
 
 
 def sparse_mla_workspace(batch: int, heads: int, head_dim: int, topk: int, device, dtype=torch.bfloat16) -> torch.Tensor:
@@ -93,40 +94,38 @@ def sparse_mla_workspace(batch: int, heads: int, head_dim: int, topk: int, devic
 
 
 def sparse_mla_decode(
-    q, kv_cache, indices, sink, scale, return_lse: bool = False, *, impl: str = "default", workspace=None
+    q, kv_cache, indices, sink, scale, return_lse: bool = False, *, impl: str = "auto", workspace=None
 ):
     """Attention output [B,H,D] (and the fp32 LSE [B,H] when return_lse). Valid indices must be
     below slots * rows of kv_cache; that is not checked (it would need a device sync).
 
-    impl="default" goes through the custom op (reference on CPU, the default CUDA path on CUDA);
-    "reference", "simt", "head_batched", "split_k" and "wgmma" (Hopper only) call that
-    implementation directly (for benchmarks and tests). `workspace` (from sparse_mla_workspace)
-    lets a CUDA-graph caller preallocate the split-K scratch per batch bucket; without it the
-    scratch is allocated per call."""
+    impl: "auto" (the custom op: the reference on CPU, the CUDA path of sparse_mla_decode_cuda on
+    CUDA), "reference", "triton" (the Triton plan, also under TRITON_INTERPRET=1), or one kernel
+    directly: "simt", "head_batched", "split_k" or "wgmma" (Hopper only). `workspace` (from
+    sparse_mla_workspace) lets a CUDA-graph caller preallocate the split-K scratch per batch
+    bucket; without it the scratch is allocated per call."""
+    check_impl("sparse_mla_decode", impl, IMPLS)
     check_sparse_mla_inputs(q, kv_cache, indices, sink)
-    if impl == "default" and workspace is None:
-        out, lse = sparse_mla_decode_op(q, kv_cache, indices, sink, float(scale))
-    elif impl == "default":
-        out, lse = sparse_mla_decode_with_workspace_op(q, kv_cache, indices, sink, float(scale), workspace)
+    if impl == "auto":
+        if workspace is None:
+            out, lse = sparse_mla_decode_op(q, kv_cache, indices, sink, float(scale))
+        else:
+            out, lse = sparse_mla_decode_with_workspace_op(q, kv_cache, indices, sink, float(scale), workspace)
     elif impl == "reference":
         out, lse = sparse_mla_decode_reference(q, kv_cache, indices, sink, float(scale))
-    elif impl in ("simt", "head_batched", "split_k"):
-        from kernels.sparse_mla.triton import (
-            sparse_mla_decode_head_batched,
-            sparse_mla_decode_simt,
-            sparse_mla_decode_split_k,
-        )
-
-        if impl == "simt":
-            out, lse = sparse_mla_decode_simt(q, kv_cache, indices, sink, scale)
-        elif impl == "head_batched":
-            out, lse = sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale)
-        else:
-            out, lse = sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, workspace=workspace)
     elif impl == "wgmma":
         from kernels.sparse_mla.gluon import sparse_mla_decode_wgmma
 
         out, lse = sparse_mla_decode_wgmma(q, kv_cache, indices, sink, scale, workspace=workspace)
     else:
-        raise ValueError(f"sparse_mla_decode: impl must be one of {IMPLS}, got {impl!r}")
+        from kernels.sparse_mla import triton as triton_impl
+
+        if impl == "triton":
+            out, lse = triton_impl.sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace)
+        elif impl == "simt":
+            out, lse = triton_impl.sparse_mla_decode_simt(q, kv_cache, indices, sink, scale)
+        elif impl == "head_batched":
+            out, lse = triton_impl.sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale)
+        else:
+            out, lse = triton_impl.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, workspace=workspace)
     return (out, lse) if return_lse else out
