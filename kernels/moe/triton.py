@@ -378,7 +378,7 @@ def _down_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def _moe_combine_kernel(
     y_ptr, ids_ptr, out_ptr,
     dim, num_experts,
     stride_ym, stride_ob,
@@ -475,7 +475,7 @@ def moe_experts_triton(
         **launch,
     )
     combine_n = min(1024, triton.next_power_of_2(dim))
-    _combine_kernel[(batch, triton.cdiv(dim, combine_n))](
+    _moe_combine_kernel[(batch, triton.cdiv(dim, combine_n))](
         y, ids, out,
         dim, num_experts,
         y.stride(0), out.stride(0),
