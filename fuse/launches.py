@@ -26,6 +26,8 @@ from typing import Callable, Iterable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kernels.registry import launched_kernels
+
 CATEGORIES = ("gemm", "custom", "elementwise", "copy", "reduce", "other")
 GLUE = ("elementwise", "copy", "reduce")
 
@@ -61,28 +63,16 @@ _REDUCE_KERNEL = re.compile(r"reduce|softmax|topk|sort|scan|radix|bitonic|argmax
 _COPY_KERNEL = re.compile(r"copy|CatArray|cat_|index|gather|scatter|fill|embedding|memset|memcpy", re.I)
 
 
-def _triton_kernel_names(modules: Iterable[str]) -> set[str]:
-    names: set[str] = set()
-    try:
-        import importlib
-
-        for module in modules:
-            mod = importlib.import_module(module)
-            names |= {n for n, obj in vars(mod).items() if type(obj).__name__ in ("JITFunction", "InterpretedFunction", "Autotuner", "Heuristics")}
-    except Exception:  # no Triton here: no Triton kernel can run either
-        pass
-    return names
-
-
 def _custom_kernel_names() -> set[str]:
-    """Names of the Triton kernels behind the opaque custom ops (defined in kernels/)."""
-    return _triton_kernel_names(("kernels.sparse_mla.triton", "kernels.sparse_mla.common", "kernels.indexer.triton", "kernels.moe.triton", "kernels.hc_sinkhorn.triton", "kernels.hc_mix.triton"))
+    """Names of the Triton and Gluon kernels behind the opaque custom ops (kernels/), but those of
+    `v4::grouped_linear`, which count as gemm."""
+    return {name for name, op in launched_kernels().items() if op != "v4::grouped_linear"}
 
 
 @functools.cache
 def _gemm_kernel_names() -> frozenset[str]:
     """Names of kernels/' own matrix-product kernels (`v4::grouped_linear`): gemm, as cuBLAS's are."""
-    return frozenset(_triton_kernel_names(("kernels.linear.triton",)))
+    return frozenset(name for name, op in launched_kernels().items() if op == "v4::grouped_linear")
 
 
 def classify_op(name: str) -> str:
