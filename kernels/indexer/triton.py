@@ -27,7 +27,6 @@ import triton.language as tl
 
 from kernels.triton_util import dot_precision, num_sms
 
-# The interpreter has no SMs; a small count keeps its grids small.
 SCORE_BLOCK_T = 64
 SELECT_BLOCK = 2048
 # Score programs resident per SM (about 65 KB of shared memory each at 3 stages): one wave of

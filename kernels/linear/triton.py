@@ -20,8 +20,7 @@ One row whose column strips would leave SMs idle (N / 16 programs per group, few
 the fused x projection, 1536-2048 x 4096, at batch 1) takes a GEMV instead: strips of 4-8 columns
 so every SM gets programs, fp32 multiply-adds on CUDA cores with the sum over K deferred to the
 end, and the next strip of K loaded while the current one is summed (Triton does not pipeline
-loads that feed no dot). On the H200, back to back in a graph, 6.8 against 10.2 us for
-1536 x 4096 (docs/kernels.md); where the strips fill the GPU the dot kernel is as fast or faster.
+loads that feed no dot). Where the strips fill the GPU the dot kernel is as fast.
 """
 from __future__ import annotations
 
@@ -109,8 +108,8 @@ _linear_autotuned = triton.autotune(
 )(_linear_kernel)
 _INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32}
 
-# 4 columns x 1024 of K on 4 warps won a sweep of 18 tiles on the H200 at the x projection's
-# 1536 and 2048 x 4096; shorter K tiles and 8-column strips leave the autotuner room elsewhere.
+# 4 columns x 1024 of K on 4 warps is the x projection's best tile; shorter K tiles and 8-column
+# strips leave the autotuner room at other shapes.
 _GEMV_CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=1)
     for n, k, w in [(4, 1024, 4), (4, 512, 4), (8, 1024, 8), (8, 512, 4)]

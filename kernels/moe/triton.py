@@ -31,16 +31,14 @@ import triton.language as tl
 from kernels.moe.ref import check_shared_expert, with_shared_ids
 from kernels.triton_util import SM90_SHARED_MEMORY_PER_BLOCK, dot_precision, num_sms, shared_memory_per_block
 
-# The interpreter has no SMs; a small count keeps its grids small.
 # Largest B*k routed by the single-program kernel (it holds every pair in registers).
 MAX_PAIRS_ONE_PROGRAM = 4096
 PROGRAMS_PER_SM = 4
 # Shared memory per pipeline stage that still lets two programs share an SM at 4 stages.
 STAGE_BYTES = 24 * 1024
-# The gate/up product streams two weight strips per program. Strips twice as wide as the rule
-# above gives (two programs per SM, 40 KB stages: 160 KB at 4 stages) were faster or even at
-# every batch in the H200 tile sweep (docs/kernels.md, "up_block_n x2": 7.6% at batch 1, 3.6% at
-# 64, within 1% at 16 and 32). GPUs with less shared memory per program keep the rule above.
+# The gate/up product streams two weight strips per program, so it takes strips twice as wide as
+# the rule above (two programs per SM, 40 KB stages: 160 KB at 4 stages) where they fit; GPUs with
+# less shared memory per program keep the rule above.
 UP_PROGRAMS_PER_SM = 2
 UP_STAGE_BYTES = 40 * 1024
 

@@ -15,9 +15,6 @@ partitions of four warps, which hand work to each other through shared memory an
   columns, reading P from shared memory, while the scores warpgroup moves on to the next block.
 
 So the gathers never wait on the products, and half of P V overlaps the next block's scores.
-(The schedule this replaced, both warpgroups computing half of every block's scores and the
-gather issued between the products, was compute-bound at 2.28 TB/s at B=128, K=2048:
-docs/kernels.md.)
 
 With one split the program finishes the softmax with the sink and writes out and lse; with
 several it writes the same fp32 partials as the Triton split kernel (normalised by their own sum,
@@ -53,8 +50,8 @@ from kernels.triton_util import num_sms
 BLOCK_H = 64  # one wgmma M tile: a warpgroup of four 16-row warps
 NUM_WARPS = 4  # the scores warpgroup, the default partition
 # Registers per thread of the workers (setmaxnreg): the second warpgroup holds a 64 x D/2 fp32
-# accumulator (152 spill it: 2.3x slower on the H200), the producer addresses and the next block's
-# indices in flight (64 spill at D=512); the scores warpgroup gets the rest.
+# accumulator (fewer spill it), the producer addresses and the next block's indices in flight
+# (64 spill at D=512); the scores warpgroup gets the rest.
 WORKER_REGS = (168, 72)
 PRODUCER_THREADS = gl.constexpr(4 * 32)  # each thread arrives on a buffer's mbarrier when its copies land
 

@@ -2,8 +2,7 @@
 kernel (the Gluon wgmma kernel on Hopper at large batches, else the Triton head-batched one), its
 tiles, the split count, and the split-K scratch a CUDA-graph caller preallocates. Every choice is
 a pure function of the shapes and the SM count, so one capture per batch bucket stays valid: the
-plan ranks a few candidate tiles and every split count with a cost model fitted to H200 timings
-(docs/kernels.md).
+plan ranks a few candidate tiles and every split count with a cost model fitted to timings of them.
 """
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ def _tiles_for(block_h: int, head_dim: int, itemsize: int) -> TileConfig:
         block_h, block_k = min(block_h, 32), 16
     acc = block_h * _block_d(head_dim)
     if acc > 32 * 512:
-        # 64 gathered rows per step, two stages: fastest in the H200 tile sweep (docs/kernels.md).
+        # 64 gathered rows per step, two stages: the fastest of the 64-head tiles.
         return TileConfig(block_h, 64, num_warps=4, num_stages=2, dv_split=2)
     return TileConfig(block_h, block_k, num_warps=8 if acc == 32 * 512 else 4, num_stages=2)
 
@@ -64,7 +63,7 @@ def candidate_tiles(heads: int, head_dim: int, itemsize: int) -> list[TileConfig
     """The tiles the default plan chooses among: the full head block (for 64 heads: one
     warpgroup per half of the output columns), for 64 heads also whole rows on two warpgroups
     (no second gather of each row, no duplicated Q K^T; fastest when its programs alone fill the
-    SMs, H200 sweep in docs/kernels.md), and 16-head blocks of 32 or 64 gathered rows (more,
+    SMs), and 16-head blocks of 32 or 64 gathered rows (more,
     shorter programs at batch 1-8; 64 rows halve the split count, so the fp32 partials, where
     the index list is long)."""
     full = head_batched_tiles(heads, head_dim, itemsize)
@@ -79,13 +78,10 @@ def candidate_tiles(heads: int, head_dim: int, itemsize: int) -> list[TileConfig
     return tiles
 
 
-# Rough costs on an H100/H200-class GPU, used only to rank plans against each other: a weighted
-# least-squares fit (6% RMS relative error, 13% at worst) to the 77 H200 timings of the candidate
-# tiles in docs/kernels.md (the plan-candidate run and the 2026-12-03 plan check, combine
-# launched with PDL; rotating inputs larger than L2). At decode sizes a program is latency-bound:
-# after the first KV block each one waits for its indices and then the rows they name. The fit
-# leaves one warpgroup's products at 0 (hidden behind that wait; a free fit made them negative)
-# and puts the combine's fixed cost mostly into the programs'.
+# Rough costs on an H100/H200-class GPU, fitted to timings of the candidate tiles and used only to
+# rank plans against each other. At decode sizes a program is latency-bound: after the first KV
+# block each one waits for its indices and then the rows they name, which hides one warpgroup's
+# products (0 below).
 _ITER_US = 0.98  # each KV block after a program's first: index load, then the dependent gather
 _ROW_US = 0.0334  # per gathered row of every block, the first included (whole 1 KB rows)
 _PRODUCT_US = {4: 0.0, 8: 1.62}  # per 64 heads x 64 rows of Q K^T + P V, by warps per program
@@ -143,10 +139,8 @@ def _split_candidates(batch: int, heads: int, topk: int, num_sms: int, tiles: Ti
 
 
 # Candidate tiles that run a split of a single KV block faster without software pipelining
-# (num_stages=1). H200, each plan against the same tiles and split count at the other depth,
-# interleaved rounds (`python -m kernels.bench --only sparse_mla --sparse-mla-parts stages`,
-# docs/kernels.md): one stage is 1.00-1.04x faster for 16x32 w4 and 1.10-1.13x for 64x64 w4 dv2;
-# 16x64 w4 (0.94-1.00x) and every split of two or more blocks (0.83-0.91x) keep two stages.
+# (num_stages=1): with one block there is nothing to overlap. 16x64 tiles and splits of two or
+# more blocks keep two stages (`--sparse-mla-parts stages` of the benchmark checks it).
 _SINGLE_BLOCK_UNPIPELINED = (TileConfig(16, 32, 4, 2), TileConfig(64, 64, 4, 2, dv_split=2))
 
 
@@ -164,7 +158,7 @@ def choose_plan(
     """Tiles and split count of the default path: a pure function of the shapes and the SM count
     (CUDA-graph safe), the pair with the lowest estimated time (splits of one block of some tiles
     then without pipelining, _SINGLE_BLOCK_UNPIPELINED). Memoised: ranking every candidate
-    takes ~0.2-0.8 ms of Python, which eager calls would otherwise pay per layer."""
+    costs Python time that eager calls would otherwise pay per layer."""
     shape = (batch, heads, topk, num_sms, head_dim, itemsize)
     plans = [(tiles, _best_splits(*shape, tiles)) for tiles in candidate_tiles(heads, head_dim, itemsize)]
     # min keeps the first of equal estimates: the candidates' order breaks ties, as _best_splits
@@ -203,12 +197,9 @@ def _best_splits(batch, heads, topk, num_sms, head_dim, itemsize, tiles: TileCon
 
 
 # The Gluon kernel (kernels/sparse_mla/gluon.py), at its tile: 64 heads x 64 gathered rows per
-# step, two shared-memory stages. On the H200 its first schedule beat every Triton plan once the
-# 64-head blocks alone nearly fill the GPU and the index lists are long (1.0-1.45x from 16 blocks
-# up at 640 and 2048 indices, 0.64-1.05x below 16 blocks, 0.62-0.95x at the 128-160 indices of
-# the window-only and ratio-128 layers: a program's fixed cost over only two or three blocks);
-# these thresholds come from that schedule. The warp-specialised one is 1.0-1.3x faster again
-# from 16 blocks up and matches the Triton plan at 8 blocks (docs/kernels.md).
+# step, two shared-memory stages. It beats the Triton plans once the 64-head blocks alone nearly
+# fill the GPU and the index lists are long; on short lists (the window-only and ratio-128
+# layers' 128-160 indices) its fixed cost per program spreads over too few blocks.
 WGMMA_BLOCK_N = 64
 WGMMA_STAGES = 2
 WGMMA_MIN_HEAD_BLOCKS = 16
