@@ -118,14 +118,19 @@ def sparse_mla_decode(
 
         out, lse = sparse_mla_decode_wgmma(q, kv_cache, indices, sink, scale, workspace=workspace)
     else:
-        from kernels.sparse_mla import triton as triton_impl
+        from kernels.sparse_mla.triton import (
+            sparse_mla_decode_head_batched,
+            sparse_mla_decode_simt,
+            sparse_mla_decode_split_k,
+            sparse_mla_decode_triton,
+        )
 
         if impl == "triton":
-            out, lse = triton_impl.sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace)
+            out, lse = sparse_mla_decode_triton(q, kv_cache, indices, sink, scale, workspace)
         elif impl == "simt":
-            out, lse = triton_impl.sparse_mla_decode_simt(q, kv_cache, indices, sink, scale)
+            out, lse = sparse_mla_decode_simt(q, kv_cache, indices, sink, scale)
         elif impl == "head_batched":
-            out, lse = triton_impl.sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale)
+            out, lse = sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale)
         else:
-            out, lse = triton_impl.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, workspace=workspace)
+            out, lse = sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, workspace=workspace)
     return (out, lse) if return_lse else out
