@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--layers", type=int, default=None, help="use the first N layers of the preset (default: all)")
     bench.add_argument("--contexts", type=_ints, default=(4096, 32768))
     bench.add_argument("--batches", type=_ints, default=(1, 16, 32, 64))
-    bench.add_argument("--variants", type=lambda s: tuple(s.split(",")), default=None, help="comma list of eager, eager-graphs, reduce-overhead, fuse, fuse-static, fuse-pdl, fuse-pieces, fuse-nested, fuse-regional, fuse-eager-head (default: the first four)")
+    bench.add_argument("--variants", type=lambda s: tuple(s.split(",")), default=None, help="comma list of eager, eager-graphs, reduce-overhead, fuse, fuse-static, fuse-nested, fuse-regional (default: the first four)")
     bench.add_argument("--steps", type=int, default=10)
     bench.add_argument("--eager-steps", type=int, default=4)
     bench.add_argument("--repeats", type=int, default=5)
