@@ -1,5 +1,7 @@
 """fuse: a torch.compile fusion layer for the decode path of DeepSeek-V4-Flash-class models."""
-from fuse.runner import CompileOptions, DecodeRunner, RunnerStats, compile_decode
-from fuse.inspect import inspect
+from fuse.inspection import Inspection
+from fuse.options import CompileOptions
+from fuse.runner import DecodeRunner, compile_decode, inspect
+from fuse.stats import RunnerStats
 
-__all__ = ["CompileOptions", "DecodeRunner", "RunnerStats", "compile_decode", "inspect"]
+__all__ = ["CompileOptions", "DecodeRunner", "Inspection", "RunnerStats", "compile_decode", "inspect"]

@@ -1,86 +1,48 @@
-"""Command-line interface: `python -m fuse <command>` (also installed as `fuse`)."""
+"""Command-line interface: `python -m fuse <command>` (also installed as `fuse`).
+
+A bad value ends the run before any work with one line naming the flag and what it allows, and
+exit status 2."""
 from __future__ import annotations
 
 import argparse
+import ast
+import json
+import os
 import sys
 
+PRESETS = ("tiny", "bench", "flash")
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fuse", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="short eager decode run: tokens/s and logits statistics")
-    demo.add_argument("--preset", default="tiny", choices=["tiny", "bench", "flash"])
-    demo.add_argument("--batch", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=32)
-    demo.add_argument("--device", default="cpu")
-    demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    demo.add_argument("--seed", type=int, default=0)
-    report = commands.add_parser("report", help="the main job: compile, check against eager, count kernels, write a report")
-    report.add_argument("--preset", default="tiny", choices=["tiny", "bench", "flash"])
-    report.add_argument("--device", default="cpu")
-    report.add_argument("--batch", type=int, default=4)
-    report.add_argument("--steps", type=int, default=4, help="decode steps checked against eager")
-    report.add_argument("--timing-steps", type=int, default=5)
-    report.add_argument("--seed", type=int, default=0)
-    report.add_argument("--out", default=None, help="output folder (default fuse-out/report-<preset>-<device>)")
-    report.add_argument("--no-inspect", action="store_true", help="skip the depyf dump of the generated code")
-    report.add_argument("--layers", type=int, default=None, help="use the first N layers of the preset (default: all)")
-    bench = commands.add_parser("bench", help="GPU: eager, eager in CUDA graphs, reduce-overhead and compile_decode, side by side")
-    bench.add_argument("--preset", default="bench", choices=["tiny", "bench", "flash"])
-    bench.add_argument("--layers", type=int, default=None, help="use the first N layers of the preset (default: all)")
-    bench.add_argument("--contexts", type=_ints, default=(4096, 32768))
-    bench.add_argument("--batches", type=_ints, default=(1, 16, 32, 64))
-    bench.add_argument("--variants", type=lambda s: tuple(s.split(",")), default=None, help="comma list of eager, eager-graphs, reduce-overhead, fuse, fuse-static, fuse-pdl, fuse-pieces, fuse-nested, fuse-regional, fuse-eager-head (default: the first four)")
-    bench.add_argument("--steps", type=int, default=10)
-    bench.add_argument("--eager-steps", type=int, default=4)
-    bench.add_argument("--repeats", type=int, default=5)
-    bench.add_argument("--fp32-products", default="exact", choices=["exact", "fast"])
-    bench.add_argument("--start-times", action="store_true", help="only: cold and warm start of compile_decode for 7 buckets, each in a new process")
-    bench.add_argument("--compare-precision", action="store_true", help="only: fp32 products fast vs exact under compile_decode")
-    bench.add_argument("--device", default="cuda")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--out", default="fuse-out/bench")
-    bench.add_argument(
-        "--inductor-option", action="append", type=_inductor_option, default=[], metavar="KEY=VALUE",
-        help="an Inductor config patch for the compile_decode variant, e.g. combo_kernels=True (repeatable)",
-    )
-    bench.add_argument("--start-time-child", action="store_true", help=argparse.SUPPRESS)
-    bench.add_argument("--buckets", type=_ints, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
 
-    if args.command == "bench":
-        return _bench(args)
+class _Parser(argparse.ArgumentParser):
+    """One line per error (no usage block), exit status 2."""
 
-    if args.command == "report":
-        from fuse.report import ReportSettings, format_console, run_report
-
-        settings = ReportSettings(
-            preset=args.preset, device=args.device, batch=args.batch, steps=args.steps,
-            timing_steps=args.timing_steps, seed=args.seed, out_dir=args.out, inspect=not args.no_inspect,
-            layers=args.layers,
-        )
-        result = run_report(settings)
-        print(format_console(result, result["eager"], result["compiled"]))
-        print(f"wrote report.json, report.md, launches.png to {settings.folder()}")
-        return 0
-
-    if args.command == "demo":
-        from fuse.demo import format_demo, run_demo
-
-        stats = run_demo(args.preset, args.batch, args.steps, args.device, args.dtype, args.seed)
-        print(format_demo(stats))
-        return 0 if stats["finite"] else 1
-    return 2
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(t) for t in text.split(","))
+    """A comma list of positive integers."""
+    try:
+        values = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def _inductor_option(text: str) -> tuple[str, object]:
     """KEY=VALUE with VALUE a Python literal (True, 4, 'name'); anything else is taken as a string."""
-    import ast
-
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
@@ -90,18 +52,136 @@ def _inductor_option(text: str) -> tuple[str, object]:
         return key, value
 
 
-def _bench(args) -> int:
-    import json
-    import os
+def _variants(text: str) -> tuple[str, ...]:
+    from fuse.bench import VARIANTS
 
+    names = tuple(text.split(","))
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    return names
+
+
+def _device(text: str) -> str:
+    """`cpu`, `cuda` or `cuda:N`, where that device exists."""
+    import torch
+
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text}: no CUDA device here (torch {torch.__version__}); use --device cpu")
+        if index and int(index) >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return text
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser and its commands' parsers."""
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    parser = _Parser(prog="fuse", description=__doc__.splitlines()[0], formatter_class=defaults)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def model_flags(p, preset: str, device: str) -> None:
+        p.add_argument("--preset", default=preset, choices=PRESETS, help="model widths: tiny (CPU), bench (V4-Flash widths, 16 experts), flash (V4-Flash)")
+        p.add_argument("--layers", type=_positive, default=None, help="use the first N layers of the preset (default: all)")
+        p.add_argument("--device", type=_device, default=device, help="cpu, cuda or cuda:N")
+        p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
+
+    report = commands.add_parser(
+        "report", formatter_class=defaults,
+        help="the main job: compile, check against eager, count and time kernels, dump the generated code",
+        description="Compile the decode step, check it against eager, count its kernels by category (eager vs "
+        "compiled), time both, and write report.json, report.md, launches.png and the generated code (inspect/).",
+    )
+    model_flags(report, "tiny", "cpu")
+    report.add_argument("--batch", type=_positive, default=4, help="batch size (one bucket)")
+    report.add_argument("--steps", type=_positive, default=4, help="decode steps checked against eager")
+    report.add_argument("--timing-steps", type=_positive, default=5, help="timed steps per variant")
+    report.add_argument("--out", default=None, help="output folder (default: fuse-out/report-<preset>-<device>)")
+    report.add_argument("--no-inspect", action="store_true", help="skip the dump of the generated code")
+
+    bench = commands.add_parser(
+        "bench", formatter_class=defaults,
+        help="GPU: eager, eager in CUDA graphs, reduce-overhead and compile_decode, side by side",
+        description="Time the decode step as users run it today against compile_decode, interleaved in one "
+        "process, with the bytes-read floor; write bench.json, bench.md and bench.png.",
+    )
+    model_flags(bench, "bench", "cuda")
+    bench.add_argument("--contexts", type=_ints, default=(4096, 32768), help="context lengths (comma list)")
+    bench.add_argument("--batches", type=_ints, default=(1, 16, 32, 64), help="batch sizes (comma list)")
+    bench.add_argument("--variants", type=_variants, default=None,
+                       help="comma list of eager, eager-graphs, reduce-overhead, fuse, fuse-static, fuse-nested, "
+                       "fuse-regional (default: the first four)")
+    bench.add_argument("--steps", type=_positive, default=10, help="steps per variant, shape and round")
+    bench.add_argument("--eager-steps", type=_positive, default=4, help="steps of the (slow) eager variant")
+    bench.add_argument("--repeats", type=_positive, default=5, help="interleaved rounds; the median is reported")
+    bench.add_argument("--fp32-products", default="exact", choices=["exact", "fast"], help="ModelConfig.fp32_products")
+    bench.add_argument("--start-times", action="store_true", help="only: cold and warm start of compile_decode for 7 buckets, each in a new process")
+    bench.add_argument("--compare-precision", action="store_true", help="only: fp32 products fast vs exact")
+    bench.add_argument("--out", default="fuse-out/bench", help="output folder")
+    bench.add_argument("--inductor-option", action="append", type=_inductor_option, default=[], metavar="KEY=VALUE",
+                       help="an Inductor config patch for the compile_decode variant, e.g. combo_kernels=True (repeatable)")
+    bench.add_argument("--start-time-child", action="store_true", help=argparse.SUPPRESS)
+    bench.add_argument("--buckets", type=_ints, default=None, help=argparse.SUPPRESS)
+
+    demo = commands.add_parser("demo", formatter_class=defaults, help="a short eager decode run: tokens/s and logits statistics")
+    model_flags(demo, "tiny", "cpu")
+    demo.add_argument("--batch", type=_positive, default=4, help="sequences decoded at once")
+    demo.add_argument("--steps", type=_positive, default=32, help="decode steps")
+    demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
+    return parser, {"report": report, "bench": bench, "demo": demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, commands = build_parser()
+    args = parser.parse_args(argv)
+    command = commands[args.command]
+    _check_layers(command, args)
+    if args.command == "report":
+        return _report(args)
+    if args.command == "bench":
+        return _bench(command, args)
+    return _demo(args)
+
+
+def _check_layers(command: argparse.ArgumentParser, args) -> None:
+    from model import ModelConfig
+
+    if args.layers is not None:
+        total = ModelConfig.preset(args.preset).n_layers
+        if args.layers > total:
+            command.error(f"argument --layers: the {args.preset} preset has {total} layers, got {args.layers}")
+
+
+def _report(args) -> int:
+    from fuse.report import ReportSettings, format_console, run_report
+
+    settings = ReportSettings(
+        preset=args.preset, device=args.device, batch=args.batch, steps=args.steps,
+        timing_steps=args.timing_steps, seed=args.seed, out_dir=args.out, inspect=not args.no_inspect,
+        layers=args.layers,
+    )
+    result = run_report(settings)
+    print(format_console(result, result["eager"], result["compiled"]))
+    written = "report.json, report.md, launches.png" + (", inspect/ (the generated code; start at inspect/index.md)" if result["index_entries"] is not None else "")
+    print(f"wrote {written} to {settings.folder()}")
+    return 0
+
+
+def _bench(command: argparse.ArgumentParser, args) -> int:
     from fuse import bench
 
-    settings = bench.BenchSettings(
-        preset=args.preset, layers=args.layers, contexts=args.contexts, batches=args.batches,
-        variants=args.variants or bench.DEFAULT_VARIANTS, steps=args.steps, eager_steps=args.eager_steps,
-        repeats=args.repeats, fp32_products=args.fp32_products,
-        device=args.device, seed=args.seed, out_dir=args.out, inductor_options=tuple(args.inductor_option),
-    )
+    try:
+        settings = bench.BenchSettings(
+            preset=args.preset, layers=args.layers, contexts=args.contexts, batches=args.batches,
+            variants=args.variants or bench.DEFAULT_VARIANTS, steps=args.steps, eager_steps=args.eager_steps,
+            repeats=args.repeats, fp32_products=args.fp32_products,
+            device=args.device, seed=args.seed, out_dir=args.out, inductor_options=tuple(args.inductor_option),
+        )
+    except ValueError as error:
+        command.error(str(error))
     if args.start_time_child:  # one timed start in this fresh process (see bench.measure_start_times)
         print(json.dumps(bench.start_time_child(settings, args.buckets or bench.START_BUCKETS)))
         return 0
@@ -121,6 +201,14 @@ def _bench(args) -> int:
     print(bench.to_markdown(result))
     print(f"wrote bench.json, bench.md, bench.png to {settings.out_dir}")
     return 0
+
+
+def _demo(args) -> int:
+    from fuse.demo import format_demo, run_demo
+
+    stats = run_demo(args.preset, args.batch, args.steps, args.device, args.dtype, args.seed, layers=args.layers)
+    print(format_demo(stats))
+    return 0 if stats["finite"] else 1
 
 
 if __name__ == "__main__":

@@ -10,15 +10,9 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
                    bucket);
   fuse-static      `fuse.compile_decode(dynamic_batch=False)`: one compile per bucket (not run by
                    default; for the compile-time / step-time trade-off).
-  fuse-pdl         `fuse.compile_decode(pdl=True)`: fuse with programmatic dependent launch of
-                   Inductor's kernels (Hopper and later; not run by default).
-  fuse-pieces      `fuse.compile_decode(skinny_product_piece_depth=PIECE_DEPTH)`: fuse with deep
-                   skinny products summed in pieces of K (not run by default).
   fuse-nested      `fuse.compile_decode(compilation="nested")` (not run by default).
   fuse-regional    `fuse.compile_decode(compilation="regional")`: each block and the head
                    compiled on their own (not run by default).
-  fuse-eager-head  `fuse.compile_decode(compilation="regional", compile_head=False)`: fuse-regional
-                   with the head (hc head, final norm, LM head) eager (not run by default).
 Caches are filled with random rows as if every sequence were `context` tokens in (decode cost
 depends on the positions, not on the values). The floor is the bytes a step must read (weights
 it touches, attended KV rows, the indexer cache) over a copy bandwidth measured in the same run.
@@ -42,21 +36,17 @@ from typing import Callable
 import torch
 
 from fuse.launches import call_ms
-from fuse.report import padded_batch_size, padded_inputs, relative_error, restore_point
-from fuse.runner import _dynamo_totals, compile_decode, resolve_compilation
+from fuse.numerics import accuracy, padded_batch_size, padded_step, relative_error, restore_point
+from fuse.runner import compile_decode
+from fuse.stats import dynamo_totals
 from model import Decoder, ModelConfig
 
-VARIANTS = (
-    "eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-pdl", "fuse-pieces", "fuse-nested",
-    "fuse-regional", "fuse-eager-head",
-)
-# The compile_decode variants and the CompileOptions.compilation each asks for.
+VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-nested", "fuse-regional")
+# The compile_decode variants and the CompileOptions each asks for.
 COMPILE_DECODE_VARIANTS = {
-    "fuse": "auto", "fuse-static": "auto", "fuse-pdl": "auto", "fuse-pieces": "auto",
-    "fuse-nested": "nested", "fuse-regional": "regional", "fuse-eager-head": "regional",
+    "fuse": {}, "fuse-static": {"dynamic_batch": False},
+    "fuse-nested": {"compilation": "nested"}, "fuse-regional": {"compilation": "regional"},
 }
-# The piece depth fuse-pieces tries (fuse/passes.py): the mixes' 16384 values in 8 pieces.
-PIECE_DEPTH = 2048
 DEFAULT_VARIANTS = VARIANTS[:4]
 START_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 YARDSTICK = "eager, padded"  # the accuracy checks' key for eager with padding rows
@@ -85,17 +75,6 @@ class BenchSettings:
         if unknown:
             raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
         compiled = [v for v in self.variants if v in COMPILE_DECODE_VARIANTS]
-        # Variants of one compilation compile the same code, whose Dynamo cache entries they
-        # would share in one process.
-        by_compilation: dict[str, list[str]] = {}
-        for v in compiled:
-            by_compilation.setdefault(resolve_compilation(COMPILE_DECODE_VARIANTS[v]), []).append(v)
-        for compilation, sharing in by_compilation.items():
-            if len(sharing) > 1:
-                raise ValueError(
-                    f"{' and '.join(sharing)} would share Dynamo's cache of the same code ({compilation} compilation); "
-                    "run them in separate invocations"
-                )
         if self.inductor_options and not compiled:
             raise ValueError("inductor_options patch the compile_decode variant's compile; none of the variants runs it")
         if not self.batches or min(self.batches) < 1 or not self.contexts or min(self.contexts) < 1:
@@ -203,19 +182,20 @@ def build_variant(
 ) -> Variant:
     """Build, compile and capture one variant for every batch size; time and count doing so."""
     memory0 = graph_pool_gib()
-    compiles0, _ = _dynamo_totals()
+    compiles0, _ = dynamo_totals()
     start = time.perf_counter()
     note = ""
     with counting_graph_captures() as counter:
         if name == "eager":
             run = decoder.step
-        elif name == "eager-graphs" or name in COMPILE_DECODE_VARIANTS:
+        elif name == "eager-graphs":
+            runner = compile_decode(decoder, buckets=batches, compile=False, progress=False)
+            run = runner.run_checked
+            note = runner.describe().replace("\n", "; ")
+        elif name in COMPILE_DECODE_VARIANTS:
             runner = compile_decode(
-                decoder, buckets=batches, compile=name != "eager-graphs", dynamic_batch=name != "fuse-static",
-                pdl=name == "fuse-pdl", skinny_product_piece_depth=PIECE_DEPTH if name == "fuse-pieces" else 0,
-                compilation=COMPILE_DECODE_VARIANTS.get(name, "auto"),
-                compile_head=False if name == "fuse-eager-head" else None, progress=False,
-                inductor_options=dict(inductor_options) if name != "eager-graphs" else None,
+                decoder, buckets=batches, progress=False, inductor_options=dict(inductor_options) or None,
+                **COMPILE_DECODE_VARIANTS[name],
             )
             run = runner.run_checked
             note = runner.describe().replace("\n", "; ")
@@ -233,7 +213,7 @@ def build_variant(
         if decoder.device.type == "cuda":
             torch.cuda.synchronize(decoder.device)
     seconds = time.perf_counter() - start
-    compiles1, _ = _dynamo_totals()
+    compiles1, _ = dynamo_totals()
     return Variant(
         name, run, start_seconds=seconds, compiles=compiles1 - compiles0, captures=counter["captures"],
         graph_memory_gib=max(0.0, graph_pool_gib() - memory0) if name != "eager" else 0.0, note=note,
@@ -286,7 +266,7 @@ def check_against_eager(variants: dict[str, Variant], decoder: Decoder, inputs: 
     """One step of every variant from the same state, against the eager step: max relative logit
     error and the share of rows whose top token agrees. The yardstick, under YARDSTICK: the same
     eager step with padding rows added, which changes only kernel choices and summation orders
-    (fuse/report.py); in bf16 a random-weight model amplifies such differences, so a variant's
+    (fuse/numerics.py); in bf16 a random-weight model amplifies such differences, so a variant's
     numbers mean something only next to it."""
     rows = padded_batch_size(len(inputs[0]))
     if rows > decoder.max_batch:
@@ -297,7 +277,7 @@ def check_against_eager(variants: dict[str, Variant], decoder: Decoder, inputs: 
     restore = restore_point(decoder)
     expected = decoder.step(*inputs).float()
     restore()
-    padded = decoder.step(*padded_inputs(decoder, *inputs))[: len(inputs[0])].float()
+    padded = padded_step(decoder, inputs).float()
     checks = {YARDSTICK: accuracy(padded, expected)}
     for name, variant in variants.items():
         if name == "eager":
@@ -309,13 +289,6 @@ def check_against_eager(variants: dict[str, Variant], decoder: Decoder, inputs: 
         checks[name] = accuracy(actual, expected)
     restore()
     return checks
-
-
-def accuracy(actual: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
-    return {
-        "max_relative_error": relative_error(actual, expected),
-        "top1_agreement": (actual.argmax(-1) == expected.argmax(-1)).float().mean().item(),
-    }
 
 
 def copy_bandwidth_gbs(device: torch.device) -> float:
@@ -374,7 +347,7 @@ def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = STAR
 def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> dict:
     if settings.device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("fuse bench --device cuda: no CUDA device here")
-    cuda_only = {"eager-graphs", "reduce-overhead", "fuse-pdl"}
+    cuda_only = {"eager-graphs", "reduce-overhead"}
     if not settings.device.startswith("cuda") and cuda_only & set(settings.variants):
         settings = dataclasses.replace(settings, variants=tuple(v for v in settings.variants if v not in cuda_only))
         log(f"on {settings.device}: no CUDA graphs, running {list(settings.variants)} only")

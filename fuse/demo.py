@@ -11,8 +11,11 @@ from model import Decoder, ModelConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def run_demo(preset: str = "tiny", batch: int = 4, steps: int = 32, device: str = "cpu", dtype: str = "float32", seed: int = 0) -> dict:
-    cfg = ModelConfig.preset(preset)
+def run_demo(
+    preset: str = "tiny", batch: int = 4, steps: int = 32, device: str = "cpu", dtype: str = "float32", seed: int = 0,
+    layers: int | None = None,
+) -> dict:
+    cfg = ModelConfig.preset(preset, layers=layers)
     decoder = Decoder(cfg, max_batch=batch, max_seq_len=max(steps, 1), dtype=DTYPES[dtype], device=device)
     decoder.init_random(seed)
     generator = torch.Generator().manual_seed(seed)

@@ -137,6 +137,9 @@ class LaunchReport:
     kernels: dict[str, float] = field(default_factory=dict)  # per-name counts, for reading
     # per-name time per call in us: device time on CUDA, the op's CPU time on the CPU
     kernel_time_us: dict[str, float] = field(default_factory=dict)
+    # per-name op that launched it (`aten::mm`, `v4::moe_experts`), "" for generated kernels;
+    # on CUDA known only for kernels launched outside a CUDA graph
+    origins: dict[str, str] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -168,7 +171,7 @@ class LaunchReport:
             "label": self.label, "device": self.device, "calls": self.calls, "layers": self.layers,
             "counts": self.counts, "glue": self.glue, "total": self.total, "time_us": self.time_us,
             "glue_time_share": self.glue_time_share(), "kernels": self.kernels,
-            "kernel_time_us": self.kernel_time_us,
+            "kernel_time_us": self.kernel_time_us, "origins": self.origins,
         }
 
     def top_kernels_markdown(self, count: int = 15) -> str:
@@ -268,7 +271,9 @@ def count_launches(
     names: Counter[str] = Counter()
     name_us: Counter[str] = Counter()
     time_us: Counter[str] = Counter()
+    origins: dict[str, str] = {}
     if on_cuda:
+        origins = _device_kernel_origins(prof.events())
         custom = _custom_kernel_names()
         for e in prof.events():
             # Host<->device transfers are not kernels; device-side memcpy/memset count as copies.
@@ -284,6 +289,7 @@ def count_launches(
         for e in _cpu_kernel_events(prof.events()):
             names[e.name] += 1
             name_us[e.name] += e.cpu_time_total
+            origins[e.name] = e.name if "::" in e.name else ""
         counts = Counter()
         for name, n in names.items():
             counts[classify_op(name)] += n
@@ -296,7 +302,26 @@ def count_launches(
         layers=layers,
         kernels={k: v / calls for k, v in sorted(names.items(), key=lambda kv: -kv[1])},
         kernel_time_us={k: v / calls for k, v in sorted(name_us.items(), key=lambda kv: -kv[1])},
+        origins={k: origins[k] for k in names if k in origins},
     )
+
+
+def _device_kernel_origins(events) -> dict[str, str]:
+    """Device kernel name -> the outermost op above its launch (`aten::mm`, `v4::moe_experts`),
+    "" where no op launched it (Inductor's generated kernels). Kernels replayed from a CUDA graph
+    are launched by the graph, not an op: only those of the custom ops are known, by name."""
+    origins = dict(launched_kernels())
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU or not e.kernels:
+            continue
+        op, parent = "", e.cpu_parent
+        while parent is not None:
+            if "::" in parent.name:
+                op = parent.name
+            parent = parent.cpu_parent
+        for kernel in e.kernels:
+            origins.setdefault(kernel.name, op)
+    return origins
 
 
 def _flatten(items) -> list:

@@ -22,28 +22,18 @@ aten, prims = torch.ops.aten, torch.ops.prims
 
 # A batched product this shallow is cheaper unrolled into pointwise code than as a GEMM call.
 MAX_UNROLLED_DEPTH = 16
-# At most this many pieces of K for a skinny product (SkinnyProducts' piece_depth): their sum
-# is then over at most 8 values, which Inductor writes as pointwise code fused into the consumer.
-MAX_PIECES = 8
 
 
 class SkinnyProducts(CustomGraphPass):
     """mm(a [M, K], b [K, N]) with N <= max_columns, and mm and bmm with a contraction depth <=
     MAX_UNROLLED_DEPTH, become multiply-and-sum in fp32 (the dtype of a GEMM's accumulator),
-    cast back to the product's dtype. max_columns = 0 leaves every product alone.
+    cast back to the product's dtype. max_columns = 0 leaves every product alone."""
 
-    piece_depth > 0: an mm at least 2 x piece_depth deep is summed in pieces of K first (at most
-    MAX_PIECES), then over the pieces: at decode batches its M x N outputs are too few programs
-    to stream b (24 outputs of 16384 values for the hyper-connection mixes at batch 1), M x
-    pieces x N are more."""
-
-    def __init__(self, max_columns: int, piece_depth: int = 0):
+    def __init__(self, max_columns: int):
         self.max_columns = max_columns
-        self.piece_depth = piece_depth
 
     def uuid(self) -> str:
-        return (f"fuse.passes.SkinnyProducts(max_columns={self.max_columns}, depth={MAX_UNROLLED_DEPTH}, "
-                f"piece_depth={self.piece_depth}x{MAX_PIECES}) v3")
+        return f"fuse.passes.SkinnyProducts(max_columns={self.max_columns}, depth={MAX_UNROLLED_DEPTH}) v4"
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.max_columns <= 0:
@@ -56,13 +46,8 @@ class SkinnyProducts(CustomGraphPass):
             if va is None or vb is None or va.dtype != vb.dtype:
                 continue
             if node.target is aten.mm.default and statically_known_true(vb.shape[1] <= self.max_columns):
-                pieces = _pieces(va, vb, self.piece_depth)
-                if pieces > 1:
-                    # [M, S, 1, K/S] * [1, S, N, K/S], summed over K/S, then over the S pieces
-                    _replace_by_piecewise_sum(graph, node, pieces)
-                else:
-                    # [M, 1, K] * [1, N, K] (b transposed), summed over K
-                    _replace_by_sum(graph, node, a_dim=1, b_transpose=True, b_dim=0, sum_dim=-1)
+                # [M, 1, K] * [1, N, K] (b transposed), summed over K
+                _replace_by_sum(graph, node, a_dim=1, b_transpose=True, b_dim=0, sum_dim=-1)
             elif node.target is aten.mm.default and statically_known_true(va.shape[1] <= MAX_UNROLLED_DEPTH):
                 # A shallow wide product, e.g. hc_post's at batch 1, where the batched product of
                 # the batch sizes above is traced as an mm: [M, K, 1] * [1, K, N], summed over K
@@ -83,39 +68,6 @@ def _replace_by_sum(graph: torch.fx.Graph, node: torch.fx.Node, a_dim: int, b_tr
             b = emit(aten.permute.default, b, [1, 0])
         a, b = emit(aten.unsqueeze.default, a, a_dim), emit(aten.unsqueeze.default, b, b_dim)
         _replace_in_its_dtype(graph, node, emit, _fp32_sum_of_products(emit, a, b, sum_dim))
-
-
-def _pieces(va: torch.Tensor, vb: torch.Tensor, piece_depth: int) -> int:
-    """Pieces of K for mm(a, b): the most (a power of two, at most MAX_PIECES) that divide K into
-    pieces of at least piece_depth, where a and b^T are contiguous (the pieces are views); else
-    1, and always 1 for piece_depth = 0."""
-    k = va.shape[1]
-    if piece_depth <= 0 or not isinstance(k, int):
-        return 1
-    contiguous = statically_known_true(va.stride(1) == 1) and statically_known_true(va.stride(0) == k)
-    transposed = statically_known_true(vb.stride(0) == 1) and statically_known_true(vb.stride(1) == k)
-    if not (contiguous and transposed):
-        return 1
-    pieces = 1
-    while pieces < MAX_PIECES and k % (pieces * 2) == 0 and k // (pieces * 2) >= piece_depth:
-        pieces *= 2
-    return pieces
-
-
-def _replace_by_piecewise_sum(graph: torch.fx.Graph, node: torch.fx.Node, pieces: int) -> None:
-    """Replace mm(a [M, K], b [K, N]) by the sum over the pieces of the sums over K / pieces, in
-    fp32, cast back to the product's dtype."""
-    a, b = node.args
-    n, k = b.meta["val"].shape[1], a.meta["val"].shape[1]
-    depth = k // pieces
-    emit = _emitter(graph, node)
-    with graph.inserting_before(node):
-        a = emit(aten.view.default, a, [-1, pieces, 1, depth])  # [M, S, 1, D]
-        b = emit(aten.permute.default, b, [1, 0])  # [N, K]
-        b = emit(aten.view.default, b, [n, pieces, depth])
-        b = emit(aten.unsqueeze.default, emit(aten.permute.default, b, [1, 0, 2]), 0)  # [1, S, N, D]
-        per_piece = _fp32_sum_of_products(emit, a, b, -1)  # [M, S, N]
-        _replace_in_its_dtype(graph, node, emit, emit(aten.sum.dim_IntList, per_piece, [1]))
 
 
 def _fp32_sum_of_products(emit, a: torch.fx.Node, b: torch.fx.Node, sum_dim: int) -> torch.fx.Node:

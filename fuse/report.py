@@ -4,17 +4,17 @@ a PNG chart and, where depyf works, the dump of the generated code) into one fol
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 
 from fuse.launches import CATEGORIES, LaunchReport, count_launches, diff_markdown, median_step_ms
+from fuse.numerics import one_step_errors, relative_error
 from fuse.runner import compile_decode
-from kernels.linear import MAX_ROWS
 from model import Decoder, ModelConfig
 
 
@@ -38,23 +38,6 @@ class ReportSettings:
         return self.out_dir or os.path.join("fuse-out", f"report-{self.preset}-{self.device.split(':')[0]}")
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
-
-
-def restore_point(decoder: Decoder) -> Callable[..., None]:
-    """Copies of `decoder.recurrent_state()`; the returned function writes them back into
-    `decoder` or into another decoder of the same shape, so that the next step there starts
-    from this state (cache rows a repeated step rewrites need no copy)."""
-    saved = {name: buf.clone() for name, buf in decoder.recurrent_state().items()}
-
-    def restore(target: Decoder = decoder) -> None:
-        for name, buf in target.recurrent_state().items():
-            buf.copy_(saved[name])
-
-    return restore
-
-
 def run_report(settings: ReportSettings) -> dict:
     cfg = ModelConfig.preset(settings.preset, layers=settings.layers)
     folder = settings.folder()
@@ -64,8 +47,15 @@ def run_report(settings: ReportSettings) -> dict:
     compiled_model = Decoder(cfg, **shape)
     compiled_model.load_state_dict(eager.state_dict())
 
+    dump_dir, inspection = None, "skipped: --no-inspect"
+    if settings.inspect:
+        if importlib.util.find_spec("depyf") is None:
+            inspection = "skipped: depyf is not installed"
+        else:
+            dump_dir = inspection = os.path.join(folder, "inspect")
     start = time.perf_counter()
-    runner = compile_decode(compiled_model, buckets=(settings.batch,))
+    # The dump is of this runner's own compile: the kernels profiled below are the ones indexed.
+    runner = compile_decode(compiled_model, buckets=(settings.batch,), dump_dir=dump_dir)
     compile_seconds = time.perf_counter() - start
 
     # Compiled against eager, step by step from position 0, the same greedy tokens for both.
@@ -81,15 +71,18 @@ def run_report(settings: ReportSettings) -> dict:
 
     # Counting and timing repeat one step at the next position (it rewrites the same rows).
     args = eager.check_inputs(tokens, torch.full((settings.batch,), settings.steps), slots)
-    one_step = one_step_errors(eager, compiled_model, runner, *args)
+    one_step = one_step_errors(eager, compiled_model, runner.run_checked, args)
     eager_launches = count_launches(eager.step, *args, label="eager", layers=cfg.n_layers)
     compiled_launches = count_launches(runner.run_checked, *args, label="compiled", layers=cfg.n_layers)
+    index_entries = None
+    if runner.inspection is not None:
+        # Replayed graphs hide which op launched a library kernel; a direct call shows it.
+        origins = compiled_launches.origins
+        if args[0].is_cuda:
+            origins = {**count_launches(runner.run_without_graph, *args).origins, **origins}
+        index_entries = index_entries_of(runner.inspection, compiled_launches, origins, settings.batch)
     eager_ms = median_step_ms(eager.step, *args, steps=settings.timing_steps)
     compiled_ms = median_step_ms(runner.run_checked, *args, steps=settings.timing_steps)
-
-    inspection = None
-    if settings.inspect:
-        inspection = _inspect(runner, os.path.join(folder, "inspect"))
 
     result = {
         "settings": {**asdict(settings), "dtype": str(settings.dtype).removeprefix("torch.")},
@@ -106,57 +99,20 @@ def run_report(settings: ReportSettings) -> dict:
         "compiled": compiled_launches.to_dict(),
         "step_ms": {"eager": eager_ms, "compiled": compiled_ms},
         "inspect": inspection,
+        "index_entries": index_entries,
     }
     write_outputs(folder, result, eager_launches, compiled_launches)
     return result
 
 
-@torch.no_grad()
-def one_step_errors(eager, compiled_model, runner, tokens, positions, slots) -> dict[str, float]:
-    """One step from identical state (the compiled model's buffers copied from the eager one's):
-    compiled against eager, and, as the yardstick, eager against the same eager step with padding
-    rows added (on the scratch slot), which changes only kernel choices and summation orders. In
-    bf16 a deep random-weight model amplifies such rounding differences, so the first number
-    means something only next to the second."""
-    buffers = dict(compiled_model.named_buffers())
-    for name, buf in eager.named_buffers():
-        buffers[name].copy_(buf)
-    restore = restore_point(eager)
-    expected = eager.step(tokens, positions, slots)
-    restore()
-    padded = eager.step(*padded_inputs(eager, tokens, positions, slots))[: len(tokens)]
-    restore()
-    compiled = runner.run_checked(tokens, positions, slots)
-    return {"compiled_vs_eager": relative_error(compiled, expected), "eager_padding_noise": relative_error(padded, expected)}
-
-
-def padded_batch_size(batch: int) -> int:
-    """Rows of padded_inputs for a batch of `batch`: at least one padding row, and past the decode
-    GEMM's row limit."""
-    return max(batch + 1, MAX_ROWS + 1)
-
-
-def padded_inputs(eager, tokens, positions, slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The step's inputs with padding rows appended, enough to pass the decode GEMM's row limit:
-    the padded step then runs every projection through the library GEMM rather than
-    `v4::grouped_linear`, whose per-row summation order does not depend on the batch (one extra
-    row would often change nothing and calibrate nothing)."""
-    rows = padded_batch_size(len(tokens)) - len(tokens)
-    pad = lambda t, value: torch.cat([t, t.new_full((rows,), value)])
-    return pad(tokens, 0), pad(positions, 0), pad(slots, eager.pad_slot)
-
-
-def _inspect(runner, folder: str) -> str | None:
-    """Dump the generated code with depyf where `fuse.inspect` is available; the reason if not."""
-    try:
-        from fuse.inspect import inspect
-    except ImportError as error:
-        return f"skipped: {error}"
-    try:
-        inspect(runner, folder)
-        return folder
-    except Exception as error:  # the report stands without the dump; say why it is missing
-        return f"failed: {type(error).__name__}: {error}"
+def index_entries_of(inspection, launches: LaunchReport, origins: dict[str, str], bucket: int) -> dict[str, dict | None]:
+    """Each kernel of the compiled step -> its entry in the inspection index (graph and entry
+    name), None where the index has none."""
+    entries = {}
+    for name in launches.kernels:
+        entry = inspection.entry(name, origins.get(name, ""), bucket)
+        entries[name] = None if entry is None else {"graph": entry.graph, "entry": entry.name, "kind": entry.kind}
+    return entries
 
 
 def summary_markdown(result: dict, eager: LaunchReport, compiled: LaunchReport) -> str:

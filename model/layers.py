@@ -153,7 +153,8 @@ class Embedding(nn.Module):
 
 
 class DecodeStep(NamedTuple):
-    """Per-step tensors every layer reads, all on the model's device, all [B, ...]."""
+    """Per-step tensors every layer reads, on the model's device: one row per sequence, except
+    the compressed-rope table."""
 
     tokens: torch.Tensor  # int64 token ids
     positions: torch.Tensor  # int64 position of each sequence's new token
@@ -161,3 +162,7 @@ class DecodeStep(NamedTuple):
     rope_window: torch.Tensor  # [B, rope_dim/2, 2] cos/sin at the position, window-only layers
     rope_compress: torch.Tensor  # same for compressed layers and their indexer (YaRN)
     rope_compress_table: torch.Tensor  # [max_seq_len, rope_dim/2, 2], for compressed entries' positions
+
+    def per_sequence(self) -> tuple[torch.Tensor, ...]:
+        """The tensors whose dim 0 is the batch (a compiler may mark it symbolic)."""
+        return self.tokens, self.positions, self.slots, self.rope_window, self.rope_compress

@@ -9,9 +9,7 @@ import fuse
 from torch._dynamo.utils import counters
 
 from fuse.launches import count_launches
-from fuse.bench import PIECE_DEPTH  # the depth the fuse-pieces variant tries
-from fuse.passes import MAX_PIECES, _pieces
-from fuse.runner import compile_backend
+from fuse.backend import compile_backend
 
 CPU = torch.device("cpu")
 
@@ -74,65 +72,9 @@ def test_bf16_products_accumulate_in_fp32():
         torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("dtype, symbolic_rows", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
-def test_deep_skinny_products_are_summed_in_pieces(dtype, symbolic_rows):
-    """A skinny product 4 x piece_depth deep (the mixes' shape, smaller): summed over 4 pieces
-    of K, then over the pieces; no GEMM call left, and the product's value."""
-    torch._dynamo.reset()
-    g = torch.Generator().manual_seed(8)
-    k = 4 * PIECE_DEPTH
-    x, w = torch.randn(3, k, generator=g).to(dtype), (torch.randn(24, k, generator=g) * k**-0.5).to(dtype)
-    seen = []
-
-    def record(graph):
-        seen.extend(tuple(n.meta["val"].shape) for n in graph.nodes if n.target is torch.ops.aten.sum.dim_IntList)
-
-    options = fuse.CompileOptions(skinny_product_piece_depth=PIECE_DEPTH)
-    backend = compile_backend(options, CPU)
-    skinny = backend.config_patches["post_grad_custom_pre_pass"]
-
-    class Recording(type(skinny)):
-        def __call__(self, graph):
-            super().__call__(graph)
-            record(graph)
-
-    backend.config_patches["post_grad_custom_pre_pass"] = Recording(skinny.max_columns, skinny.piece_depth)
-    backend.config_patches["fx_graph_cache"] = False  # a cache hit would skip the pass
-    fn = torch.compile(lambda a, b: a @ b.t(), backend=backend, fullgraph=True)
-    if symbolic_rows:
-        torch._dynamo.mark_dynamic(x, 0)
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        report = count_launches(fn, x, w)
-    assert not any(name in ("aten::mm", "aten::bmm") for name in report.kernels), report.kernels
-    assert [shape[1:] for shape in seen] == [(4, 24), (24,)]  # per piece, then over the pieces
-    assert all(isinstance(shape[0], torch.SymInt) == symbolic_rows for shape in seen)
-    exact = x.double() @ w.double().t()
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(fn(x, w).double(), exact, rtol=tol, atol=tol)
-
-
-def test_shallow_or_strided_skinny_products_are_not_split():
-    cases = [
-        (torch.randn(3, PIECE_DEPTH), torch.randn(PIECE_DEPTH, 24).t().contiguous().t(), 1),  # too shallow
-        (torch.randn(3, 4 * PIECE_DEPTH), torch.randn(4 * PIECE_DEPTH, 24), 1),  # b^T not contiguous
-        (torch.randn(3, 64 * PIECE_DEPTH), torch.randn(24, 64 * PIECE_DEPTH).t(), MAX_PIECES),  # capped
-    ]
-    for a, b, pieces in cases:
-        assert _pieces(a, b, PIECE_DEPTH) == pieces
-    assert _pieces(*cases[2][:2], 0) == 1  # piece_depth 0: the default, no pieces
-
-
-def test_default_options_sum_skinny_products_whole():
-    assert fuse.CompileOptions().skinny_product_piece_depth == 0
-    assert compile_backend(fuse.CompileOptions(), CPU).config_patches["post_grad_custom_pre_pass"].piece_depth == 0
-    with pytest.raises(ValueError, match="skinny_product_piece_depth must be >= 0"):
-        fuse.CompileOptions(skinny_product_piece_depth=-1)
-
-
 def test_a_users_post_grad_pre_pass_is_refused():
-    options = fuse.CompileOptions(inductor_options={"post_grad_custom_pre_pass": lambda graph: None})
     with pytest.raises(ValueError, match="post_grad_custom_pre_pass"):
-        compile_backend(options, CPU)
+        fuse.CompileOptions(inductor_options={"post_grad_custom_pre_pass": lambda graph: None})
 
 
 def test_the_pass_keeps_the_fx_graph_cache_on():

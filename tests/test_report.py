@@ -62,7 +62,7 @@ def test_kernel_names_are_classified():
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     folder = tmp_path_factory.mktemp("report")
-    settings = ReportSettings(preset="tiny", batch=4, steps=3, timing_steps=2, out_dir=str(folder), inspect=False)
+    settings = ReportSettings(preset="tiny", batch=4, steps=3, timing_steps=2, out_dir=str(folder))
     return folder, run_report(settings)
 
 
@@ -107,6 +107,21 @@ def test_per_kernel_counts_add_up_and_the_top_table_lists_the_slowest(report):
     for (name, us), row in zip(slowest, rows):
         assert row[0].strip("`").rstrip(".") in name
         assert float(row[2]) == compiled["kernels"][name] and abs(float(row[3]) - us) < 0.06
+
+
+def test_every_profiled_kernel_is_in_the_inspection_index(report):
+    """The dump is of the runner the report profiles: each kernel of the compiled step (and what
+    the runner launches around it) has an entry in the index of that dump."""
+    folder, result = report
+    index = json.loads((folder / "inspect" / "index.json").read_text())
+    listed = {(g["name"], k["name"]) for g in index["graphs"] if 4 in g["buckets"] for k in g["kernels"]}
+    listed |= {("runner", k["name"]) for k in index["around_step"]}
+    entries = result["index_entries"]
+    assert set(entries) == set(result["compiled"]["kernels"])
+    missing = [name for name, entry in entries.items() if entry is None]
+    assert not missing, missing
+    assert {(e["graph"], e["entry"]) for e in entries.values()} <= listed
+    assert any(e["kind"] == "cpp" for e in entries.values()) and any(e["kind"] == "custom op" for e in entries.values())
 
 
 @pytest.mark.parametrize("layers", [0, 7])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fuse
-from fuse.report import restore_point
+from fuse.numerics import restore_point
 from model import Decoder, ModelConfig
 
 MAX_BATCH = 4
@@ -177,11 +177,10 @@ def test_options_are_checked():
         fuse.CompileOptions(mode="reduce-overhead")
     with pytest.raises(ValueError, match="positive"):
         fuse.CompileOptions(buckets=(0, 2))
-    with pytest.raises(ValueError, match="pdl=True launches Inductor's kernels"):
-        fuse.CompileOptions(pdl=True, compile=False)
-    for not_regional in (dict(compilation="whole"), dict(compilation="nested"), dict(compile=False, compilation="regional")):
-        with pytest.raises(ValueError, match="compile_head=True .* needs compile=True and compilation='regional'"):
-            fuse.CompileOptions(compile_head=True, **not_regional)
+    with pytest.raises(ValueError, match="skinny_product_columns must be >= 0"):
+        fuse.CompileOptions(skinny_product_columns=-1)
+    with pytest.raises(ValueError, match="dump_dir writes the generated code; with compile=False there is none"):
+        fuse.CompileOptions(dump_dir="dump", compile=False)
     with pytest.raises(ValueError, match="compilation must be one of \\('auto', 'nested', 'regional', 'whole'\\), got 'layers'"):
         fuse.CompileOptions(compilation="layers")
     with pytest.raises(ValueError, match="torch._inductor.config does not have: \\['combo_kernel'\\]"):
@@ -189,21 +188,30 @@ def test_options_are_checked():
 
 
 def test_auto_compilation_is_nested_only_where_dynamo_reuses_regions(monkeypatch):
-    import fuse.runner
+    import fuse.options
 
     for reuses, expected in ((True, "nested"), (False, "regional")):
-        monkeypatch.setattr(fuse.runner, "dynamo_reuses_nested_regions", lambda: reuses)
-        options = fuse.CompileOptions()
-        assert options.compilation == expected
-        assert options.compile_head == (expected == "regional")  # regional compiles its head by default
+        monkeypatch.setattr(fuse.options, "dynamo_reuses_nested_regions", lambda: reuses)
+        assert fuse.CompileOptions().compilation == expected
         assert fuse.CompileOptions(compilation="whole").compilation == "whole"
-    assert fuse.CompileOptions(compilation="regional", compile_head=False).compile_head is False
-    assert fuse.CompileOptions(compilation="regional", compile=False).compile_head is False
-    assert fuse.CompileOptions(compilation="nested").compile_head is False
+
+
+def test_each_build_compiles_private_code(pair):
+    """Two builds of one model's step share no code object, so Dynamo keeps their graphs apart."""
+    from fuse.step import build_step
+
+    eager, _ = pair
+    for compilation in ("nested", "whole", "regional"):
+        options = fuse.CompileOptions(compilation=compilation)
+        first, second = build_step(eager, options), build_step(eager, options)
+        assert first.once_per_step and first.once_per_step[0] is not second.once_per_step[0]
+        assert first.once_per_step[0].co_code == second.once_per_step[0].co_code
+        if compilation == "regional":
+            assert first.per_layer is not second.per_layer
 
 
 def test_inductor_options_reach_the_backend_last():
-    from fuse.runner import compile_backend
+    from fuse.backend import compile_backend
 
     options = fuse.CompileOptions(inductor_options={"combo_kernels": True, "split_reductions": True})
     patches = compile_backend(options, torch.device("cuda")).config_patches
@@ -212,14 +220,14 @@ def test_inductor_options_reach_the_backend_last():
     assert compile_backend(fuse.CompileOptions(), torch.device("cuda")).config_patches["split_reductions"] is False
 
 
-def test_regional_compile_with_the_head_matches_eager(pair):
+def test_regional_compile_matches_eager(pair):
     """compilation="regional": per layer kind (ratio, hash or score routing) one graph for batch 1
-    and one batch-symbolic graph; compile_head=True adds the head (hc head, final norm, LM head)
-    as one more region, for the same two shapes; the logits stay those of the eager step."""
+    and one batch-symbolic graph, and the head (hc head, final norm, LM head) as one more region
+    for the same two shapes; the logits stay those of the eager step."""
     eager, _ = pair
     with_head = Decoder(eager.config, max_batch=MAX_BATCH, max_seq_len=96, dtype=torch.float32)
     with_head.load_state_dict(eager.state_dict())
-    head_runner = fuse.compile_decode(with_head, buckets=(1, 2, 4), compilation="regional", compile_head=True, progress=False)
+    head_runner = fuse.compile_decode(with_head, buckets=(1, 2, 4), compilation="regional", progress=False)
     assert head_runner.stats.compiles == regional_compiles(eager.config)  # the blocks' graphs, then the head's
     assert head_runner.stats.graph_breaks == 0
     restore = restore_point(eager)
@@ -233,43 +241,24 @@ def test_regional_compile_with_the_head_matches_eager(pair):
         restore()
 
 
-def test_pdl_reaches_inductor_and_is_refused_off_hopper(pair):
-    """pdl=True turns on Inductor's programmatic dependent launch; where it cannot work (here: a
-    CPU decoder) compile_decode refuses before compiling anything, and the decoder still runs."""
-    from fuse.runner import compile_backend
+def test_failed_capture_falls_back_for_that_bucket_only(pair, monkeypatch):
+    """The capture of bucket 4 fails (as a capture-unsafe op would): that bucket runs compiled
+    without a graph and says why; bucket 1 keeps its graph."""
+    import fuse.graphs
+    import fuse.runner
 
-    cuda = torch.device("cuda")
-    assert compile_backend(fuse.CompileOptions(pdl=True), cuda).config_patches["triton.enable_pdl"] is True
-    assert "triton.enable_pdl" not in compile_backend(fuse.CompileOptions(), cuda).config_patches
-    eager, _ = pair
-    compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    inputs = eager.check_inputs(torch.tensor([3]), torch.tensor([5]), torch.tensor([1]))
-    restore = restore_point(eager)
-    before = eager.step(*inputs)
-    restore()
-    with pytest.raises(ValueError, match="pdl=True needs a CUDA device"):
-        fuse.compile_decode(eager, buckets=(1,), pdl=True, progress=False)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
-    assert torch.equal(eager.step(*inputs), before)
-
-
-class CaptureFails(fuse.DecodeRunner):
-    """A runner whose graph capture fails for one bucket (as a capture-unsafe op would)."""
-
-    def _wants_graphs(self) -> bool:
-        return True
-
-    def _capture(self, step, inputs, pool):
-        if inputs[0].shape[0] == 4:
+    def capture(fn, pool=None, warmup=1):
+        output = fn()
+        if output.shape[0] == 4:
             raise RuntimeError("operation not permitted when stream is capturing")
-        return lambda: step(*inputs)
+        return None, output
 
-
-def test_failed_capture_falls_back_for_that_bucket_only(pair):
+    monkeypatch.setattr(fuse.runner, "supports_graphs", lambda device: True)
+    monkeypatch.setattr(fuse.graphs, "capture", capture)
     eager, _ = pair
     model = Decoder(eager.config, max_batch=MAX_BATCH, max_seq_len=96, dtype=torch.float32)
     model.load_state_dict(eager.state_dict())
-    runner = CaptureFails(model, fuse.CompileOptions(buckets=(1, 4), progress=False))
+    runner = fuse.compile_decode(model, buckets=(1, 4), progress=False)
     assert runner.stats.captured == [1]
     assert list(runner.stats.fallbacks) == [4]
     assert "not permitted when stream is capturing" in runner.stats.fallbacks[4]
@@ -289,5 +278,5 @@ def test_triton_toolchain_is_pinned_the_way_inductor_pins_it(monkeypatch):
     for name in ("_set_triton_ptxas_path", "_set_triton_libdevice_path"):
         if hasattr(compile_tasks, name):
             monkeypatch.setattr(compile_tasks, name, lambda name=name: calls.append(name))
-    fuse.runner.pin_triton_toolchain()
+    fuse.backend.pin_triton_toolchain()
     assert calls and calls[0] == "_set_triton_ptxas_path", calls

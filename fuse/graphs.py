@@ -1,0 +1,93 @@
+"""Per-bucket warm-up and CUDA-graph capture into one shared pool, with a fallback per bucket.
+
+Every compile, Triton JIT and autotune happens in a bucket's first call, outside any capture. A
+bucket whose capture fails runs without a graph (compiled, else eager) and says why; the other
+buckets are unaffected."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, ContextManager
+
+import torch
+import torch._dynamo
+
+from fuse.padding import Inputs, padding_rows
+from fuse.stats import RunnerStats
+from fuse.step import StepFn, decode_mode
+from kernels.cuda_graph import capture
+
+log = logging.getLogger("fuse")
+
+
+def supports_graphs(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+@dataclass
+class Bucket:
+    size: int
+    inputs: Inputs  # preallocated: a call copies its batch in and pads the rest
+    run: Callable[[], torch.Tensor]  # the step on `inputs`; a graph's output is overwritten by the next replay
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+def build_buckets(
+    step: StepFn, model, sizes: tuple[int, ...], use_graphs: bool, stats: RunnerStats, eager: StepFn,
+    progress: bool = True, first_call: Callable[[int], ContextManager] | None = None,
+) -> dict[int, Bucket]:
+    """Warm up (and with `use_graphs` capture) one bucket per size, largest first so that the
+    smaller graphs reuse the shared pool's memory. `eager` is the last resort of a bucket whose
+    graph and compiled run both fail; `first_call(size)` wraps each bucket's first call (where
+    it compiles)."""
+    first_call = first_call or (lambda size: contextlib.nullcontext())
+    pool = torch.cuda.graph_pool_handle() if use_graphs and model.device.type == "cuda" else None
+    buckets: dict[int, Bucket] = {}
+    # Dynamo keeps one cache entry per (layer kind, shape) on a shared code object.
+    with _recompile_limit(8 * (len(sizes) + 1)), decode_mode(), stats.counting_compiles():
+        for size in sorted(sizes, reverse=True):
+            start = time.perf_counter()
+            buckets[size] = _build_bucket(size, step, model, use_graphs, pool, stats, eager, first_call)
+            stats.warmup_seconds[size] = time.perf_counter() - start
+            if progress:
+                how = "graph" if buckets[size].graph is not None else stats.fallbacks.get(size, "no graph")
+                log.warning("fuse: bucket %3d ready in %6.1f s (%s)", size, stats.warmup_seconds[size], how)
+    return buckets
+
+
+def _build_bucket(size: int, step: StepFn, model, use_graphs: bool, pool, stats: RunnerStats, eager: StepFn, first_call) -> Bucket:
+    inputs = padding_rows(model, size)
+    with stats.phase("first calls", model.device), first_call(size):
+        step(*inputs)  # compile (or check the eager path) now, not on the first request
+    if not use_graphs:
+        return Bucket(size, inputs, run=lambda: step(*inputs))
+    try:
+        with stats.phase("warm-up and capture", model.device):
+            graph, output = capture(lambda: step(*inputs), pool=pool)
+    except Exception as error:  # noqa: BLE001 - this bucket runs without a graph; the others are unaffected
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        reason = f"capture failed: {type(error).__name__}: {error}".splitlines()[0][:300]
+        log.warning("fuse: bucket %d falls back to running without a CUDA graph (%s)", size, reason)
+        try:
+            step(*inputs)
+            stats.fallbacks[size] = reason + ("; runs compiled without a graph" if step != eager else "; runs eager without a graph")
+            return Bucket(size, inputs, run=lambda: step(*inputs))
+        except Exception as second:  # noqa: BLE001
+            stats.fallbacks[size] = reason + f"; compiled run failed too ({type(second).__name__}); runs eager"
+            return Bucket(size, inputs, run=lambda: eager(*inputs))
+    stats.captured.append(size)
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return output
+
+    return Bucket(size, inputs, run=replay, graph=graph)
+
+
+def _recompile_limit(limit: int):
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch({name: max(getattr(config, name), limit)})

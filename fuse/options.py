@@ -1,0 +1,69 @@
+"""CompileOptions: how `compile_decode` builds its runner, checked when constructed."""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+COMPILATIONS = ("auto", "nested", "regional", "whole")
+
+
+def dynamo_reuses_nested_regions() -> bool:
+    """Whether Dynamo traces a nested compile region once per input signature and reuses it
+    (`max_reuse_entries`, torch 2.13). Without it every layer is traced again, which makes the
+    nested compile's start several times slower than the regional one at full depth."""
+    return "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters
+
+
+def resolve_compilation(compilation: str) -> str:
+    """"auto": "nested" where Dynamo reuses traced regions, else "regional"."""
+    if compilation != "auto":
+        return compilation
+    return "nested" if dynamo_reuses_nested_regions() else "regional"
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How `compile_decode` builds its runner; docs/options.md explains each field."""
+
+    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    compile: bool = True  # False: the eager step (still captured per bucket unless cuda_graphs=False)
+    cuda_graphs: bool = True  # False: no capture; ignored off CUDA
+    # One graph with a symbolic batch for every bucket but batch 1, instead of one per bucket.
+    dynamic_batch: bool = True
+    # What one compile covers, one of COMPILATIONS; the options hold the resolved value.
+    compilation: str = "auto"
+    # Matrix products with at most this many output columns become Inductor reductions fused
+    # with their neighbours (fuse/passes.py); 0 keeps every product a library GEMM.
+    skinny_product_columns: int = 64
+    mode: str | None = None  # an Inductor mode, e.g. "max-autotune-no-cudagraphs"
+    inductor_options: Mapping[str, object] | None = None  # Inductor config patches, applied last
+    cache_dir: str | None = None  # persistent Inductor/Triton caches, so that a second start is fast
+    dump_dir: str | None = None  # write the generated code (depyf) and an index of its kernels here
+    strict: bool = True  # a recompile after warm-up raises; False: it warns and is counted
+    progress: bool = True  # one log line per bucket with its warm-up time
+
+    def __post_init__(self):
+        if not self.buckets or any(isinstance(b, bool) or int(b) < 1 for b in self.buckets):
+            raise ValueError(f"buckets must be positive batch sizes, got {self.buckets}")
+        object.__setattr__(self, "buckets", tuple(sorted({int(b) for b in self.buckets})))
+        if self.compilation not in COMPILATIONS:
+            raise ValueError(f"compilation must be one of {COMPILATIONS}, got {self.compilation!r}")
+        object.__setattr__(self, "compilation", resolve_compilation(self.compilation))
+        if self.skinny_product_columns < 0:
+            raise ValueError(f"skinny_product_columns must be >= 0 (0: none), got {self.skinny_product_columns}")
+        if self.inductor_options:  # only then: reading Inductor's whole config copies it
+            unknown = sorted(set(self.inductor_options) - set(torch._inductor.config.get_config_copy()))
+            if unknown:
+                raise ValueError(f"inductor_options names settings torch._inductor.config does not have: {unknown}")
+            if "post_grad_custom_pre_pass" in self.inductor_options:
+                raise ValueError(
+                    "inductor_options sets post_grad_custom_pre_pass, where compile_decode runs its own pass "
+                    "(set skinny_product_columns=0 and compile the model yourself to use another)"
+                )
+        if self.mode and "reduce-overhead" in self.mode:
+            raise ValueError("mode 'reduce-overhead' turns on PyTorch's cudagraph trees; compile_decode captures its own graphs")
+        if self.dump_dir is not None and not self.compile:
+            raise ValueError("dump_dir writes the generated code; with compile=False there is none")

@@ -1,0 +1,234 @@
+"""Reading Inductor's output code: the kernels a compiled graph's module defines and what its
+wrapper (`call`) launches, with the ATen ops and captured-graph nodes each came from. Works on
+the Python wrapper of either backend (C++ kernels on the CPU, Triton on CUDA)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+# Prefix of Triton kernel names (`triton_<category[:3]>_fused_...`) -> kernel kind.
+_TRITON_KINDS = {
+    "poi": "pointwise",
+    "red": "reduction",
+    "per": "persistent reduction",
+    "tem": "template",
+    "for": "foreach",
+    "spl": "split scan",
+}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One thing a graph's wrapper launches.
+
+    kind: `pointwise`, `reduction`, `persistent reduction`, `template` (Triton, also `foreach`,
+    `split scan`), `cpp` (an Inductor C++ kernel), `extern` (a library kernel the wrapper calls,
+    `extern_kernels.mm`, or an ATen fallback `aten.*`) or `custom op` (an opaque op of another
+    namespace, `v4.moe_experts`).
+    ops: the ATen (and custom) ops it computes, for generated kernels the ops it fused. From
+    Inductor's `Original ATen: [...]` comments where the output code has them (Triton kernels,
+    extern calls); the C++ backend writes none, so for `cpp` kernels they are read back from the
+    kernel's name, which lists them (`cpp_fused_add_mean_mul_0`).
+    source_nodes: the captured-graph nodes it came from (`Source Nodes: [...]` comments; empty
+    where there are none).
+    calls: launches per run of its graph."""
+
+    name: str
+    kind: str
+    calls: int
+    ops: tuple[str, ...] = ()
+    source_nodes: tuple[str, ...] = ()
+    graph: str = ""
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "calls": self.calls, "ops": list(self.ops), "source_nodes": list(self.source_nodes)}
+
+
+_DEFINITION = re.compile(r"^(?P<name>\w+) = async_compile\.(?P<method>\w+)\(", re.M)
+_TRIPLE_QUOTED = re.compile(r"[rR]?'''.*?'''|[rR]?\"\"\".*?\"\"\"", re.S)
+_EXTERN_CALL = re.compile(r"(?<![\w.])extern_kernels\.(\w+)\(")
+_OP_CALL = re.compile(r"(?<![\w.])(?:torch\.ops\.(?P<ns>\w+)|(?P<aten>aten))\.(?P<op>\w+)(?:\.\w+)?\(")
+_SOURCE_NODES = re.compile(r"Source Nodes: \[([^\]]*)\]")
+_ORIGINAL_ATEN = re.compile(r"Original ATen: \[([^\]]*)\]")
+_STREAM_LINE = re.compile(r"stream\w* = get_raw_stream\(")
+_NOT_KERNELS = {"inductor"}  # torch.ops.inductor.*: allocation helpers
+
+
+def parse_output_code(source: str) -> list[Kernel]:
+    """Kernels an Inductor output-code module defines and the calls its wrapper makes: generated
+    kernels in definition order, then extern calls and custom ops in order of first call. Works on
+    the Python wrapper of either backend (C++ kernels on the CPU, Triton on CUDA)."""
+    known = known_ops()
+    defined: dict[str, dict] = {}
+    for match in _DEFINITION.finditer(source):
+        name, method = match["name"], match["method"]
+        comments = _comment_block_above(source, match.start())
+        body = _TRIPLE_QUOTED.search(source, match.end())
+        body_text = body.group(0) if body else ""
+        if method == "triton":
+            kind, ops, nodes = triton_kernel_info(name, comments, body_text, known)
+        elif method.startswith("cpp"):
+            kind, ops, nodes = "cpp", ops_from_kernel_name(name, known), ()
+        else:  # other backends (cuda templates, halide, ...): their async_compile method names the kind
+            kind, ops, nodes = method, ops_from_kernel_name(name, known), ()
+        defined[name] = {"kind": kind, "ops": ops, "source_nodes": nodes, "calls": 0}
+
+    opaque: dict[str, dict] = {}
+    launch = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, defined)) + r")(?:\.run)?\(") if defined else None
+    lines = _TRIPLE_QUOTED.sub("''", source).splitlines()
+    runs = _runs_per_call(lines)
+    # Inductor writes a launch's origin comment directly above it (on CUDA with the stream line
+    # between); any other line in between means the comment was not about a launch.
+    pending: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    for line, times in zip(lines, runs):
+        text = line.strip()
+        if text.startswith("#"):
+            if "Original ATen:" in text or "Source Nodes:" in text:
+                pending = _comment_origins(text)
+            continue
+        if not text or _STREAM_LINE.match(text):
+            continue
+        if "async_compile." not in text:
+            for match in launch.finditer(text) if launch else ():
+                entry = defined[match.group(1)]
+                entry["calls"] += times
+                if pending and not entry["ops"] and not entry["source_nodes"]:
+                    entry["source_nodes"], entry["ops"] = pending
+            for name, kind in _opaque_calls(text):
+                entry = opaque.setdefault(name, {"kind": kind, "ops": (), "source_nodes": (), "calls": 0})
+                entry["calls"] += times
+                if pending:
+                    entry["source_nodes"] = _union(entry["source_nodes"], pending[0])
+                    entry["ops"] = _union(entry["ops"], pending[1])
+        pending = None
+    return [Kernel(name, **entry) for name, entry in (*defined.items(), *opaque.items())]
+
+
+_DEF = re.compile(r"^(?P<indent>\s*)def (?P<name>\w+)\(")
+_WRAPPER_ENTRY = "call"
+
+
+def _runs_per_call(lines: list[str]) -> list[int]:
+    """For each line of a wrapper module, how often it runs per call of the wrapper: 1 in
+    `call`, n in a function that code running once calls n times (the nested compile regions'
+    subgraph functions), 0 elsewhere (module level, `get_args`, the benchmark harness)."""
+    owner: list[str | None] = []  # innermost function each line belongs to
+    stack: list[tuple[int, str]] = []
+    for line in lines:
+        if line.strip():
+            indent = len(line) - len(line.lstrip())
+            while stack and indent <= stack[-1][0]:
+                stack.pop()
+        owner.append(stack[-1][1] if stack else None)
+        if (match := _DEF.match(line)) is not None:
+            stack.append((len(match["indent"]), match["name"]))
+    functions = {name for name in owner if name}
+    callers: dict[str, list[int]] = {name: [] for name in functions}
+    if functions - {_WRAPPER_ENTRY}:
+        called = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, sorted(functions - {_WRAPPER_ENTRY}))) + r")\(")
+        for i, line in enumerate(lines):
+            if not _DEF.match(line):
+                for match in called.finditer(line):
+                    callers[match.group(1)].append(i)
+    memo: dict[str | None, int] = {None: 0, _WRAPPER_ENTRY: 1}
+
+    def runs(name: str | None, seen: frozenset = frozenset()) -> int:
+        if name not in memo:
+            memo[name] = 0 if name in seen else sum(runs(owner[i], seen | {name}) for i in callers[name])
+        return memo[name]
+
+    return [runs(name) for name in owner]
+
+
+def triton_kernel_info(
+    name: str, comments: str, body: str, known: dict[str, str] | None = None
+) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """(kind, ops, source nodes) of a Triton kernel from its name (`triton_<poi|red|per|tem>_...`,
+    else the `@triton_heuristics.<kind>` decorator in its source) and the comments Inductor
+    writes above its definition (`# Topologically Sorted Source Nodes: [...], Original ATen:
+    [...]`, `# Source Nodes: [...]` in older torch; the ops fall back to the kernel's name)."""
+    prefix = re.match(r"triton_([a-z]+)_", name)
+    decorator = re.search(r"@triton_heuristics\.(\w+)", body)
+    if prefix and prefix.group(1) in _TRITON_KINDS:
+        kind = _TRITON_KINDS[prefix.group(1)]
+    elif decorator:
+        kind = decorator.group(1).replace("_", " ")
+    else:
+        kind = "triton"
+    nodes, ops = _comment_origins(comments)
+    return kind, ops or ops_from_kernel_name(name, known_ops() if known is None else known), nodes
+
+
+def _comment_block_above(source: str, position: int) -> str:
+    """The run of comment lines directly above the line that starts at `position`."""
+    block, end = [], position
+    while end > 0:
+        start = source.rfind("\n", 0, end - 1) + 1
+        line = source[start:end].strip()
+        if not line.startswith("#"):
+            break
+        block.append(line)
+        end = start
+    return "\n".join(reversed(block))
+
+
+def _comment_origins(comments: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    nodes = _SOURCE_NODES.search(comments)
+    ops = _ORIGINAL_ATEN.search(comments)
+    split = lambda m: tuple(x.strip() for x in m.group(1).split(",") if x.strip()) if m else ()
+    return split(nodes), split(ops)
+
+
+def _opaque_calls(text: str) -> Iterable[tuple[str, str]]:
+    for match in _EXTERN_CALL.finditer(text):
+        yield f"extern_kernels.{match.group(1)}", "extern"
+    for match in _OP_CALL.finditer(text):
+        namespace = match["ns"] or match["aten"]
+        if namespace in _NOT_KERNELS:
+            continue
+        yield f"{namespace}.{match['op']}", "extern" if namespace in ("aten", "prims") else "custom op"
+
+
+def _union(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys((*a, *b)))
+
+
+def known_ops() -> dict[str, str]:
+    """Op name -> qualified name (`add` -> `aten.add`, `moe_experts` -> `v4.moe_experts`) of
+    every registered operator and higher-order op; ATen wins where namespaces share a name."""
+    known: dict[str, str] = {}
+    for qualified in getattr(torch._C, "_dispatch_get_all_op_names", lambda: [])():
+        namespace, _, rest = qualified.partition("::")
+        name = rest.split(".", 1)[0]
+        if name and (name not in known or namespace == "aten"):
+            known[name] = f"{namespace}.{name}"
+    for name in getattr(torch._ops, "_higher_order_ops", {}):
+        known.setdefault(name, name)
+    return known
+
+
+def ops_from_kernel_name(name: str, known: dict[str, str]) -> tuple[str, ...]:
+    """The ops an Inductor kernel name lists: `<prefix>_fused_<op>_<op>..._<n>` joins the sorted
+    op names with "_", and op names contain "_" too (`__rshift__`, `_to_copy`, `floor_divide`),
+    so they are split by taking, at each point, the longest known op name; an unknown word stands
+    for itself."""
+    start = name.find("fused_")
+    if start < 0:
+        return ()
+    text = re.sub(r"_\d+$", "", name[start + len("fused_") :])
+    ops, i = [], 0
+    while i < len(text):
+        ends = [j for j in range(len(text), i, -1) if j == len(text) or text[j] == "_"]
+        end = next((j for j in ends if text[i:j] in known), None)
+        if end is None:
+            end = ends[-1]  # the shortest word
+            ops.append(text[i:end])
+        else:
+            ops.append(known[text[i:end]])
+        i = end + 1
+    # A custom op never runs inside a generated kernel; Inductor names a kernel after the nodes
+    # it was built from, and a kernel that reads a custom op's outputs can carry its name.
+    return tuple(op for op in ops if op and op.split(".")[0] in ("aten", "prims") or "." not in op and op)

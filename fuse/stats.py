@@ -1,0 +1,81 @@
+"""What a runner counts: compiles, graph breaks, recompiles, captures, fallbacks, and where its
+start-up time went."""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch._dynamo.utils import counters
+
+# Phases of a start, in the order they happen per bucket.
+START_PHASES = ("first calls", "warm-up and capture")
+# Parts of the first calls, from torch's own compile timers.
+COMPILE_PHASES = ("dynamo", "backend compile or cache load")
+
+
+@dataclass
+class RunnerStats:
+    compiles: int = 0  # graphs Dynamo compiled (all in warm-up, unless a recompile happened)
+    graph_breaks: int = 0
+    recompiles: int = 0  # compiles after warm-up (lenient mode only; strict mode raises)
+    captured: list[int] = field(default_factory=list)  # buckets replayed from a CUDA graph
+    fallbacks: dict[int, str] = field(default_factory=dict)  # bucket -> why it runs without a graph
+    warmup_seconds: dict[int, float] = field(default_factory=dict)
+    # Seconds per START_PHASES entry, summed over buckets, and per COMPILE_PHASES entry (torch's
+    # timers, which may overlap each other and so are not clipped to the first calls).
+    start_seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, device: torch.device):
+        """Adds the block's wall time, its device work finished, to start_seconds[name]."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.start_seconds[name] = self.start_seconds.get(name, 0.0) + time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def counting_compiles(self):
+        """Adds the compiles, graph breaks and compile-timer seconds of the block."""
+        compiles0, breaks0 = dynamo_totals()
+        timers0 = compile_timer_totals()
+        try:
+            yield
+        finally:
+            compiles1, breaks1 = dynamo_totals()
+            self.compiles += compiles1 - compiles0
+            self.graph_breaks += breaks1 - breaks0
+            for name, total in compile_timer_totals().items():
+                self.start_seconds[name] = self.start_seconds.get(name, 0.0) + total - timers0[name]
+
+    def describe_start(self) -> str | None:
+        t = self.start_seconds
+        if not t:
+            return None
+        compile_part = ", ".join(f"{name} {t[name]:.1f} s" for name in COMPILE_PHASES if name in t)
+        phases = [
+            f"{name} {t[name]:.1f} s" + (f" (torch's compile timers: {compile_part})" if name == "first calls" and compile_part else "")
+            for name in START_PHASES
+            if name in t
+        ]
+        return "start: " + ", ".join(phases)
+
+
+def dynamo_totals() -> tuple[int, int]:
+    """(graphs Dynamo compiled, graph breaks) in this process so far."""
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def compile_timer_totals() -> dict[str, float]:
+    """Seconds per COMPILE_PHASES entry in this process so far: a frame's compile
+    (`_compile.compile_inner`) is Dynamo's tracing and guards plus the backend
+    (`OutputGraph.call_user_compiler`: AOTAutograd and Inductor, cache hits included)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    total = lambda key: sum(compilation_time_metrics.get(key, ()))  # noqa: E731
+    backend = total("OutputGraph.call_user_compiler")
+    return {"dynamo": total("_compile.compile_inner") - backend, "backend compile or cache load": backend}

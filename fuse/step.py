@@ -1,0 +1,177 @@
+"""The one builder of the compiled decode step, for every compilation (fuse/options.py): the
+runner runs what it builds, and the code dump indexes the same graphs.
+
+Each build compiles private copies of the model's code objects. Dynamo keeps its compiled
+entries per code object, so two runners of one model (or of two models of one class) never
+share, evict or count each other's graphs."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+import torch._dynamo
+
+from fuse.backend import compile_backend
+from fuse.options import CompileOptions
+
+
+class DecodeModel(Protocol):
+    """What fuse needs of a decode model; `model.Decoder` is one.
+
+    - `step(tokens, positions, slots, layers=None, logits=None)`: one unchecked step, int64 [B]
+      inputs on `device`, fp32 logits out; `layers` replaces the blocks' calls, `logits` the head's.
+    - `layers`: the blocks, each called as `block(streams, step, hadamard)`, where `step` is a
+      `model.layers.DecodeStep` whose `per_sequence()` tensors have the batch as dim 0.
+    - `logits(streams)`: the head.
+    - `check_inputs(tokens, positions, slots)`: raises ValueError naming bad input, returns the
+      inputs on `device`; `recurrent_state()`: the buffers a repeated step reads back.
+    - `pad_slot`: a cache slot padding rows may write; `max_batch`: the real slots."""
+
+    layers: Sequence[torch.nn.Module]
+    pad_slot: int
+    max_batch: int
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def step(self, tokens, positions, slots, layers=None, logits=None) -> torch.Tensor: ...
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor: ...
+
+    def check_inputs(self, tokens, positions, slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def recurrent_state(self) -> dict[str, torch.Tensor]: ...
+
+
+def check_decode_model(obj) -> None:
+    """Raise ValueError unless `obj` has what DecodeModel lists."""
+    missing = [name for name in ("step", "layers", "logits", "check_inputs", "recurrent_state", "pad_slot", "max_batch", "device")
+               if not hasattr(obj, name)]
+    if missing:
+        raise ValueError(f"expected a decode model such as model.Decoder, got {type(obj).__name__} (it lacks {', '.join(missing)})")
+
+
+StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    """`run(tokens, positions, slots) -> logits`, and which code objects its graphs belong to."""
+
+    run: StepFn
+    once_per_step: tuple[types.CodeType, ...]  # graphs of these run once per step (the step, or the head)
+    per_layer: types.CodeType | None = None  # regional: every block's graphs are entries of this code
+
+
+def build_step(
+    model: DecodeModel, options: CompileOptions, after_block: Callable[[int, types.CodeType], None] | None = None
+) -> CompiledStep:
+    """The decode step as `options` compile it (`options.compile=False`: the eager step).
+    `after_block(index, code)` (regional compilation only) is called after each block's compiled
+    call, with the code object its graphs belong to: readers of Dynamo's cache learn from it which
+    graph a layer ran."""
+    if not options.compile:
+        return CompiledStep(model.step, ())
+    backend = compile_backend(options, model.device)
+    dynamic = None if options.dynamic_batch else False
+    compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=backend)  # noqa: E731
+    symbolic = options.dynamic_batch
+
+    if options.compilation == "regional":
+        forward = _shared_forward(model)
+        blocks = []
+        for index, layer in enumerate(model.layers):
+            block = compile_(types.MethodType(forward, layer))
+            block = _batch_symbolic_block(block) if symbolic else block
+            blocks.append(block if after_block is None else _reporting(block, lambda i=index: after_block(i, forward.__code__)))
+        head_fn = _fresh_function(type(model).logits)
+        head = compile_(types.MethodType(head_fn, model))
+        head = _batch_symbolic(head) if symbolic else head
+        run = lambda tokens, positions, slots: model.step(tokens, positions, slots, layers=blocks, logits=head)  # noqa: E731
+        return CompiledStep(run, (head_fn.__code__,), forward.__code__)
+
+    if options.compilation == "nested":
+        fn = _fresh_function(_nested_region_step(model, _shared_forward(model)))
+    else:  # "whole"
+        fn = types.MethodType(_fresh_function(type(model).step), model)
+    compiled = compile_(fn)
+    return CompiledStep(_batch_symbolic(compiled) if symbolic else compiled, (fn.__code__,))
+
+
+def _shared_forward(model: DecodeModel) -> types.FunctionType:
+    """A private copy of the one forward all blocks share (one compile per layer kind needs one)."""
+    forwards = {type(layer).forward for layer in model.layers}
+    if len(forwards) != 1:
+        raise ValueError(f"the decoder's blocks must share one forward to be compiled per layer kind, got {len(forwards)}")
+    return _fresh_function(forwards.pop())
+
+
+def _nested_region_step(model: DecodeModel, forward: types.FunctionType) -> StepFn:
+    """model.step with every block called through one nested compile region: Dynamo traces each
+    distinct layer kind once and Inductor compiles it once, called from every layer of the kind."""
+    region = torch.compiler.nested_compile_region(forward)
+    blocks = [functools.partial(region, layer) for layer in model.layers]
+
+    def step(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return model.step(tokens, positions, slots, layers=blocks)
+
+    return step
+
+
+def _fresh_function(fn: types.FunctionType) -> types.FunctionType:
+    """`fn` with a private copy of its code object (see the module docstring)."""
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    fresh.__kwdefaults__ = fn.__kwdefaults__
+    fresh.__qualname__ = fn.__qualname__
+    return fresh
+
+
+def mark_batch_dynamic(*tensors: torch.Tensor) -> None:
+    """Dim 0 (the batch) symbolic in the graph Dynamo compiles next. Without the mark the first
+    bucket compiles a static graph and only the second a symbolic one: one more graph per kind."""
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def _batch_symbolic(compiled: Callable) -> Callable:
+    """A compiled function of batch-major tensors whose batch is symbolic on every call but batch
+    1's (Dynamo specialises size 1, so batch 1 gets a graph of its own)."""
+
+    def run(*inputs: torch.Tensor) -> torch.Tensor:
+        if inputs[0].shape[0] > 1:
+            mark_batch_dynamic(*inputs)
+        return compiled(*inputs)
+
+    return run
+
+
+def _batch_symbolic_block(block: Callable) -> Callable:
+    def run(streams: torch.Tensor, step, hadamard: torch.Tensor) -> torch.Tensor:
+        if streams.shape[0] > 1:
+            mark_batch_dynamic(streams, *step.per_sequence())
+        return block(streams, step, hadamard)
+
+    return run
+
+
+def _reporting(block: Callable, after: Callable[[], None]) -> Callable:
+    def run(*args) -> torch.Tensor:
+        out = block(*args)
+        after()
+        return out
+
+    return run
+
+
+def decode_mode() -> contextlib.ExitStack:
+    """Every step, warm-up or request, runs in one autograd mode whatever the caller's: grad mode
+    is part of Dynamo's guards, so a request under torch.no_grad() or inference_mode would
+    otherwise recompile what warm-up compiled."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.no_grad())
+    return stack

@@ -1,0 +1,55 @@
+"""The command line: a bad value ends the run with one line naming the flag, exit status 2."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fuse.__main__ import main
+
+BAD = [
+    ("report --batch 0", "--batch", "positive integer"),
+    ("report --batch -3", "--batch", "positive integer"),
+    ("report --device tpu", "--device", "cpu, cuda or cuda:N"),
+    ("demo --steps 0", "--steps", "positive integer"),
+    ("report --steps 0", "--steps", "positive integer"),
+    ("report --timing-steps 0", "--timing-steps", "positive integer"),
+    ("report --layers 7", "--layers", "tiny preset has 6 layers"),
+    ("report --preset huge", "--preset", "choose from"),
+    ("bench --device cpu --variants eager,fuse-pdl", "--variants", "unknown variants ['fuse-pdl']"),
+    ("bench --device cpu --batches 1,0", "--batches", "comma list of positive integers"),
+    ("bench --device cpu --inductor-option combo_kernels", "--inductor-option", "KEY=VALUE"),
+]
+if not torch.cuda.is_available():
+    BAD += [("report --device cuda", "--device", "no CUDA device here"), ("bench", "--device", "no CUDA device here")]
+
+
+@pytest.mark.parametrize("argv, flag, allowed", BAD, ids=[b[0] for b in BAD])
+def test_bad_values_end_in_one_line_naming_the_flag(argv, flag, allowed, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv.split())
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"argument {flag}" in err and allowed in err, err
+
+
+def test_the_installed_entry_point_reports_the_same_way():
+    done = subprocess.run([sys.executable, "-m", "fuse", "report", "--batch", "0"], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["fuse report: error: argument --batch: expected a positive integer, got 0"]
+
+
+def test_every_option_has_help_with_its_default():
+    from fuse.__main__ import build_parser
+
+    _, commands = build_parser()
+    for name, command in commands.items():
+        for action in command._actions:
+            if action.help == "==SUPPRESS==" or action.dest == "help":
+                continue
+            assert action.help, f"{name} {action.option_strings}"
+        text = command.format_help()
+        assert "(default:" in text, name
