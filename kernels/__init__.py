@@ -4,11 +4,12 @@ One package per op (hc_mix, hc_sinkhorn, indexer, linear, moe, sparse_mla): `ref
 plain-torch reference (the CPU path) and the input checks, `triton` / `gluon` the kernels, `op`
 the custom op and the choice of implementation (`impl`, see kernels/impl.py). `bench` holds the
 GPU benchmarks (`python -m kernels.bench`), `cuda_graph` the one CUDA-graph capture helper,
-`registry` the kernel names each op launches."""
+`registry` the kernel names each op launches. The one-matrix `linear` is imported from
+`kernels.linear`, so that the name `kernels.linear` stays the package."""
 from kernels.hc_mix import hc_post_pre_norm, hc_post_pre_norm_reference, hc_pre_norm, hc_pre_norm_reference
 from kernels.hc_sinkhorn import hc_split_sinkhorn, hc_split_sinkhorn_reference
 from kernels.indexer import indexer_topk, indexer_topk_reference
-from kernels.linear import grouped_linear, grouped_linear_reference, linear, linear_reference
+from kernels.linear import grouped_linear, grouped_linear_reference
 from kernels.moe import moe_experts, moe_experts_reference
 from kernels.registry import launched_kernels
 from kernels.sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
@@ -21,8 +22,6 @@ __all__ = [
     "grouped_linear",
     "grouped_linear_reference",
     "launched_kernels",
-    "linear",
-    "linear_reference",
     "moe_experts",
     "moe_experts_reference",
     "sparse_mla_decode",
