@@ -1,8 +1,35 @@
-"""Without CUDA, Triton kernels run only in Triton's interpreter, which is chosen when triton is
-first imported: turn it on before any test module (or what it imports) loads triton."""
-import os
+"""Test tiers and markers, in one place.
 
+- `python3 -m pytest`: the CPU tier (what CI runs); Triton kernels run in Triton's interpreter.
+- `python3 -m pytest -m gpu`: every kernel compiled on a CUDA GPU and a captured runner.
+- `python3 -m pytest -m "gpu and slow"`: the 43-layer runs.
+
+Markers: `gpu` needs CUDA (skipped without it, and under the interpreter); `interpreter` runs
+Triton kernels in the interpreter (skipped where CUDA runs them compiled); `slow` runs only when
+the `-m` expression names it."""
+import os
+import sys
+
+import pytest
 import torch
 
+# Triton picks the interpreter when it is first imported: set it before any test module loads it.
 if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before tests/conftest.py could set TRITON_INTERPRET=1")
     os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_GPU = torch.cuda.is_available() and not INTERPRET
+
+
+def pytest_collection_modifyitems(config, items):
+    wants_slow = "slow" in (config.getoption("-m") or "")
+    skips = {
+        "gpu": None if HAS_GPU else pytest.mark.skip(reason="needs CUDA (without TRITON_INTERPRET)"),
+        "interpreter": None if INTERPRET else pytest.mark.skip(reason="needs TRITON_INTERPRET=1 (set without CUDA)"),
+        "slow": None if wants_slow else pytest.mark.skip(reason='slow: run with -m "gpu and slow"'),
+    }
+    for item in items:
+        for marker, skip in skips.items():
+            if skip is not None and marker in item.keywords:
+                item.add_marker(skip)
