@@ -35,10 +35,10 @@ from typing import Callable
 
 import torch
 
-from fuse.launches import call_ms
 from fuse.numerics import accuracy, padded_batch_size, padded_step, relative_error, restore_point
 from fuse.runner import compile_decode
 from fuse.stats import dynamo_totals
+from kernels.bench.timing import back_to_back_ms, call_ms
 from model import Decoder, ModelConfig
 
 VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-nested", "fuse-regional")
@@ -229,26 +229,6 @@ def step_inputs(batch: int, context: int, vocab: int, device, seed: int) -> tupl
     return tuple(t.to(device) for t in (tokens, positions, slots))
 
 
-def back_to_back_ms(run: Callable, inputs: tuple, steps: int) -> float:
-    """Time per step in ms of `steps` calls issued back to back, as a serving loop that keeps the
-    GPU fed runs them: the host launches a step while the GPU still runs the one before, so a
-    step costs its GPU time (CUDA events bracket the calls). Wall time on a CPU."""
-    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs)
-    if not on_cuda:
-        start = time.perf_counter()
-        for _ in range(steps):
-            run(*inputs)
-        return 1e3 * (time.perf_counter() - start) / steps
-    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    first.record()
-    for _ in range(steps):
-        run(*inputs)
-    last.record()
-    last.synchronize()
-    return first.elapsed_time(last) / steps
-
-
 def interleaved_ms(runs: dict[str, Callable], inputs: tuple, steps: dict[str, int], repeats: int) -> dict[str, dict[str, list[float]]]:
     """Per run, in `repeats` interleaved rounds (drift on a shared GPU hits every run alike):
     "step", one back-to-back time per round over steps[name] calls (`back_to_back_ms`), and
@@ -340,7 +320,29 @@ def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = STAR
             results[which] = json.loads(done.stdout.strip().splitlines()[-1])
     results["buckets"] = list(buckets)
     results["layers"] = settings.config().n_layers
+    results["command"] = (f"python -m fuse bench --start-times --preset {settings.preset}"
+                          + (f" --layers {settings.layers}" if settings.layers else ""))
     return results
+
+
+def start_times_markdown(result: dict) -> str:
+    """The cold and warm starts, each split into the runner's phases (fuse/stats.py)."""
+    from fuse.stats import COMPILE_PHASES, START_PHASES
+
+    phases = list(START_PHASES) + list(COMPILE_PHASES)
+    lines = [
+        f"`{result['command']}`: compile_decode for buckets {result['buckets']} at {result['layers']} layers, each start "
+        "in a new process sharing one compile cache (cold: empty; warm: filled by the cold start). Seconds; the compile "
+        "timers are torch's own, parts of the first calls.",
+        "",
+        "| start | total s | compiles | captured | " + " | ".join(phases) + " |",
+        "|---|---|---|---|" + "---|" * len(phases),
+    ]
+    for which in ("cold", "warm"):
+        r = result[which]
+        cells = [f"{r['phases'].get(p, 0.0):.1f}" for p in phases]
+        lines.append(f"| {which} | {r['seconds']:.1f} | {r['compiles']} | {r['captured']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -482,7 +484,7 @@ def to_markdown(result: dict) -> str:
     ours = next((v for v in names if v in COMPILE_DECODE_VARIANTS), "fuse")  # the compile_decode variant run
     command = command_line(s)
     lines = [
-        f"# Decode step benchmark: {s['preset']} preset, {result['layers']} layers",
+        f"## Decode step benchmark: {s['preset']} preset, {result['layers']} layers",
         "",
         f"`{command}` on {result['gpu']}, torch {result['torch']}, triton {result['triton']}, {result['date']}. "
         f"{s['dtype']} weights, fp32 products {s['fp32_products']}. Copy bandwidth measured in the same run: {result['copy_gbs']:.0f} GB/s. "
@@ -507,13 +509,13 @@ def to_markdown(result: dict) -> str:
         cells = [str(row["context"]), str(row["batch"])] + [f"{row[n]['latency_ms']:.2f}" for n in names]
         cells += [f"{row[ours]['latency_ms'] / row['floor_ms']:.2f}x" if ours in row else "-"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "## Start-up, for the batch sizes above", "",
+    lines += ["", "### Start-up, for the batch sizes above", "",
               "| variant | start s | compiles | graph captures | GiB in graph pools | note |", "|---|---|---|---|---|---|"]
     for name in names:
         v = result["variants"][name]
         lines.append(f"| {name} | {v['start_seconds']:.1f} | {v['compiles']} | {v['captures']} | {v['graph_memory_gib']:.2f} | {v['note']} |")
     checked = [YARDSTICK] + [n for n in names if n != "eager"]
-    lines += ["", "## Accuracy (one step from identical caches, against eager)", "",
+    lines += ["", "### Accuracy (one step from identical caches, against eager)", "",
               f"'{YARDSTICK}' is the yardstick: the eager step with padding rows added, which changes only "
               "kernel choices and summation orders.", "",
               "| context | batch | " + " | ".join(f"{n} max rel. error / top-1 agree" for n in checked) + " |",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -332,24 +331,3 @@ def _flatten(items) -> list:
         else:
             out.append(item)
     return out
-
-
-def call_ms(fn: Callable, *inputs) -> float:
-    """Wall time of one fn(*inputs) in ms, device-synchronised before and after on CUDA."""
-    import time
-
-    on_cuda = torch.cuda.is_available() and any(isinstance(t, torch.Tensor) and t.is_cuda for t in _flatten(inputs))
-    if on_cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn(*inputs)
-    if on_cuda:
-        torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - start)
-
-
-def median_step_ms(fn: Callable, *inputs, steps: int = 10, warmup: int = 2) -> float:
-    """Median wall time of fn(*inputs) in ms (device-synchronised on CUDA)."""
-    for _ in range(warmup):
-        fn(*inputs)
-    return statistics.median(call_ms(fn, *inputs) for _ in range(steps))

@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fuse.launches import CATEGORIES, LaunchReport, count_launches, diff_markdown, median_step_ms
+from fuse.launches import CATEGORIES, LaunchReport, count_launches, diff_markdown
 from fuse.numerics import one_step_errors, relative_error
 from fuse.runner import compile_decode
+from kernels.bench.timing import NOISY_SPREAD, Samples, wall_samples
 from model import Decoder, ModelConfig
 
 
@@ -81,8 +82,13 @@ def run_report(settings: ReportSettings) -> dict:
         if args[0].is_cuda:
             origins = {**count_launches(runner.run_without_graph, *args).origins, **origins}
         index_entries = index_entries_of(runner.inspection, compiled_launches, origins, settings.batch)
-    eager_ms = median_step_ms(eager.step, *args, steps=settings.timing_steps)
-    compiled_ms = median_step_ms(runner.run_checked, *args, steps=settings.timing_steps)
+    # Interleaved rounds, so that load that comes and goes hits both alike.
+    eager_times, compiled_times = [], []
+    eager.step(*args), runner.run_checked(*args)  # warm-up
+    for _ in range(settings.timing_steps):
+        eager_times += wall_samples(eager.step, *args, steps=1, warmup=0).values
+        compiled_times += wall_samples(runner.run_checked, *args, steps=1, warmup=0).values
+    timings = {"eager": Samples(tuple(eager_times)), "compiled": Samples(tuple(compiled_times))}
 
     result = {
         "settings": {**asdict(settings), "dtype": str(settings.dtype).removeprefix("torch.")},
@@ -97,12 +103,27 @@ def run_report(settings: ReportSettings) -> dict:
         "one_step": one_step,
         "eager": eager_launches.to_dict(),
         "compiled": compiled_launches.to_dict(),
-        "step_ms": {"eager": eager_ms, "compiled": compiled_ms},
+        "step_ms": {name: t.median for name, t in timings.items()},
+        "step_ms_range": {name: t.to_dict() for name, t in timings.items()},
+        "timing_warning": timing_warning(timings),
+        "threads": torch.get_num_threads(),
         "inspect": inspection,
         "index_entries": index_entries,
     }
     write_outputs(folder, result, eager_launches, compiled_launches)
     return result
+
+
+def timing_warning(timings: dict[str, "Samples"]) -> str | None:
+    """A warning when repeats of one step spread beyond NOISY_SPREAD or the machine is loaded."""
+    noisy = [f"{name} {t.low:.2f}-{t.high:.2f} ms" for name, t in timings.items() if t.noisy]
+    if noisy:
+        return (f"timings spread more than {NOISY_SPREAD}x between repeats ({', '.join(noisy)}): other load on this "
+                "machine; compare medians of a quiet run")
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores + 1:  # our own process accounts for about one
+        return f"load average {load:.1f} on {cores} cores while timing: other processes compete for the CPU"
+    return None
 
 
 def index_entries_of(inspection, launches: LaunchReport, origins: dict[str, str], bucket: int) -> dict[str, dict | None]:
@@ -113,6 +134,11 @@ def index_entries_of(inspection, launches: LaunchReport, origins: dict[str, str]
         entry = inspection.entry(name, origins.get(name, ""), bucket)
         entries[name] = None if entry is None else {"graph": entry.graph, "entry": entry.name, "kind": entry.kind}
     return entries
+
+
+def _range(result: dict, name: str) -> str:
+    t = result["step_ms_range"][name]
+    return f"{t['median']:.2f} ms ({t['min']:.2f}-{t['max']:.2f})"
 
 
 def summary_markdown(result: dict, eager: LaunchReport, compiled: LaunchReport) -> str:
@@ -127,9 +153,10 @@ def summary_markdown(result: dict, eager: LaunchReport, compiled: LaunchReport) 
         f"- compiled vs eager over {s['steps']} steps: max relative logit error {result['max_relative_error']:.2e}",
         f"- one step from identical state: compiled vs eager {result['one_step']['compiled_vs_eager']:.2e}; "
         f"eager vs eager with padding rows (rounding noise) {result['one_step']['eager_padding_noise']:.2e}",
-        f"- step time (median of {s['timing_steps']}): eager {result['step_ms']['eager']:.2f} ms, "
-        f"compiled {result['step_ms']['compiled']:.2f} ms "
-        f"({result['step_ms']['eager'] / result['step_ms']['compiled']:.2f}x)",
+        f"- step time, median (min-max) of {s['timing_steps']} interleaved repeats on {result['threads']} threads: "
+        f"eager {_range(result, 'eager')}, compiled {_range(result, 'compiled')} "
+        f"({result['step_ms']['eager'] / result['step_ms']['compiled']:.2f}x)"
+        + (f"\n- **warning**: {result['timing_warning']}" if result["timing_warning"] else ""),
         f"- glue kernels per step: eager {eager.glue:g}, compiled {compiled.glue:g}",
         f"- compile + warm-up: {result['compile_seconds']:.1f} s",
         "",
@@ -142,6 +169,12 @@ def summary_markdown(result: dict, eager: LaunchReport, compiled: LaunchReport) 
         compiled.top_kernels_markdown(),
     ]
     return "\n".join(lines) + "\n"
+
+
+def results_markdown(folder: str) -> str:
+    """report.md of `folder` as a section of a results file (its headings one level down)."""
+    with open(os.path.join(folder, "report.md")) as f:
+        return "\n".join("#" + line if line.startswith("#") else line for line in f.read().splitlines())
 
 
 def write_outputs(folder: str, result: dict, eager: LaunchReport, compiled: LaunchReport) -> None:
@@ -178,11 +211,12 @@ def format_console(result: dict, eager: dict, compiled: dict) -> str:
         lines.append(f"{c:<12}{eager['counts'][c]:>10g}{compiled['counts'][c]:>10g}")
     lines.append(f"{'glue':<12}{eager['glue']:>10g}{compiled['glue']:>10g}")
     lines.append(f"{'total':<12}{eager['total']:>10g}{compiled['total']:>10g}")
-    ms = result["step_ms"]
     lines.append(
-        f"step time: eager {ms['eager']:.2f} ms, compiled {ms['compiled']:.2f} ms; "
+        f"step time, median (min-max): eager {_range(result, 'eager')}, compiled {_range(result, 'compiled')}; "
         f"compiled vs eager max relative error {result['max_relative_error']:.2e}"
     )
+    if result["timing_warning"]:
+        lines.append(f"warning: {result['timing_warning']}")
     one = result["one_step"]
     lines.append(
         f"one step from the same state: compiled vs eager {one['compiled_vs_eager']:.2e}, "

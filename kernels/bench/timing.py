@@ -1,8 +1,10 @@
-"""The one place for CUDA-event and CUDA-graph timing of the GPU kernel benchmarks (medians,
-rotating inputs, copy bandwidth)."""
+"""The one place for timing, shared by the kernel benchmarks and the step benchmarks: CUDA events
+and graphs (medians, rotating inputs, copy bandwidth) and wall-clock samples with their spread."""
 from __future__ import annotations
 
 import statistics
+import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -61,3 +63,83 @@ def rotation_count(bytes_per_set: int, l2_bytes: int | None = None) -> int:
     if l2_bytes is None:
         l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     return max(2, min(64, -(-4 * l2_bytes // max(1, bytes_per_set))))
+
+
+def _on_cuda(inputs: Sequence[object]) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs)
+
+
+def call_ms(fn: Callable[..., object], *inputs) -> float:
+    """Wall time of one fn(*inputs) in ms, device-synchronised before and after on CUDA: the
+    host's launch and the wait for the result included."""
+    cuda = _on_cuda(inputs)
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn(*inputs)
+    if cuda:
+        torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def back_to_back_ms(fn: Callable[..., object], inputs: tuple, steps: int) -> float:
+    """Time per call in ms of `steps` calls issued back to back, as a serving loop that keeps the
+    GPU fed issues them: the host launches a call while the GPU still runs the one before, so a
+    call costs its GPU time (CUDA events bracket the calls). Wall time off the GPU."""
+    if not _on_cuda(inputs):
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn(*inputs)
+        return 1e3 * (time.perf_counter() - start) / steps
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    first.record()
+    for _ in range(steps):
+        fn(*inputs)
+    last.record()
+    last.synchronize()
+    return first.elapsed_time(last) / steps
+
+
+# A spread (max / min) above this over repeats of the same call means the machine was busy.
+NOISY_SPREAD = 1.5
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Repeated timings of one thing, in ms."""
+
+    values: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def low(self) -> float:
+        return min(self.values)
+
+    @property
+    def high(self) -> float:
+        return max(self.values)
+
+    @property
+    def spread(self) -> float:
+        return self.high / self.low if self.low > 0 else float("inf")
+
+    @property
+    def noisy(self) -> bool:
+        return self.spread > NOISY_SPREAD
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f} ms ({self.low:.2f}-{self.high:.2f})"
+
+    def to_dict(self) -> dict:
+        return {"median": self.median, "min": self.low, "max": self.high, "samples": len(self.values)}
+
+
+def wall_samples(fn: Callable[..., object], *inputs, steps: int = 10, warmup: int = 2) -> Samples:
+    """`steps` synchronised wall times of fn(*inputs) (`call_ms`) after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn(*inputs)
+    return Samples(tuple(call_ms(fn, *inputs) for _ in range(steps)))
