@@ -101,6 +101,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     report.add_argument("--timing-steps", type=_positive, default=5, help="timed steps per variant")
     report.add_argument("--out", default=None, help="output folder (default: fuse-out/report-<preset>-<device>)")
     report.add_argument("--no-inspect", action="store_true", help="skip the dump of the generated code")
+    report.add_argument("--results", default=None, help="also write the report's tables into this results file (docs/results.md)")
 
     bench = commands.add_parser(
         "bench", formatter_class=defaults,
@@ -121,6 +122,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     bench.add_argument("--start-times", action="store_true", help="only: cold and warm start of compile_decode for 7 buckets, each in a new process")
     bench.add_argument("--compare-precision", action="store_true", help="only: fp32 products fast vs exact")
     bench.add_argument("--out", default="fuse-out/bench", help="output folder")
+    bench.add_argument("--results", default=None, help="also write the tables into this results file (docs/results.md)")
     bench.add_argument("--inductor-option", action="append", type=_inductor_option, default=[], metavar="KEY=VALUE",
                        help="an Inductor config patch for the compile_decode variant, e.g. combo_kernels=True (repeatable)")
     bench.add_argument("--start-time-child", action="store_true", help=argparse.SUPPRESS)
@@ -164,6 +166,11 @@ def _report(args) -> int:
         layers=args.layers,
     )
     result = run_report(settings)
+    if args.results:
+        from fuse.report import results_markdown
+        from kernels.bench.results import write_section
+
+        write_section(args.results, f"fuse report {args.preset} {args.device.split(':')[0]}", results_markdown(settings.folder()))
     print(format_console(result, result["eager"], result["compiled"]))
     written = "report.json, report.md, launches.png" + (", inspect/ (the generated code; start at inspect/index.md)" if result["index_entries"] is not None else "")
     print(f"wrote {written} to {settings.folder()}")
@@ -185,6 +192,8 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
     if args.start_time_child:  # one timed start in this fresh process (see bench.measure_start_times)
         print(json.dumps(bench.start_time_child(settings, args.buckets or bench.START_BUCKETS)))
         return 0
+    from kernels.bench.results import write_section
+
     for flag, measure, name in (
         (args.start_times, bench.measure_start_times, "start_times.json"),
         (args.compare_precision, bench.compare_precision, "precision.json"),
@@ -194,10 +203,14 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
             os.makedirs(settings.out_dir, exist_ok=True)
             with open(os.path.join(settings.out_dir, name), "w") as f:
                 json.dump(result, f, indent=2)
+            if args.results and args.start_times:
+                write_section(args.results, f"fuse bench start-times {args.preset}", bench.start_times_markdown(result))
             print(json.dumps(result, indent=1))
             return 0
     result = bench.run_bench(settings)
     bench.write_outputs(result, settings.out_dir)
+    if args.results:
+        write_section(args.results, f"fuse bench {args.preset} {result['layers']} layers", bench.to_markdown(result))
     print(bench.to_markdown(result))
     print(f"wrote bench.json, bench.md, bench.png to {settings.out_dir}")
     return 0

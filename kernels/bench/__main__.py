@@ -1,9 +1,10 @@
 """GPU benchmark of the decode kernels: checks each variant against its reference, then times it.
 
-    python -m kernels.bench [--only sparse_mla,indexer,moe,linear,hc_sinkhorn,hc_mix] [--out docs/kernels.md]
-        [--sparse-mla-parts main,split,tiles,plan,overlap,stages]
+    python -m kernels.bench [--only sparse_mla,indexer,moe,linear,hc_sinkhorn,hc_mix] [--out FILE]
+        [--results docs/results.md] [--sparse-mla-parts main,split,tiles,plan,overlap,stages]
 
-Each section is a module `kernels.bench.<name>` with `run(copy_gbs) -> str` returning markdown."""
+Each section is a module `kernels.bench.<name>` with `run(copy_gbs) -> str` returning markdown;
+`--results` writes each into its own section of docs/results.md (kernels/bench/results.py)."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,7 @@ import sys
 
 import torch
 
+from kernels.bench.results import machine, write_section
 from kernels.bench.timing import copy_bandwidth_gbs
 
 SECTIONS = ("sparse_mla", "indexer", "moe", "linear", "hc_sinkhorn", "hc_mix")
@@ -22,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
     parser.add_argument("--out", default=None, help="also write the markdown results here")
+    parser.add_argument("--results", default=None, help="write each section's tables into this results file (docs/results.md)")
     parser.add_argument(
         "--sparse-mla-parts", default="main,split,tiles,plan,overlap,stages",
         help="tables of the sparse_mla section (comma-separated)",
@@ -46,6 +49,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             parts.append(section.run(copy_gbs))
         print(parts[-1], flush=True)
+        if args.results:
+            command = f"python -m kernels.bench --only {name}" + (
+                f" --sparse-mla-parts {args.sparse_mla_parts}" if name == "sparse_mla" else "")
+            write_section(args.results, f"kernels {name}", f"`{command}` on {machine()}; copy bandwidth "
+                          f"(read + write) {copy_gbs:.0f} GB/s.\n\n{parts[-1].strip()}")
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n\n".join(parts) + "\n")
