@@ -17,10 +17,7 @@ import fuse
 from fuse.report import one_step_errors, relative_error
 from model import Decoder, ModelConfig
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = [pytest.mark.gpu]
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 STEPS = int(os.environ.get("FUSE_GPU_STEPS", "1000"))
