@@ -68,16 +68,6 @@ def random_inputs(batch, heads, dim, num_slots, rows, dtype, device, seed, weigh
 
 
 @pytest.mark.interpreter
-def test_interpreter_active():
-    """The CPU tests below only mean something if the kernels really run in the interpreter."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    assert isinstance(indexer_triton._indexer_score_kernel, InterpretedFunction), (
-        "kernels.indexer.triton was imported before TRITON_INTERPRET=1 was set; run this file on its own"
-    )
-
-
-@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_matches_reference_ragged(dtype):
     """Ragged visible counts (none, negative, fewer than topk, exactly topk, many more, past the

@@ -58,15 +58,6 @@ CPU_TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
 
 
 @pytest.mark.interpreter
-def test_interpreter_active():
-    from triton.runtime.interpreter import InterpretedFunction
-
-    assert isinstance(moe_triton._gate_up_kernel, InterpretedFunction), (
-        "kernels.moe.triton was imported before TRITON_INTERPRET=1 was set; run this file on its own"
-    )
-
-
-@pytest.mark.interpreter
 @pytest.mark.parametrize(
     "pattern,batch,dtype",
     [
