@@ -230,9 +230,6 @@ def test_one_step_runs_fewer_matmuls_and_the_same_logits(fp32_products, dtype, m
 
 
 # -- GPU: the fused GEMMs against separate ones ------------------------------------------------
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
 def gpu_decoder(preset: str, dtype: torch.dtype) -> Decoder:
     """`bench` is cut to 4 layers (V4-Flash widths, compress ratios 0, 0, 4, 128)."""
     cfg = ModelConfig.preset(preset)
@@ -242,7 +239,6 @@ def gpu_decoder(preset: str, dtype: torch.dtype) -> Decoder:
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_gpu_fused_gemms_match_separate_gemms_and_time_them():
     from kernels.bench.tables import markdown_table
     from kernels.bench.timing import graph_time_us, rotation_count
@@ -289,7 +285,6 @@ def test_gpu_fused_gemms_match_separate_gemms_and_time_them():
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("preset, dtype", [("tiny", torch.float32), ("bench", torch.bfloat16)], ids=["tiny-fp32", "bench4-bf16"])
 def test_gpu_eager_step_launches_fewer_gemm_kernels(preset, dtype, monkeypatch):
     from fuse.launches import count_launches

@@ -5,23 +5,13 @@ CPU tests run the kernels in the interpreter (TRITON_INTERPRET=1) at a small wid
 them compiled at V4 widths in bf16, replayed in CUDA graphs and inside torch.compile."""
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-import pytest  # noqa: E402
-
-import model.hyper as hyper  # noqa: E402
-from kernels.cuda_graph import capture  # noqa: E402
-from kernels.hc_mix import hc_post_pre_norm, hc_pre_norm, takes_kernel, tiles  # noqa: E402
-from model.layers import RMSNorm  # noqa: E402
-
-interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
-on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (without the interpreter)")
+import model.hyper as hyper
+from kernels.cuda_graph import capture
+from kernels.hc_mix import hc_post_pre_norm, hc_pre_norm, takes_kernel, tiles
+from model.layers import RMSNorm
 
 HC, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
 
@@ -99,7 +89,7 @@ def test_reference_with_half_width_fn_casts_the_streams():
     assert_outputs_close(run_op(t, True, impl="reference"), want, torch.float32, "fast fn")
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("write_back", [False, True])
 @pytest.mark.parametrize("batch", [1, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -109,7 +99,7 @@ def test_triton_matches_reference_interpreter(write_back, batch, dtype):
     assert_outputs_close(run_op(t, write_back, impl="triton"), want, dtype, f"B={batch} {dtype}")
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_triton_reads_strided_streams_interpreter():
     """Streams that are a view with a batch stride of their own (a slice of a larger buffer)."""
     t = random_boundary(6, 256, seed=30)
@@ -152,7 +142,7 @@ def test_bad_impl_and_iters():
         hc_pre_norm(t["streams"], t["fn"], t["scale"], t["base"], t["weight"], 0, HC_EPS, NORM_EPS, NORM_EPS)
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_triton_rejects_widths_it_does_not_tile():
     t = random_boundary(1, 64, seed=6)
     with pytest.raises(ValueError, match="needs hc = 4 and D a multiple of 256"):
@@ -181,7 +171,6 @@ def test_torch_compile_traces_one_call_cpu():
 
 # -- GPU ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@on_gpu
 @pytest.mark.parametrize("batch", [1, 7, 64])
 @pytest.mark.parametrize("write_back", [False, True])
 def test_triton_matches_reference_v4_widths(batch, write_back):
@@ -192,7 +181,6 @@ def test_triton_matches_reference_v4_widths(batch, write_back):
 
 
 @pytest.mark.gpu
-@on_gpu
 def test_cuda_graph_replay_two_batch_sizes():
     """One graph per batch size, each replayed on new inputs written in place."""
     for batch in (1, 33):
@@ -207,7 +195,6 @@ def test_cuda_graph_replay_two_batch_sizes():
 
 
 @pytest.mark.gpu
-@on_gpu
 def test_no_host_sync_and_opcheck_cuda():
     t = random_boundary(4, 4096, dtype=torch.bfloat16, seed=60, device="cuda")
     run_op(t, True, impl="auto")
@@ -224,7 +211,6 @@ def test_no_host_sync_and_opcheck_cuda():
 
 
 @pytest.mark.gpu
-@on_gpu
 def test_torch_compile_keeps_each_op_opaque():
     from torch._inductor.utils import run_and_get_code
 

@@ -7,25 +7,13 @@ where the op must stay one opaque call."""
 from __future__ import annotations
 
 import math
-import os
 
+import pytest
 import torch
 
-# The interpreter is picked when triton decorates the kernel, so set it before it is imported.
-# With CUDA the kernel runs compiled and the interpreter tests are skipped (run them there with
-# TRITON_INTERPRET=1 in the environment).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-import pytest  # noqa: E402
-
-import kernels.hc_sinkhorn.triton as hc_sinkhorn_triton  # noqa: E402
-from kernels.hc_sinkhorn import hc_split_sinkhorn, hc_split_sinkhorn_reference  # noqa: E402
-from kernels.cuda_graph import capture  # noqa: E402
-
-interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
-on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (without the interpreter)")
+import kernels.hc_sinkhorn.triton as hc_sinkhorn_triton
+from kernels.hc_sinkhorn import hc_split_sinkhorn, hc_split_sinkhorn_reference
+from kernels.cuda_graph import capture
 
 V4_HC, V4_ITERS, V4_EPS = 4, 20, 1e-6
 # fp32 against fp64: a logit of size L (up to ~30 here) carries a rounding of ~6e-8 * L, which
@@ -131,23 +119,7 @@ def test_cpu_op_is_the_reference():
         assert torch.equal(g, w)
 
 
-@interpreter
-def test_interpreter_active():
-    """The CPU tests below only mean something if the kernel really runs in the interpreter."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    assert isinstance(hc_sinkhorn_triton._hc_split_sinkhorn_kernel, InterpretedFunction), (
-        "kernels.hc_sinkhorn.triton was imported before TRITON_INTERPRET=1 was set; run this file on its own"
-    )
-    # tl.sum and tl.max are themselves jit functions, fixed when triton is first imported
-    assert isinstance(tl.sum, InterpretedFunction), (
-        "triton was imported before TRITON_INTERPRET=1 was set (by an earlier test module); run this file "
-        "on its own or with TRITON_INTERPRET=1 in the environment"
-    )
-
-
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("hc", [1, 2, 4, 8])
 @pytest.mark.parametrize("batch", [1, 3, 33])
 @pytest.mark.parametrize("iters", [1, 20])
@@ -164,7 +136,7 @@ def test_triton_matches_fp64_and_reference(batch, hc, iters):
     assert_columns_normalised(outputs[2], last_sums, V4_EPS)
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_strided_inputs_and_large_eps():
     """mixes a column window of a wider tensor, scale and base strided views (the kernel takes
     strides); a large eps makes each of its uses visible in the result."""
@@ -180,7 +152,7 @@ def test_strided_inputs_and_large_eps():
         assert_matches(hc_split_sinkhorn(mixes, scale, base, hc, 7, eps, impl=impl), expected, f"strided {impl}")
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_triton_large_logits():
     """Logits in the hundreds: exp overflows fp32 unless the row max is subtracted first, and
     the sigmoids saturate at both ends."""
@@ -191,7 +163,7 @@ def test_triton_large_logits():
     assert_matches(outputs, split_sinkhorn_fp64(mixes, scale, base, V4_HC, V4_ITERS, V4_EPS), "large logits")
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_triton_empty_batch():
     mixes, scale, base = random_inputs(0, V4_HC, seed=3)
     pre, post, comb = hc_split_sinkhorn(mixes, scale, base, V4_HC, V4_ITERS, V4_EPS, impl="triton")
@@ -241,7 +213,6 @@ def test_bad_input_raises():
 
 
 @pytest.mark.gpu
-@on_gpu
 @pytest.mark.parametrize("batch,hc", [(1, 4), (32, 4), (128, 4), (1000, 4), (33, 1), (33, 2), (33, 8)])
 def test_gpu_matches_fp64_and_reference(batch, hc):
     mixes, scale, base = random_inputs(batch, hc, seed=batch + hc, device="cuda")
@@ -254,7 +225,6 @@ def test_gpu_matches_fp64_and_reference(batch, hc):
 
 
 @pytest.mark.gpu
-@on_gpu
 def test_cuda_graph_replay_two_batch_sizes():
     """One graph per batch size, each replayed on new mixes, scale and base written in place."""
     for batch in (5, 128):
@@ -270,7 +240,6 @@ def test_cuda_graph_replay_two_batch_sizes():
 
 
 @pytest.mark.gpu
-@on_gpu
 def test_no_host_sync_and_opcheck_cuda():
     mixes, scale, base = random_inputs(64, V4_HC, seed=20, device="cuda")
     hc_split_sinkhorn(mixes, scale, base, V4_HC, V4_ITERS, V4_EPS)
@@ -307,7 +276,6 @@ def test_torch_compile_traces_one_call_cpu():
 
 
 @pytest.mark.gpu
-@on_gpu
 def test_torch_compile_keeps_one_opaque_call():
     """Inductor calls the op once, as an extern call around its own fused kernels, and gets the
     eager result."""

@@ -5,25 +5,12 @@ shapes). GPU tests run them compiled at V4 shapes in bf16, replayed in a CUDA gr
 through opcheck. Picks are compared as sets (the CUDA kernel returns them in entry order)."""
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-# The interpreter is picked when triton decorates the kernels, so set it before they are
-# imported. With CUDA the kernels run compiled and the interpreter tests are skipped (run them
-# there with TRITON_INTERPRET=1 in the environment).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-import pytest  # noqa: E402
-
-import kernels.indexer.triton as indexer_triton  # noqa: E402
-from kernels.indexer import indexer_topk, indexer_topk_reference  # noqa: E402
-from kernels.cuda_graph import capture  # noqa: E402
-
-interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
-on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (without the interpreter)")
+import kernels.indexer.triton as indexer_triton
+from kernels.indexer import indexer_topk, indexer_topk_reference
+from kernels.cuda_graph import capture
 
 
 @pytest.fixture(autouse=True)
@@ -80,17 +67,7 @@ def random_inputs(batch, heads, dim, num_slots, rows, dtype, device, seed, weigh
 # ---------------------------------------------------------------------------------------------
 
 
-@interpreter
-def test_interpreter_active():
-    """The CPU tests below only mean something if the kernels really run in the interpreter."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    assert isinstance(indexer_triton._indexer_score_kernel, InterpretedFunction), (
-        "kernels.indexer.triton was imported before TRITON_INTERPRET=1 was set; run this file on its own"
-    )
-
-
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_matches_reference_ragged(dtype):
     """Ragged visible counts (none, negative, fewer than topk, exactly topk, many more, past the
@@ -104,7 +81,7 @@ def test_matches_reference_ragged(dtype):
     assert_same_picks(picks, expected, fp64_scores(q, weights, cache, slots, visible), visible, topk)
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_odd_head_sizes_and_topk_past_capacity():
     """Head count and width that are not powers of two (masked lanes), int32 slots/visible,
     and topk larger than the capacity (the reference pads with -1)."""
@@ -117,7 +94,7 @@ def test_odd_head_sizes_and_topk_past_capacity():
     assert_same_picks(picks, expected, fp64_scores(q, weights, cache, slots, visible), visible, topk)
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_entries_past_visible_are_never_used():
     """NaN in every row at or past visible[b] changes nothing: those rows are neither scored nor
     selected, and the capacity does not matter."""
@@ -144,7 +121,7 @@ def topk_of_keys(keys, visible, topk):
     return torch.where(torch.arange(topk)[None, :] < visible[:, None].clamp(max=topk), picked, -1).to(torch.int32)
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_select_stage_every_digit_pass():
     """The radix select alone on crafted keys: full 32-bit range with negatives, keys that agree
     on the top 24 bits (all four digit passes run), and a visible count above one select block."""
@@ -163,7 +140,7 @@ def test_select_stage_every_digit_pass():
         assert picks[b].tolist() == sorted(picks[b].tolist()), "picks come in entry order"
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_select_stage_ties_take_lowest_entries():
     """Ties at the threshold: every key above it is picked, then the lowest-numbered ties."""
     keys = torch.tensor([[5, 9, 7, 7, 1, 7, 9, 7, 0, 7]], dtype=torch.int32)
@@ -171,7 +148,7 @@ def test_select_stage_ties_take_lowest_entries():
     assert picks.tolist() == [[1, 2, 3, 6]]
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_opcheck_cpu():
     q, weights, cache, slots = random_inputs(3, 16, 32, 2, 64, torch.float32, "cpu", seed=5)
     visible = torch.tensor([64, 5, 30])
@@ -212,7 +189,6 @@ def score_tolerance(scores):
 
 
 @pytest.mark.gpu
-@on_gpu
 @pytest.mark.parametrize("rows", [8192, 65536])
 def test_v4_shapes_bf16(rows):
     visible = torch.tensor([0, 1, 511, 512, 513, 1000, 4096, rows - 1, rows, 10**7] + [2048] * 22, device="cuda")
@@ -225,7 +201,6 @@ def test_v4_shapes_bf16(rows):
 
 
 @pytest.mark.gpu
-@on_gpu
 def test_cuda_graph_replay_with_new_visible_counts():
     batch, rows, topk = 16, 4096, V4["topk"]
     q, weights, cache, slots = v4_inputs(batch, rows, seed=8)
@@ -246,7 +221,6 @@ def test_cuda_graph_replay_with_new_visible_counts():
 
 
 @pytest.mark.gpu
-@on_gpu
 def test_no_host_sync_and_opcheck_cuda():
     q, weights, cache, slots = v4_inputs(8, 2048, seed=12)
     visible = torch.randint(0, 2048, (8,), device="cuda")

@@ -401,7 +401,6 @@ def test_triton_kind_falls_back_to_the_decorator_and_ops_to_the_name():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_inspect_on_cuda_indexes_triton_kernels(tmp_path):
     cfg = ModelConfig.preset("tiny").replace(qat=False)
     decoder = Decoder(cfg, max_batch=2, max_seq_len=32, dtype=torch.float32, device="cuda").init_random(0)

@@ -7,21 +7,11 @@ bf16 dot is wrong). GPU tests run it compiled at the model's projection shapes i
 opcheck, and replayed in CUDA graphs for several batch buckets with new inputs."""
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-import pytest  # noqa: E402
-
-from kernels.linear import grouped_linear, grouped_linear_op, linear, takes_kernel  # noqa: E402
-from kernels.cuda_graph import capture  # noqa: E402
-
-interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
-on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (without the interpreter)")
+from kernels.linear import grouped_linear, grouped_linear_op, linear, takes_kernel
+from kernels.cuda_graph import capture
 
 
 def operands(rows, n, k, dtype, device="cpu", seed=0):
@@ -35,7 +25,7 @@ def expected(x, w):
     return (x.double() @ w.double().t()).float()
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("rows", [1, 5, 16, 33])
 @pytest.mark.parametrize("n,k", [(24, 96), (40, 70)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -48,7 +38,7 @@ def test_triton_matches_the_reference(rows, n, k, dtype):
     assert (out.float() - ref).abs().max() <= tol * ref.abs().max() + tol
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("rows,groups", [(1, 3), (6, 2)])
 def test_grouped_triton_matches_einsum(rows, groups):
     g = torch.Generator().manual_seed(rows + 10 * groups)
@@ -59,7 +49,7 @@ def test_grouped_triton_matches_einsum(rows, groups):
     torch.testing.assert_close(out, torch.einsum("mgk,gnk->mgn", x.double(), w.double()).float(), rtol=1e-5, atol=1e-5)
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("n,groups,takes_gemv", [(30, 1, True), (24, 3, True), (200, 1, False), (40, 4, False)])
 def test_one_row_takes_the_gemv_where_strips_leave_sms_idle(monkeypatch, n, groups, takes_gemv):
     # The interpreter counts 8 SMs: fewer than 8 strips of 16 columns in all groups -> the GEMV.
@@ -76,7 +66,7 @@ def test_one_row_takes_the_gemv_where_strips_leave_sms_idle(monkeypatch, n, grou
     torch.testing.assert_close(out, torch.einsum("mgk,gnk->mgn", x.double(), w.double()).float(), rtol=1e-5, atol=1e-5)
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_triton_reads_a_column_slice_of_a_wider_input():
     x, w = operands(3, 24, 128, torch.float32, seed=7)
     wide = torch.randn(3, 200)
@@ -124,7 +114,7 @@ def test_grouped_operands_must_agree_on_groups():
         grouped_linear(torch.randn(2, 3, 8), torch.randn(4, 5, 8))
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_triton_refuses_more_than_64_rows():
     x, w = operands(65, 16, 32, torch.float32)
     with pytest.raises(ValueError, match="at most 64 rows"):
@@ -142,7 +132,6 @@ def test_fake_gives_the_output_shape_under_compile():
 GPU_SHAPES = [(1600, 4096), (4096, 8192), (4096, 4096), (1000, 1000)]
 
 
-@on_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 32, 64])
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
@@ -155,14 +144,12 @@ def test_gpu_matches_the_reference_in_bf16(rows, n, k):
     assert (out.float() - ref).abs().max() <= 8e-3 * ref.abs().max()
 
 
-@on_gpu
 @pytest.mark.gpu
 def test_gpu_opcheck():
     x, w = operands(8, 256, 256, torch.bfloat16, device="cuda", seed=1)
     torch.library.opcheck(grouped_linear_op, (x.view(8, 1, 256).expand(8, 2, 256).contiguous(), w.view(2, 128, 256)))
 
 
-@on_gpu
 @pytest.mark.gpu
 def test_gpu_captured_per_bucket_and_replayed_with_new_inputs():
     n, k = 1600, 4096
@@ -178,7 +165,6 @@ def test_gpu_captured_per_bucket_and_replayed_with_new_inputs():
             assert (out.float() - ref).abs().max() <= 8e-3 * ref.abs().max(), f"bucket {bucket}"
 
 
-@on_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 32, 64])
 def test_gpu_grouped_output_projection_shape(rows):
@@ -191,7 +177,6 @@ def test_gpu_grouped_output_projection_shape(rows):
     assert (out.float() - ref).abs().max() <= 8e-3 * ref.abs().max()
 
 
-@on_gpu
 @pytest.mark.gpu
 def test_gpu_grouped_one_row_gemv():
     # 2 groups x 500 columns: 64 strips of 16, fewer than the SMs -> the GEMV, ragged N
@@ -203,7 +188,6 @@ def test_gpu_grouped_one_row_gemv():
     assert (out.float() - ref).abs().max() <= 8e-3 * ref.abs().max()
 
 
-@on_gpu
 @pytest.mark.gpu
 def test_gpu_op_falls_back_for_strided_k():
     x, w = operands(4, 64, 128, torch.bfloat16, device="cuda", seed=5)

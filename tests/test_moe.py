@@ -7,25 +7,12 @@ widths). GPU tests run them compiled at V4-Flash widths in bf16, replayed in a C
 new routing, under the sync debug mode, and through opcheck."""
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-# The interpreter is picked when triton decorates the kernels, so set it before they are
-# imported. With CUDA the kernels run compiled and the interpreter tests are skipped (run them
-# there with TRITON_INTERPRET=1 in the environment).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-import pytest  # noqa: E402
-
-import kernels.moe.triton as moe_triton  # noqa: E402
-from kernels.moe import moe_experts, moe_experts_reference  # noqa: E402
-from kernels.cuda_graph import capture  # noqa: E402
-
-interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
-on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (without the interpreter)")
+import kernels.moe.triton as moe_triton
+from kernels.moe import moe_experts, moe_experts_reference
+from kernels.cuda_graph import capture
 
 LIMIT = 10.0
 
@@ -70,16 +57,7 @@ SMALL = dict(dim=64, inter=48, num_experts=8)  # inter=48: partial N tiles and a
 CPU_TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
 
 
-@interpreter
-def test_interpreter_active():
-    from triton.runtime.interpreter import InterpretedFunction
-
-    assert isinstance(moe_triton._gate_up_kernel, InterpretedFunction), (
-        "kernels.moe.triton was imported before TRITON_INTERPRET=1 was set; run this file on its own"
-    )
-
-
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize(
     "pattern,batch,dtype",
     [
@@ -103,7 +81,7 @@ def test_matches_reference(pattern, batch, dtype):
     assert_close_to_reference(out, ref, CPU_TOL[dtype])
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_clamp_and_no_clamp():
     """A limit small enough to clamp most gate/up values, and limit 0 (no clamp)."""
     w1, w2, w3 = expert_weights(8, 64, 48, torch.float32, "cpu", seed=20)
@@ -117,7 +95,7 @@ def test_clamp_and_no_clamp():
     assert (clamped - out).abs().max() > 0.1 * out.abs().max(), "the clamp had no effect"
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_unselected_experts_are_never_used():
     """NaN in every expert nobody picked leaves the output finite and unchanged."""
     w1, w2, w3 = expert_weights(8, 64, 48, torch.float32, "cpu", seed=30)
@@ -133,7 +111,7 @@ def test_unselected_experts_are_never_used():
     assert_close_to_reference(out, ref, 1e-5)
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_six_picks_sixteen_experts_and_tile_choices():
     """The V4 routing shape (top-6 of 16) with the chosen tiles, other tiles and torch routing."""
     dim, inter, num_experts, batch = 64, 64, 16, 12
@@ -151,7 +129,7 @@ def test_six_picks_sixteen_experts_and_tile_choices():
         assert_close_to_reference(out, ref, 1e-5)
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("pattern,batch,block_m", [("random", 1, 16), ("one_hot_expert", 30, 16), ("some_experts_idle", 50, 32)])
 def test_routing_kernel_matches_torch_routing(pattern, batch, block_m):
     """Both routing methods build the same blocks: each expert's pairs in token order, padded."""
@@ -175,7 +153,7 @@ def test_routing_kernel_matches_torch_routing(pattern, batch, block_m):
     assert sorted(rows_seen) == list(range(flat.numel())), "every pair lands in exactly one row"
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_opcheck_cpu():
     w1, w2, w3 = expert_weights(4, 32, 16, torch.float32, "cpu", seed=60)
     ids, weights = routing("random", 3, 2, 4, "cpu", seed=61)
@@ -184,7 +162,7 @@ def test_opcheck_cpu():
         torch.library.opcheck(torch.ops.v4.moe_experts.default, (x, ids, weights, w1, w2, w3, LIMIT, shared))
 
 
-@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("batch,dtype,routing_method", [(1, torch.float32, "kernel"), (9, torch.float16, "kernel"), (9, torch.float32, "torch")])
 def test_shared_expert_is_every_tokens_last_pick(batch, dtype, routing_method):
     """shared_expert=s runs expert s for every token with weight 1, after its picks: the same as
@@ -204,7 +182,7 @@ def test_shared_expert_is_every_tokens_last_pick(batch, dtype, routing_method):
     assert (out - without).abs().max() > 0.1 * out.abs().max(), "the shared expert added nothing"
 
 
-@interpreter
+@pytest.mark.interpreter
 def test_routing_with_a_shared_expert_matches_torch_routing():
     ids, _ = routing("random", 7, 6, 16, "cpu", seed=120)
     by_kernel = moe_triton.route_pairs(ids, 16, 16, "kernel", shared_expert=15)
@@ -260,7 +238,6 @@ def flash_weights():
 
 
 @pytest.mark.gpu
-@on_gpu
 @pytest.mark.parametrize(
     "pattern,batch,shared",
     [
@@ -278,7 +255,6 @@ def test_flash_widths_bf16(flash_weights, pattern, batch, shared):
 
 
 @pytest.mark.gpu
-@on_gpu
 def test_cuda_graph_replay_with_new_routing(flash_weights):
     w1, w2, w3 = flash_weights
     batch = 24
@@ -295,7 +271,6 @@ def test_cuda_graph_replay_with_new_routing(flash_weights):
 
 
 @pytest.mark.gpu
-@on_gpu
 @pytest.mark.parametrize("batch", [1, 64])
 def test_no_host_sync_and_opcheck_cuda(flash_weights, batch):
     """Neither the Triton path nor the plain-torch reference syncs with the host."""

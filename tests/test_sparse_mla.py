@@ -1,9 +1,8 @@
 """Sparse MLA decode: the Triton kernels against the plain-torch reference.
 
-Without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set below before
-triton is imported and checked by test_interpreter_is_active) on small fp16/fp32 shapes; the
-interpreter's tl.dot is wrong for bf16, so bf16 is tested on the GPU only, at the real shapes
-(H=64, D=512, K=640/2048) and under CUDA-graph capture.
+Without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set by conftest.py)
+on small fp16/fp32 shapes; the interpreter's tl.dot is wrong for bf16, so bf16 is tested on the
+GPU only, at the real shapes (H=64, D=512, K=640/2048) and under CUDA-graph capture.
 
 Tolerances. The kernels round the probabilities to the activation dtype relative to the running
 max of the online softmax, the reference relative to the final max; both are within half an ulp of
@@ -21,10 +20,6 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
 triton = pytest.importorskip("triton")
 
 from kernels.cuda_graph import capture  # noqa: E402
@@ -39,9 +34,6 @@ from kernels.sparse_mla import (  # noqa: E402
     sparse_mla_workspace,
 )
 from kernels.triton_util import INTERPRETER_NUM_SMS  # noqa: E402
-
-interp = pytest.mark.skipif(not INTERPRET, reason="interpreter tests run where TRITON_INTERPRET=1 (set without CUDA)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (and no TRITON_INTERPRET)")
 
 OUT_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -116,15 +108,7 @@ VARIANTS = {
 # ---------------------------------------------------------------------------------------------
 
 
-@interp
-def test_interpreter_is_active():
-    from triton.runtime.interpreter import InterpretedFunction
-
-    for kernel in (smt._simt_kernel, smt._head_batched_kernel, common._combine_kernel):
-        assert isinstance(kernel, InterpretedFunction)
-
-
-@interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize(
     "batch,heads,dim,topk",
@@ -138,7 +122,7 @@ def test_variant_matches_reference(variant, batch, heads, dim, topk, dtype):
     assert_matches_reference(out, lse, *inputs)
 
 
-@interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize(
     "variant",
     ["simt", "head_batched", "head_batched_dv_split", "split_k_3", "split_k_7_some_empty", "triton", "auto"],
@@ -151,7 +135,7 @@ def test_all_masked_rows_give_zeros_and_the_sink_as_lse(variant):
     torch.testing.assert_close(lse, sink.expand(2, -1), atol=1e-6, rtol=1e-6)
 
 
-@interp
+@pytest.mark.interpreter
 def test_masked_block_before_valid_rows():
     """A whole masked tile first, then valid rows: the running max starts at -inf and must recover."""
     q, kv_cache, indices, sink, scale = make_inputs(2, 4, 32, 48, torch.float32, seed=3, pattern="scattered")
@@ -161,7 +145,7 @@ def test_masked_block_before_valid_rows():
         assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
 
 
-@interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize("variant", ["simt", "head_batched", "head_batched_dv_split", "split_k_2", "auto", "split_k_3_overlapped"])
 def test_probabilities_are_rounded_to_the_activation_dtype(variant):
     """Two rows with payloads +100 and -100: the output is 100 (1 - p) / denom, so the fp16
@@ -184,7 +168,7 @@ def test_probabilities_are_rounded_to_the_activation_dtype(variant):
     assert (out[0, :, 1].float() - unrounded).abs().min() > 3 * OUT_TOL[torch.float16]
 
 
-@interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize("variant", ["simt", "head_batched_k16", "split_k_3_dv_split"])
 def test_strided_inputs_and_int64_indices(variant):
     """q not contiguous, int64 indices, and a cache view whose slots are not evenly strided
@@ -200,7 +184,7 @@ def test_strided_inputs_and_int64_indices(variant):
     assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
 
 
-@interp
+@pytest.mark.interpreter
 def test_workspace_is_used_and_checked():
     q, kv_cache, indices, sink, scale = make_inputs(3, 8, 64, 40, torch.float32, seed=5)
     needed = plan.workspace_numel(3, 8, 64, 3)
@@ -214,7 +198,7 @@ def test_workspace_is_used_and_checked():
         smt.sparse_mla_decode_split_k(q, kv_cache, indices, sink, scale, 3, workspace.double(), SMALL_TILES)
 
 
-@interp
+@pytest.mark.interpreter
 def test_default_path_with_its_workspace():
     """One sequence and a long index list: the default plan splits it (checked), using the
     workspace sized by sparse_mla_workspace."""
@@ -226,7 +210,7 @@ def test_default_path_with_its_workspace():
     assert_matches_reference(out, lse, q, kv_cache, indices, sink, scale)
 
 
-@interp
+@pytest.mark.interpreter
 @pytest.mark.parametrize("impl", ["auto", "reference", "triton", "simt", "head_batched", "split_k"])
 def test_impl_selection(impl):
     q, kv_cache, indices, sink, scale = make_inputs(2, 4, 32, 24, torch.float32, seed=13)
@@ -415,7 +399,6 @@ def make_gpu_inputs(batch, topk, dtype=torch.bfloat16, heads=64, dim=512, seed=0
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("topk", [640, 2048])
 @pytest.mark.parametrize("batch", [1, 3, 16, 64])
 @pytest.mark.parametrize(
@@ -454,7 +437,7 @@ WGMMA_VARIANTS = {
     "wgmma_16x6": wgmma(num_splits=2, block_n=16, stages=6),
 }
 needs_hopper = pytest.mark.skipif(
-    not torch.cuda.is_available() or INTERPRET or torch.cuda.get_device_capability()[0] != 9,
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
     reason="needs a compute capability 9.x GPU",
 )
 
@@ -487,7 +470,6 @@ def test_gpu_wgmma_masks_and_shapes(heads, dim, dtype):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("impl", ["simt", "head_batched", "split_k", "triton", "auto"])
 def test_gpu_other_dtypes(impl, dtype):
@@ -497,7 +479,6 @@ def test_gpu_other_dtypes(impl, dtype):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_tiny_model_shapes(dtype):
     """The tiny config (4 heads, 32-wide rows) through the op: heads and rows far below a tile."""
@@ -507,7 +488,6 @@ def test_gpu_tiny_model_shapes(dtype):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("topk", [640, 2048])
 def test_gpu_cuda_graph_per_batch_bucket(topk):
     """Preallocate each bucket's workspace, capture the op once per bucket, then replay with new
@@ -555,7 +535,6 @@ def replay_on_fresh_inputs(graph, round_, kv_cache, q, indices, sink):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("batch,topk", [(1, 640), (2, 2048), (8, 640), (16, 2048)])
 def test_gpu_split_k_with_pdl_in_cuda_graph(batch, topk):
     """The combine launched as a programmatic dependent of the split kernel (which lets it start
@@ -580,7 +559,6 @@ def test_gpu_split_k_with_pdl_in_cuda_graph(batch, topk):
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("batch,topk", [(1, 640), (2, 2048), (16, 2048)])
 def test_gpu_split_kernel_overlapping_its_predecessor_reads_its_output(batch, topk):
     """overlap_launch: the split kernel starts while the kernel before it runs. Inside the graph
