@@ -33,3 +33,20 @@ def pytest_collection_modifyitems(config, items):
         for marker, skip in skips.items():
             if skip is not None and marker in item.keywords:
                 item.add_marker(skip)
+
+
+# -- compiled tiny decoders, shared: each compile costs minutes on a small CPU ------------------
+@pytest.fixture(scope="session")
+def tiny_nested(tmp_path_factory):
+    """Nested compilation, buckets 1, 2, 4 (a batch-1 graph and a batch-symbolic one)."""
+    from decoders import compiled_tiny
+
+    return compiled_tiny(tmp_path_factory.mktemp("dump") / "inspect", seed=21, buckets=(1, 2, 4), compilation="nested")
+
+
+@pytest.fixture(scope="session")
+def tiny_regional(tmp_path_factory):
+    """Regional compilation, buckets 2 and 4 (batch-symbolic graphs only)."""
+    from decoders import compiled_tiny
+
+    return compiled_tiny(tmp_path_factory.mktemp("dump") / "inspect", seed=22, buckets=(2, 4), compilation="regional")

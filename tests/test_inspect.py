@@ -1,9 +1,9 @@
 """fuse.inspect and CompileOptions.dump_dir: the depyf dump of the runner's compiled decode step
 and its kernel index.
 
-One inspect call on the tiny preset (CPU, fp32, nested compilation, batch 1) is shared by the CPU
-tests, and one more looks at the regional compilation; the Triton side of the parser is tested on
-a hand-written piece of CUDA output code."""
+The CPU tests read the dumps of the session's shared tiny runners (tests/conftest.py: nested with
+buckets 1, 2, 4, regional with buckets 2, 4); the Triton side of the parser is tested on a
+hand-written piece of CUDA output code."""
 from __future__ import annotations
 
 import json
@@ -18,40 +18,11 @@ from fuse.output_code import known_ops, ops_from_kernel_name, parse_output_code,
 from model import Decoder, ModelConfig
 
 
-def real_slot_caches(decoder: Decoder) -> dict[str, torch.Tensor]:
-    return {
-        name: buf[: decoder.max_batch].clone()
-        for name, buf in decoder.named_buffers()
-        if buf.dim() >= 2 and buf.shape[0] == decoder.max_batch + 1
-    }
-
-
-def hook_state():
-    """What depyf patches or registers while it dumps, and Dynamo's compile accounting."""
-    from torch._inductor.codecache import PyCodeCache
-
-    return {
-        "exec_with_source": torch.fx.graph_module._exec_with_source,
-        "load_by_key_path": PyCodeCache.__dict__["load_by_key_path"],
-        "lazy_format_graph_code": torch._dynamo.utils.lazy_format_graph_code.__code__,
-        "bytecode_hooks": dict(torch._dynamo.convert_frame._bytecode_hooks),
-    }
-
-
 @pytest.fixture(scope="module")
-def inspected(tmp_path_factory):
-    cfg = ModelConfig.preset("tiny")
-    decoder = Decoder(cfg, max_batch=2, max_seq_len=32, dtype=torch.float32).init_random(0)
-    generator = torch.Generator().manual_seed(1)
-    for position in range(5):  # real sequences in both slots, so their caches hold data
-        decoder(torch.randint(0, cfg.vocab_size, (2,), generator=generator), torch.full((2,), position), torch.arange(2))
-    block_code = type(decoder.layers[0]).forward.__code__
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    before = real_slot_caches(decoder), hook_state(), len(_debug_get_cache_entry_list(block_code))
-    result = fuse.inspect(decoder, tmp_path_factory.mktemp("inspect") / "dump", compilation="nested")
-    after = real_slot_caches(decoder), hook_state(), len(_debug_get_cache_entry_list(block_code))
-    return decoder, result, before, after
+def inspected(tiny_nested):
+    """(decoder, its runner's inspection, state before and after the runner's build)."""
+    _, runner, before, after = tiny_nested
+    return runner.decoder, runner.inspection, before, after
 
 
 def layer_kinds(cfg: ModelConfig) -> dict[int, tuple[int, bool]]:
@@ -94,36 +65,40 @@ def test_index_lists_fused_kernels(inspected):
                 assert k.calls == expected, k.name
 
 
-def test_nested_compilation_is_one_graph_with_shared_layer_functions(inspected):
-    """The default compile: the step is one graph; a layer kind several layers share is one
-    function its wrapper calls once per such layer, and the custom ops each layer calls are
-    counted per step through those calls."""
+def test_nested_compilation_is_one_graph_per_shape_with_shared_layer_functions(inspected):
+    """Nested compilation: the step is one graph for batch 1 and one for the symbolic batch the
+    other buckets share; in each, a layer kind several layers share is one function its wrapper
+    calls once per such layer, and the custom ops each layer calls are counted per step through
+    those calls."""
     decoder, result, _, _ = inspected
-    (graph,) = result.graphs
-    assert graph.layers is None and graph.runs_per_step == 1
-    output = graph.files["output_code"].read_text()
-    functions = re.findall(r"^def (\w+subgraph\w*)\(args\):", output, re.M)
-    calls = {name: len(re.findall(rf"= {name}\(", output)) for name in functions}
+    assert sorted(g.buckets for g in result.graphs) == [(1,), (2, 4)]
     kinds = Counter(layer_kinds(decoder.config).values())
-    # Each kind several layers share is one function called once per such layer; a kind only one
-    # layer has is inlined (torch 2.13) or a function called once (torch 2.11).
-    assert sorted(n for n in calls.values() if n > 1) == sorted(n for n in kinds.values() if n > 1)
-    assert len(functions) <= len(kinds) and all(n >= 1 for n in calls.values())
+    for graph in result.graphs:
+        assert graph.layers is None and graph.runs_per_step == 1
+        output = graph.files["output_code"].read_text()
+        functions = re.findall(r"^def (\w+subgraph\w*)\(args\):", output, re.M)
+        calls = {name: len(re.findall(rf"= {name}\(", output)) for name in functions}
+        # Each kind several layers share is one function called once per such layer; a kind only
+        # one layer has is inlined (torch 2.13) or a function called once (torch 2.11).
+        assert sorted(n for n in calls.values() if n > 1) == sorted(n for n in kinds.values() if n > 1)
+        assert len(functions) <= len(kinds) and all(n >= 1 for n in calls.values())
     ratios = Counter(decoder.config.layer_ratios)
     n_layers = decoder.config.n_layers
-    assert result.custom_op_calls == {1: {"v4.indexer_topk": ratios[4], "v4.moe_experts": n_layers, "v4.sparse_mla_decode": n_layers}}
+    per_step = {"v4.indexer_topk": ratios[4], "v4.moe_experts": n_layers, "v4.sparse_mla_decode": n_layers}
+    assert result.custom_op_calls == {1: per_step, 2: per_step, 4: per_step}
 
 
-def test_regional_graphs_per_layer_kind_and_the_compiled_head(tmp_path, inspected):
+def test_regional_graphs_per_layer_kind_and_the_compiled_head(tiny_regional, inspected):
     """Regional compilation: one graph per distinct layer kind, every layer runs one of them, each
     calls its layer's custom ops once; the head is one more graph, run once per step, whose
     wrapper computes the LM head."""
-    decoder, nested, _, _ = inspected
-    result = fuse.inspect(decoder, tmp_path / "dump", compilation="regional")
+    _, nested, _, _ = inspected
+    _, runner, _, _ = tiny_regional
+    decoder, result = runner.decoder, runner.inspection
     kinds = layer_kinds(decoder.config)
     (head,) = [g for g in result.graphs if g.layers is None]
     assert head.runs_per_step == 1 and "extern_kernels.mm" in [k.name for k in head.kernels]  # the LM head
-    assert f"## `{head.name}`: the head (1 run(s) per step), buckets 1" in result.index_md.read_text()
+    assert f"## `{head.name}`: the head (1 run(s) per step), buckets 2, 4" in result.index_md.read_text()
     blocks = [g for g in result.graphs if g.layers is not None]
     assert len(blocks) == len(set(kinds.values()))
     assert sorted(i for g in blocks for i in g.layers) == list(range(decoder.config.n_layers))
@@ -140,7 +115,7 @@ def test_regional_graphs_per_layer_kind_and_the_compiled_head(tmp_path, inspecte
             **({"v4.indexer_topk": 1} if ratio == 4 else {}),
         }, (graph.name, graph.layers)
         assert graph.runs_per_step == len(graph.layers)
-    assert result.custom_op_calls == nested.custom_op_calls
+    assert result.custom_op_calls == {b: nested.custom_op_calls[b] for b in (2, 4)}
     assert json.loads(result.index_json.read_text())["compilation"] == "regional"
 
 
@@ -159,7 +134,7 @@ def test_real_slots_and_global_state_are_untouched(inspected):
 def test_index_json_and_markdown_agree(inspected):
     _, result, _, _ = inspected
     index = json.loads(result.index_json.read_text())
-    assert index["compilation"] == "nested" and index["buckets"] == [1]
+    assert index["compilation"] == "nested" and index["buckets"] == [1, 2, 4]
     assert index["custom_op_calls_per_step"] == {str(b): calls for b, calls in result.custom_op_calls.items()}
     assert [g["name"] for g in index["graphs"]] == [g.name for g in result.graphs]
     assert [k["name"] for g in index["graphs"] for k in g["kernels"]] == [k.name for k in result.kernels]
