@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import pathlib
 
-import nbformat
-from nbclient import NotebookClient
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+NotebookClient = pytest.importorskip("nbclient").NotebookClient
 
 NOTEBOOK = pathlib.Path(__file__).parents[1] / "notebooks" / "walkthrough.ipynb"
 
