@@ -219,7 +219,7 @@ def hc_mix_triton(
     write-back first (hc_post_pre_norm), without it hc_pre_norm. Shapes as checked by
     kernels.hc_mix.ref.check_hc_mix_inputs; D a multiple of SLICE with 4 * D / SLICE a power of two.
     The Sinkhorn steps divide by one approximate reciprocal per row or column (a few ulp from the
-    rounded quotients: kernels.hc_sinkhorn.triton._norm4)."""
+    rounded quotients: _norm4 above)."""
     batch, hc, dim = streams.shape
     if hc != HC or not tiles(dim):
         raise ValueError(f"hc_mix (triton): needs hc = {HC} and D a multiple of {SLICE} with 4 * D / {SLICE} a power of two, got hc={hc}, D={dim}")
