@@ -78,9 +78,10 @@ def run_report(settings: ReportSettings) -> dict:
     index_entries = None
     if runner.inspection is not None:
         # Replayed graphs hide which op launched a library kernel; a direct call shows it.
-        origins = compiled_launches.origins
+        origins = dict(compiled_launches.origins)
         if args[0].is_cuda:
-            origins = {**count_launches(runner.run_without_graph, *args).origins, **origins}
+            direct = count_launches(runner.run_without_graph, *args).origins
+            origins.update((name, op) for name, op in direct.items() if op or name not in origins)
         index_entries = index_entries_of(runner.inspection, compiled_launches, origins, settings.batch)
     # Interleaved rounds, so that load that comes and goes hits both alike.
     eager_times, compiled_times = [], []

@@ -398,6 +398,7 @@ def test_inspect_on_cuda_indexes_triton_kernels(tmp_path):
         "v4.indexer_topk": ratios[4],
         "v4.moe_experts": cfg.n_layers,
         "v4.sparse_mla_decode": cfg.n_layers,
-    }    for graph in result.graphs:
+    }
+    for graph in result.graphs:
         assert "async_compile.triton(" in graph.files["output_code"].read_text()
     print("\n" + "\n".join(f"{k.graph} {k.kind:20} {k.calls} {k.name}" for k in result.kernels[:40]))
