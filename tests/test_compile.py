@@ -7,7 +7,6 @@ from model import Decoder, ModelConfig
 
 
 def test_whole_step_compiles_without_graph_break():
-    torch._dynamo.reset()
     cfg = ModelConfig.preset("tiny")
     eager = Decoder(cfg, max_batch=3, max_seq_len=160, dtype=torch.float32).init_random(seed=5)
     compiled_model = Decoder(cfg, max_batch=3, max_seq_len=160, dtype=torch.float32)
