@@ -313,7 +313,8 @@ def _device_kernel_origins(events) -> dict[str, str]:
     for e in events:
         if e.device_type != torch.autograd.DeviceType.CPU or not e.kernels:
             continue
-        op, parent = "", e.cpu_parent
+        # The profiler hangs a device kernel on the op that launched it; the outermost op wins.
+        op, parent = (e.name if "::" in e.name else ""), e.cpu_parent
         while parent is not None:
             if "::" in parent.name:
                 op = parent.name
