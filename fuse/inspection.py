@@ -104,7 +104,8 @@ class Inspection:
             namespace, _, op = origin.partition("::")
             qualified = f"{namespace}.{op.split('.')[0]}"
             wanted = {qualified, f"extern_kernels.{op.split('.')[0]}"}
-            found = next((k for k in candidates if k.name in wanted or qualified in k.ops), None)
+            found = next((k for k in candidates if k.name in wanted), None)
+            found = found or next((k for k in candidates if qualified in k.ops), None)
         return found
 
 

@@ -51,6 +51,8 @@ _DEFINITION = re.compile(r"^(?P<name>\w+) = async_compile\.(?P<method>\w+)\(", r
 _TRIPLE_QUOTED = re.compile(r"[rR]?'''.*?'''|[rR]?\"\"\".*?\"\"\"", re.S)
 _EXTERN_CALL = re.compile(r"(?<![\w.])extern_kernels\.(\w+)\(")
 _OP_CALL = re.compile(r"(?<![\w.])(?:torch\.ops\.(?P<ns>\w+)|(?P<aten>aten))\.(?P<op>\w+)(?:\.\w+)?\(")
+# In-place tensor methods the wrapper calls on buffers (a mutated graph input written back).
+_METHOD_CALL = re.compile(r"(?<=\w)\.(copy_|zero_|fill_)\(")
 _SOURCE_NODES = re.compile(r"Source Nodes: \[([^\]]*)\]")
 _ORIGINAL_ATEN = re.compile(r"Original ATen: \[([^\]]*)\]")
 _STREAM_LINE = re.compile(r"stream\w* = get_raw_stream\(")
@@ -190,6 +192,8 @@ def _opaque_calls(text: str) -> Iterable[tuple[str, str]]:
         if namespace in _NOT_KERNELS:
             continue
         yield f"{namespace}.{match['op']}", "extern" if namespace in ("aten", "prims") else "custom op"
+    for match in _METHOD_CALL.finditer(text):
+        yield f"aten.{match.group(1)}", "extern"
 
 
 def _union(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:

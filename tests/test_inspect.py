@@ -402,3 +402,10 @@ def test_inspect_on_cuda_indexes_triton_kernels(tmp_path):
     for graph in result.graphs:
         assert "async_compile.triton(" in graph.files["output_code"].read_text()
     print("\n" + "\n".join(f"{k.graph} {k.kind:20} {k.calls} {k.name}" for k in result.kernels[:40]))
+
+
+def test_in_place_writes_of_the_wrapper_are_launches():
+    """A mutated graph input written back (`arg.copy_(buf)`) or a zeroed buffer is a kernel the
+    wrapper launches, indexed as the ATen op the profiler names it by."""
+    source = "def call(args):\n    buf0 = empty((4,))\n    arg3_1.copy_(buf0)\n    buf1.zero_()\n    return (buf0,)\n"
+    assert [(k.name, k.kind, k.calls) for k in parse_output_code(source)] == [("aten.copy_", "extern", 1), ("aten.zero_", "extern", 1)]
