@@ -15,7 +15,10 @@ products keep it) counts as gemm, with the norms and casts it fused, as a librar
 epilogue would; otherwise one that contains a reduction counts as reduce."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import sys
 import json
 import re
 from collections import Counter
@@ -262,11 +265,17 @@ def count_launches(
     import torch._inductor.config as inductor_config
 
     with inductor_config.patch({"cpp.enable_kernel_profile": True}):
-        with profile(activities=activities) as prof:
+        prof = profile(activities=activities)
+        with _quiet_stderr():  # the profiler's C++ side logs each start and stop there
+            prof.start()
+        try:
             for _ in range(calls):
                 fn(*inputs)
             if on_cuda:
                 torch.cuda.synchronize()
+        finally:
+            with _quiet_stderr():
+                prof.stop()
     names: Counter[str] = Counter()
     name_us: Counter[str] = Counter()
     time_us: Counter[str] = Counter()
@@ -303,6 +312,20 @@ def count_launches(
         kernel_time_us={k: v / calls for k, v in sorted(name_us.items(), key=lambda kv: -kv[1])},
         origins={k: origins[k] for k in names if k in origins},
     )
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null inside the block (C++ writes there directly)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _device_kernel_origins(events) -> dict[str, str]:
