@@ -52,7 +52,7 @@ def build_buckets(
             buckets[size] = _build_bucket(size, step, model, use_graphs, pool, stats, eager, first_call)
             stats.warmup_seconds[size] = time.perf_counter() - start
             if progress:
-                how = "graph" if buckets[size].graph is not None else stats.fallbacks.get(size, "no graph")
+                how = "graph" if size in stats.captured else stats.fallbacks.get(size, "no graph")
                 log.warning("fuse: bucket %3d ready in %6.1f s (%s)", size, stats.warmup_seconds[size], how)
     return buckets
 
