@@ -10,12 +10,9 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch import nn
 
+from kernels.blockscale import dequantize_fp4_weight, dequantize_fp8_weight
 from model.layers import official_parameters
 
-FP8_BLOCK = 128
-FP4_BLOCK = 32
-# e2m1 magnitudes by 3-bit code (exponent 2 bits, mantissa 1 bit); bit 3 is the sign.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 class _Entry(NamedTuple):
@@ -45,30 +42,6 @@ def _open_source(source, stack: contextlib.ExitStack) -> dict[str, _Entry]:
             meta = torch.empty(sl.get_shape(), dtype=_safetensors_dtype(sl.get_dtype()), device="meta")
             entries[key] = _Entry(meta, lambda f=f, key=key: f.get_tensor(key))
     return entries
-
-
-def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
-    if scale.dtype == torch.float8_e8m0fnu:
-        return torch.exp2(scale.view(torch.uint8).float() - 127)
-    return scale.float()
-
-
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    out, inp = weight.shape
-    s = _scale_to_float(scale).repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(FP8_BLOCK, 1)[:, :inp]
-    return weight.float() * s
-
-
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """[out, in/2] bytes holding two e2m1 codes each (low nibble first) -> [out, in] fp32."""
-    codes = packed.view(torch.uint8)
-    codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2).long()
-    magnitude = torch.tensor(E2M1_VALUES, device=packed.device)[codes & 0x7]
-    return torch.where(codes >= 8, -magnitude, magnitude)
-
-
-def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return unpack_fp4(packed) * _scale_to_float(scale).repeat_interleave(FP4_BLOCK, 1)
 
 
 def _is_fp4(t: torch.Tensor) -> bool:
@@ -120,9 +93,9 @@ def _load_entries(decoder: nn.Module, entries: dict[str, _Entry]) -> None:
             if scale_key in scales:
                 scale = scales[scale_key].load()
                 if value.dtype == torch.float8_e4m3fn:
-                    value = dequantize_fp8(value, scale)
+                    value = dequantize_fp8_weight(value, scale)
                 else:
-                    value = dequantize_fp4(value, scale)
+                    value = dequantize_fp4_weight(value, scale)
             target = targets[key]
             target.copy_(value.to(device=target.device, dtype=target.dtype))
 

@@ -4,17 +4,7 @@ from __future__ import annotations
 
 import torch
 
-FP8_MAX = 448.0
-FP4_MAX = 6.0
-
-
-def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
-    """2 ** ceil(log2(x)) for positive normal fp32 x, exact, via the IEEE-754 bit layout
-    (a log2/ceil round trip can be off by one for values just above a power of two)."""
-    bits = x.float().view(torch.int32)
-    exponent = (bits >> 23) & 0xFF
-    has_mantissa = (bits & 0x7FFFFF) != 0
-    return ((exponent + has_mantissa.to(torch.int32)) << 23).view(torch.float32)
+from kernels.blockscale.ref import FP4_MAX, FP8_MAX, pow2_ceil, round_to_e2m1
 
 
 def _block_amax_per_value(magnitude: torch.Tensor, block: int, blocks: int) -> torch.Tensor:
@@ -47,7 +37,7 @@ def _block_qdq(x: torch.Tensor, block: int, qmax: float, amax_floor: float, pow2
         values = x32[..., :quantised].unflatten(-1, (quantised // block, block))
         amax = values.abs().amax(-1, keepdim=True)
     amax = amax.clamp(min=amax_floor)
-    scale = _pow2_ceil(amax * (1.0 / qmax)) if pow2 else amax * (1.0 / qmax)
+    scale = pow2_ceil(amax * (1.0 / qmax)) if pow2 else amax * (1.0 / qmax)
     y = round_fn((values / scale).clamp(-qmax, qmax)) * scale
     if rowwise:
         return torch.where(torch.arange(width, device=x.device) < quantised, y, x32).to(x.dtype)
@@ -69,15 +59,6 @@ def fp8_qdq(x: torch.Tensor, block: int = 64, pow2_scale: bool = True, keep_last
     """Round x to e4m3 with one scale per `block` values along the last dim, and back; the last
     `keep_last` values of each row (the KV cache's rope channels) stay as they are."""
     return _block_qdq(x, block, FP8_MAX, 1e-4, pow2_scale, _to_e4m3, keep_last, _rowwise(x))
-
-
-def round_to_e2m1(y: torch.Tensor) -> torch.Tensor:
-    """Round values in [-6, 6] to the e2m1 grid {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to even.
-    The grid spacing is 0.5 below 2, 1 below 4 and 2 above, so rounding y/step half-to-even
-    and scaling back lands on the grid with the right tie behaviour."""
-    mag = y.abs()
-    step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
-    return torch.sign(y) * torch.round(mag / step) * step
 
 
 def fp4_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from model import Decoder, ModelConfig
-from model.loading import E2M1_VALUES
+from kernels.blockscale.ref import E2M1_VALUES
 
 OFFICIAL = json.loads((pathlib.Path(__file__).parent / "data" / "official_params.json").read_text())
 # The official tiny ModelArgs (its head and indexer widths are too narrow for the fp8/fp4 blocks).

@@ -1,0 +1,13 @@
+"""Block-scaled FP8 / FP4 weights: `ref` (formats, the official act_quant, quantisers and the
+plain-torch product), `op` (the custom op `v4::blockscale_linear`)."""
+from kernels.blockscale.op import IMPLS, blockscale_linear, blockscale_linear_op
+from kernels.blockscale.ref import (
+    FP4_BLOCK, FP8_BLOCK, act_quant, act_quant_dequant, blockscale_linear_reference, dequantize_fp4_weight,
+    dequantize_fp8_weight, dequantize_weight, quantize_fp4_weight, quantize_fp8_weight, unpack_fp4,
+)
+
+__all__ = [
+    "FP4_BLOCK", "FP8_BLOCK", "IMPLS", "act_quant", "act_quant_dequant", "blockscale_linear", "blockscale_linear_op",
+    "blockscale_linear_reference", "dequantize_fp4_weight", "dequantize_fp8_weight", "dequantize_weight",
+    "quantize_fp4_weight", "quantize_fp8_weight", "unpack_fp4",
+]
