@@ -16,6 +16,7 @@ from torch import nn
 
 import kernels
 from model.config import ModelConfig
+from model.formats import scale_dtype_of
 from model.layers import DecodeStep, FusedLinear, Linear, LinearView, RMSNorm, fp32_param, product_dtype
 from model.quant import fp4_qdq, fp8_qdq, hadamard_rotate
 from model.rope import apply_rope
@@ -154,7 +155,10 @@ class Attention(nn.Module):
         self.wkv = LinearView(cfg.dim, self.head_dim)
         self.kv_norm = RMSNorm(self.head_dim, cfg.norm_eps, device)
         self.wo_a = Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank, dtype, device)
-        self.wo_b = Linear(self.n_groups * self.o_lora_rank, cfg.dim, dtype, device)
+        self.wo_b = Linear(
+            self.n_groups * self.o_lora_rank, cfg.dim, dtype, device,
+            fmt=cfg.linear_format, scale_dtype=scale_dtype_of(cfg.scale_dtype), pow2=cfg.pow2_scales,
+        )
         self.n_compressed = compressed_capacity(max_seq_len, ratio) if ratio else 0
         if ratio:
             self.compressor = Compressor(cfg, ratio, self.head_dim, False, num_slots, device)
@@ -164,26 +168,32 @@ class Attention(nn.Module):
         self.register_buffer(
             "kv_cache", torch.zeros(num_slots, rows, self.head_dim, dtype=dtype, device=device), persistent=False
         )
-        self._fuse_projections(product_dtype(cfg.fp32_products, dtype), dtype, device)
+        self._fuse_projections(cfg, product_dtype(cfg.fp32_products, dtype), dtype, device)
 
-    def _fuse_projections(self, compressor_dtype: torch.dtype, dtype: torch.dtype, device) -> None:
-        """One GEMM per input: x_proj for the attention input x, qr_proj for the normed low-rank
-        query. The compressors' weights are fp32 in "exact" fp32_products mode: they then read x
-        in fp32 through x32_proj; otherwise (x.float() cast back is x) they join x_proj."""
-        on_x, on_qr, on_x32 = ["wq_a", "wkv"], ["wq_b"], []
+    def _fuse_projections(self, cfg: ModelConfig, compressor_dtype: torch.dtype, dtype: torch.dtype, device) -> None:
+        """One product per input and weight format: x_proj for the attention input x, qr_proj
+        for the normed low-rank query. With FP8 storage the projections the official code keeps
+        in bf16 (the indexer's weights_proj) form x_dense_proj beside the FP8 x_proj. The
+        compressors' weights are fp32 in "exact" fp32_products mode: they then read x in fp32
+        through x32_proj; otherwise (x.float() cast back is x) they join the dense product of x."""
+        on_x, on_qr, on_x32, dense_on_x = ["wq_a", "wkv"], ["wq_b"], [], []
         if self.ratio:
             on_x32 += ["compressor.wkv", "compressor.wgate"]
         if self.ratio == 4:
-            on_x.append("indexer.weights_proj")
+            dense_on_x.append("indexer.weights_proj")
             on_qr.append("indexer.wq_b")
             on_x32 += ["indexer.compressor.wkv", "indexer.compressor.wgate"]
         if compressor_dtype == dtype:
-            on_x, on_x32 = on_x + on_x32, []
-        self.x_proj = FusedLinear({name: self.get_submodule(name) for name in on_x}, dtype, device)
-        self.qr_proj = FusedLinear({name: self.get_submodule(name) for name in on_qr}, dtype, device)
-        self.x32_proj = None
-        if on_x32:
-            self.x32_proj = FusedLinear({name: self.get_submodule(name) for name in on_x32}, compressor_dtype, device)
+            dense_on_x, on_x32 = dense_on_x + on_x32, []
+        fmt = cfg.linear_format
+        if fmt == "dense":
+            on_x, dense_on_x = on_x + dense_on_x, []
+        views = lambda names: {name: self.get_submodule(name) for name in names}  # noqa: E731
+        stored = dict(fmt=fmt, scale_dtype=scale_dtype_of(cfg.scale_dtype), pow2=cfg.pow2_scales)
+        self.x_proj = FusedLinear(views(on_x), dtype, device, **stored)
+        self.qr_proj = FusedLinear(views(on_qr), dtype, device, **stored)
+        self.x_dense_proj = FusedLinear(views(dense_on_x), dtype, device) if dense_on_x else None
+        self.x32_proj = FusedLinear(views(on_x32), compressor_dtype, device) if on_x32 else None
 
     def attended_rows(self, step: DecodeStep, compressed_entries: torch.Tensor | None) -> torch.Tensor:
         """Global row numbers [B, K] into kv_cache viewed as [slots * rows, head_dim]; -1 = masked."""
@@ -206,6 +216,8 @@ class Attention(nn.Module):
         batch = x.shape[0]
         rope = step.rope_compress if self.ratio else step.rope_window
         on_x = self.x_proj(x)  # {projection name: product}
+        if self.x_dense_proj is not None:
+            on_x.update(self.x_dense_proj(x))
         if self.x32_proj is not None:
             on_x.update(self.x32_proj(x.float()))
         qr = self.q_norm(on_x["wq_a"])

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 
+PRESETS = ("tiny", "tiny-fp8", "bench", "flash")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters of a DeepSeek-V4-class decoder. Field names follow the official ModelArgs."""
@@ -54,6 +57,15 @@ class ModelConfig:
     qat: bool = True
     # ue8m0 = power-of-two block scales, as the official fp8 checkpoints use
     scale_fmt: str | None = "ue8m0"
+    # Weight storage, as the official config names it. dtype "bf16": every linear in the model
+    # dtype; "fp8": the linears the official code quantises (attention wq_a, wq_b, wkv, wo_b, the
+    # indexer's wq_b, the shared expert) in e4m3 with 128 x 128 block scales, their activations
+    # quantised per 128 values before each product (the official linear()). expert_dtype "fp4":
+    # the routed experts in e2m1 with 1 x 32 block scales (None: as dtype says). scale_dtype
+    # "fp8": ue8m0 scales (which also makes activation scales powers of two); "fp32": fp32.
+    dtype: str = "bf16"
+    expert_dtype: str | None = None
+    scale_dtype: str = "fp8"
     # The products the official code runs in fp32 (hyper-connection mixes, gate, compressor
     # projections, LM head): "exact" keeps fp32 weights and math; "fast" stores those weights in
     # the model dtype and multiplies there (fp32 accumulation, fp32 result): half the bytes read.
@@ -69,6 +81,7 @@ class ModelConfig:
             problems.append(f"compress ratios must be 0, 4 or 128, got {sorted(set(ratios))}")
         if self.score_func != "sqrtsoftplus":
             problems.append(f"score_func {self.score_func!r} is not supported (V4 uses 'sqrtsoftplus')")
+        problems += self._storage_problems()
         if self.fp32_products not in ("exact", "fast"):
             problems.append(f"fp32_products must be 'exact' or 'fast', got {self.fp32_products!r}")
         if self.n_shared_experts != 1:
@@ -87,6 +100,44 @@ class ModelConfig:
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 
+    def _storage_problems(self) -> list[str]:
+        problems = []
+        if self.dtype not in ("bf16", "fp8"):
+            problems.append(f"dtype must be 'bf16' or 'fp8', got {self.dtype!r}")
+        if self.expert_dtype not in (None, "fp4"):
+            problems.append(f"expert_dtype must be None or 'fp4', got {self.expert_dtype!r}")
+        if self.scale_dtype not in ("fp8", "fp32"):
+            problems.append(f"scale_dtype must be 'fp8' or 'fp32', got {self.scale_dtype!r}")
+        # Activations are quantised in blocks of 128 along the products' inputs, and fused FP8
+        # projections share 128-row scale blocks.
+        needs = {}
+        if self.dtype == "fp8":
+            needs.update(dim=self.dim, q_lora_rank=self.q_lora_rank, moe_inter_dim=self.moe_inter_dim,
+                         **{"o_groups * o_lora_rank": self.o_groups * self.o_lora_rank, "head_dim": self.head_dim,
+                            "n_heads * head_dim": self.n_heads * self.head_dim,
+                            "index_n_heads * index_head_dim": self.index_n_heads * self.index_head_dim})
+        if self.expert_dtype == "fp4":
+            needs.update(dim=self.dim, moe_inter_dim=self.moe_inter_dim)
+        bad = [f"{name} = {value}" for name, value in needs.items() if value % 128]
+        if bad:
+            problems.append(f"dtype {self.dtype!r} / expert_dtype {self.expert_dtype!r} need multiples of 128: {', '.join(bad)}")
+        return problems
+
+    @property
+    def linear_format(self) -> str:
+        """How the linears the official code quantises are stored: "fp8" or "dense"."""
+        return "fp8" if self.dtype == "fp8" else "dense"
+
+    @property
+    def expert_format(self) -> str:
+        """How the routed experts are stored: "fp4", else as the other linears."""
+        return "fp4" if self.expert_dtype == "fp4" else self.linear_format
+
+    @property
+    def pow2_scales(self) -> bool:
+        """Power-of-two activation scales, as the official code sets them."""
+        return self.scale_dtype == "fp8" or self.scale_fmt == "ue8m0"
+
     @property
     def layer_ratios(self) -> tuple[int, ...]:
         return self.compress_ratios[: self.n_layers]
@@ -96,8 +147,9 @@ class ModelConfig:
 
     @classmethod
     def preset(cls, name: str, layers: int | None = None) -> "ModelConfig":
-        """`tiny` (CPU tests), `flash` (exactly V4-Flash), `bench` (V4-Flash widths, 16 experts);
-        `layers`: only the first that many of its layers (default: all)."""
+        """`tiny` (CPU tests), `tiny-fp8` (tiny with FP8 linears and FP4 experts), `flash` (exactly
+        V4-Flash, FP8 linears and FP4 experts as its checkpoint), `bench` (V4-Flash widths, 16
+        experts, bf16); `layers`: only the first that many of its layers (default: all)."""
         cfg = cls._full_preset(name)
         if layers is None:
             return cfg
@@ -108,7 +160,7 @@ class ModelConfig:
     @classmethod
     def _full_preset(cls, name: str) -> "ModelConfig":
         if name == "flash":
-            return cls()
+            return cls(dtype="fp8", expert_dtype="fp4")
         if name == "bench":
             return cls(n_routed_experts=16)
         if name == "tiny":
@@ -132,20 +184,24 @@ class ModelConfig:
                 index_head_dim=64,
                 index_topk=8,
             )
-        raise ValueError(f"unknown preset {name!r}; choose one of 'tiny', 'flash', 'bench'")
+        if name == "tiny-fp8":  # tiny, with the checkpoint's formats: widths in whole 128-value blocks
+            return cls._full_preset("tiny").replace(
+                q_lora_rank=128, moe_inter_dim=128, o_lora_rank=64, head_dim=128, rope_head_dim=64,
+                dtype="fp8", expert_dtype="fp4",
+            )
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
 
     @classmethod
     def from_official(cls, source: str | os.PathLike | Mapping[str, Any]) -> "ModelConfig":
-        """Read the official inference config.json (its ModelArgs field names). Keys that only
-        concern checkpoint storage or parallelism are ignored; unknown keys are an error."""
+        """Read the official inference config.json (its ModelArgs field names), weight storage
+        (dtype, expert_dtype, scale_dtype) included. Keys that concern the caches' capacity, the
+        multi-token-prediction layer or parallelism are ignored; unknown keys are an error."""
         if isinstance(source, Mapping):
             raw = dict(source)
         else:
             with open(source) as f:
                 raw = json.load(f)
-        storage_only = {
-            "max_batch_size", "max_seq_len", "dtype", "expert_dtype", "scale_dtype", "n_mtp_layers",
-        }
+        storage_only = {"max_batch_size", "max_seq_len", "n_mtp_layers"}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known - storage_only)
         if unknown:

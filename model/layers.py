@@ -7,25 +7,54 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.linear import linear
+from model.formats import FP8_BLOCK, from_checkpoint, project, scale_shape, storage_dtype, to_checkpoint, weight_shape
+
+
+def empty_weight(fmt: str, out: int, inp: int, dtype: torch.dtype, device, leading: tuple[int, ...] = ()) -> nn.Parameter:
+    shape = leading + weight_shape(fmt, out, inp)
+    return nn.Parameter(torch.empty(shape, dtype=storage_dtype(fmt, dtype), device=device), requires_grad=False)
+
+
+def empty_scale(fmt: str, out: int, inp: int, scale_dtype: torch.dtype, device, leading: tuple[int, ...] = ()) -> nn.Parameter | None:
+    shape = scale_shape(fmt, out, inp)
+    if shape is None:
+        return None
+    return nn.Parameter(torch.empty(leading + shape, dtype=scale_dtype, device=device), requires_grad=False)
 
 
 class Linear(nn.Module):
-    """y = x W^T with W stored [out, in] (no bias in V4). Left uninitialised: weights come
-    from `Decoder.load_official` or `Decoder.init_random`."""
+    """y = x W^T with W stored [out, in] in `fmt` (model/formats.py; no bias in V4), with its
+    block scales as `scale` where the format has them. Left uninitialised: weights come from
+    `Decoder.load_official` or `Decoder.init_random`."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device=None):
+    def __init__(
+        self, in_features: int, out_features: int, dtype: torch.dtype, device=None, fmt: str = "dense",
+        scale_dtype: torch.dtype = torch.float8_e8m0fnu, pow2: bool = True,
+    ):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.pow2 = pow2
+        self.weight = empty_weight(fmt, out_features, in_features, dtype, device)
+        self.scale = empty_scale(fmt, out_features, in_features, scale_dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return project(x, self.weight, self.scale, self.pow2)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = to_checkpoint(destination[prefix + "weight"])
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        key = prefix + "weight"
+        if key in state_dict:
+            state_dict[key] = from_checkpoint(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
 
 class LinearView(nn.Module):
-    """A projection whose weight is a block of rows of a FusedLinear's weight. It holds no
-    parameter of its own but keeps the projection's official name: `.weight` is that block,
-    and state_dict() saves and loads `<name>.weight` through it (a view of the fused weight)."""
+    """A projection whose weight (and scale) is a block of rows of a FusedLinear's. It holds no
+    parameter of its own but keeps the projection's official name: `.weight` is that block, and
+    state_dict() saves and loads `<name>.weight` (and `<name>.scale`) through it (views of the
+    fused tensors)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -33,42 +62,64 @@ class LinearView(nn.Module):
         self.out_features = out_features
         self._source: tuple[FusedLinear, int] | None = None  # (fused module, first row); set by FusedLinear
 
-    @property
-    def weight(self) -> torch.Tensor:
+    def _fused(self) -> tuple["FusedLinear", int]:
         if self._source is None:
             raise RuntimeError("this LinearView is not part of a FusedLinear yet")
-        fused, start = self._source
+        return self._source
+
+    @property
+    def weight(self) -> torch.Tensor:
+        fused, start = self._fused()
         return fused.weight[start : start + self.out_features]
 
+    @property
+    def scale(self) -> torch.Tensor | None:
+        fused, start = self._fused()
+        if fused.scale is None:
+            return None
+        rows = fused.scale.shape[0] * self.out_features // fused.weight.shape[0]  # FP8: whole 128-row blocks
+        first = fused.scale.shape[0] * start // fused.weight.shape[0]
+        return fused.scale[first : first + rows]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)  # the unfused product
+        fused, _ = self._fused()
+        return project(x, self.weight, self.scale, fused.pow2)  # the unfused product
+
+    def own_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [("weight", self.weight)] + ([("scale", self.scale)] if self.scale is not None else [])
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        weight = self.weight
-        destination[prefix + "weight"] = weight if keep_vars else weight.detach()
+        for name, tensor in self.own_tensors():
+            destination[prefix + name] = to_checkpoint(tensor if keep_vars else tensor.detach())
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        key = prefix + "weight"
+        own = dict(self.own_tensors())
         if strict:
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k != key)
-        if key not in state_dict:
-            missing_keys.append(key)
-            return
-        value, weight = state_dict[key], self.weight
-        if value.shape != weight.shape:
-            error_msgs.append(f"size mismatch for {key}: got {list(value.shape)}, the model has {list(weight.shape)}")
-            return
-        with torch.no_grad():
-            weight.copy_(value)
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in own)
+        for name, target in own.items():
+            key = prefix + name
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = from_checkpoint(state_dict[key])
+            if value.shape != target.shape:
+                error_msgs.append(f"size mismatch for {key}: got {list(value.shape)}, the model has {list(target.shape)}")
+                continue
+            with torch.no_grad():
+                target.copy_(value)
 
 
 class FusedLinear(nn.Module):
-    """Projections of one input run as one GEMM: their weights are stacked along the output
-    dimension in one [sum of outputs, in] parameter, and forward returns {name: product} (column
-    blocks of the one result). The stacked parameter is not in state_dict(): each projection's
+    """Projections of one input run as one product: their weights (and FP8 scales) are stacked
+    along the output dimension in one parameter, and forward returns {name: product} (column
+    blocks of the one result). With FP8 weights each projection's outputs must fill whole
+    128-row scale blocks. The stacked parameters are not in state_dict(): each projection's
     LinearView saves and loads its rows under its official name."""
 
-    def __init__(self, views: Mapping[str, LinearView], dtype: torch.dtype, device=None):
+    def __init__(
+        self, views: Mapping[str, LinearView], dtype: torch.dtype, device=None, fmt: str = "dense",
+        scale_dtype: torch.dtype = torch.float8_e8m0fnu, pow2: bool = True,
+    ):
         super().__init__()
         if not views:
             raise ValueError("FusedLinear needs at least one projection")
@@ -78,17 +129,24 @@ class FusedLinear(nn.Module):
         bound = [name for name, view in views.items() if view._source is not None]
         if bound:
             raise ValueError(f"projections already fused elsewhere: {bound}")
+        if fmt == "fp4":
+            raise ValueError("FusedLinear takes dense or FP8 weights")
+        ragged = [name for name, view in views.items() if fmt == "fp8" and view.out_features % FP8_BLOCK]
+        if ragged:
+            raise ValueError(f"FP8 projections fused into one must have whole {FP8_BLOCK}-row scale blocks: {ragged}")
         self.names = tuple(views)
         self.sizes = tuple(view.out_features for view in views.values())
+        self.pow2 = pow2
         in_features = next(iter(widths.values()))
-        self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features, dtype=dtype, device=device), requires_grad=False)
+        self.weight = empty_weight(fmt, sum(self.sizes), in_features, dtype, device)
+        self.scale = empty_scale(fmt, sum(self.sizes), in_features, scale_dtype, device)
         start = 0
         for view in views.values():
             view._source = (self, start)  # a plain attribute: the view must not own this module
             start += view.out_features
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return dict(zip(self.names, linear(x, self.weight).split(self.sizes, dim=-1)))
+        return dict(zip(self.names, project(x, self.weight, self.scale, self.pow2).split(self.sizes, dim=-1)))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         pass  # the LinearViews save the rows under their official names
@@ -106,7 +164,8 @@ def official_parameters(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     for prefix, submodule in module.named_modules():
         dot = prefix + "." if prefix else ""
         if isinstance(submodule, LinearView):
-            yield dot + "weight", submodule.weight
+            for name, tensor in submodule.own_tensors():
+                yield dot + name, tensor
         elif hasattr(submodule, "own_parameters"):
             for name, param in submodule.own_parameters():
                 yield dot + name, param

@@ -10,7 +10,8 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch import nn
 
-from kernels.blockscale import dequantize_fp4_weight, dequantize_fp8_weight
+from kernels.blockscale import dequantize_fp4_weight, dequantize_fp8_weight, quantize_fp4_weight, quantize_fp8_weight
+from model.formats import from_checkpoint, logical_in_features
 from model.layers import official_parameters
 
 
@@ -39,7 +40,10 @@ def _open_source(source, stack: contextlib.ExitStack) -> dict[str, _Entry]:
             if key in entries:
                 raise ValueError(f"key {key} appears in more than one shard (second: {file})")
             sl = f.get_slice(key)
-            meta = torch.empty(sl.get_shape(), dtype=_safetensors_dtype(sl.get_dtype()), device="meta")
+            dtype, shape = _safetensors_dtype(sl.get_dtype()), sl.get_shape()
+            if dtype == torch.float4_e2m1fn_x2:  # safetensors counts fp4 values, torch pairs of them
+                shape = [*shape[:-1], shape[-1] // 2]
+            meta = torch.empty(shape, dtype=dtype, device="meta")
             entries[key] = _Entry(meta, lambda f=f, key=key: f.get_tensor(key))
     return entries
 
@@ -63,11 +67,24 @@ def load_official_weights(decoder: nn.Module, source) -> None:
         _load_entries(decoder, _open_source(source, stack))
 
 
+_QUANTISED = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
+
+
+def _stored_as(t: torch.Tensor) -> torch.dtype:
+    """The dtype a tensor's bits hold: packed FP4 may come as float4, uint8 or int8."""
+    return torch.float4_e2m1fn_x2 if t.dtype in (torch.uint8, torch.int8) else t.dtype
+
+
 def _load_entries(decoder: nn.Module, entries: dict[str, _Entry]) -> None:
+    """Block-scaled checkpoint tensors load as they are where the model stores that format (its
+    state dict has the scale), and are dequantised where the model is dense; anything else that
+    disagrees (a dense tensor for a quantised model, another format, a scale of another shape
+    or dtype) is named, and nothing is written."""
     entries = {k: v for k, v in entries.items() if not k.startswith("mtp.")}
-    scales = {k: v for k, v in entries.items() if k.endswith(".scale") and k[: -len("scale")] + "weight" in entries}
-    weights = {k: v for k, v in entries.items() if k not in scales}
     targets = decoder.state_dict()
+    # Scales of weights the model holds dense: applied on load.
+    dequantised = {k: v for k, v in entries.items() if k.endswith(".scale") and k not in targets and k[: -len("scale")] + "weight" in entries}
+    weights = {k: v for k, v in entries.items() if k not in dequantised}
 
     unknown = sorted(set(weights) - set(targets))
     missing = sorted(set(targets) - set(weights))
@@ -76,28 +93,41 @@ def _load_entries(decoder: nn.Module, entries: dict[str, _Entry]) -> None:
         problems.append(f"unknown keys ({len(unknown)}): {unknown[:10]}")
     if missing:
         problems.append(f"missing keys ({len(missing)}): {missing[:10]}")
-    misshapen = []
+    misshapen, mistyped = [], []
     for key in sorted(set(weights) & set(targets)):
-        shape = _logical_shape(key, weights[key].meta, scales)
-        if shape != tuple(targets[key].shape):
-            misshapen.append(f"{key}: checkpoint {list(shape)}, model {list(targets[key].shape)}")
+        meta, target = weights[key].meta, targets[key]
+        shape = _logical_shape(key, meta, dequantised)
+        if shape != tuple(target.shape):
+            misshapen.append(f"{key}: checkpoint {list(shape)}, model {list(target.shape)}")
+        elif target.dtype in _QUANTISED and _stored_as(meta) != target.dtype:
+            mistyped.append(f"{key}: checkpoint {meta.dtype}, model {target.dtype}")
+        elif target.dtype not in _QUANTISED and _stored_as(meta) in _QUANTISED and key[: -len("weight")] + "scale" not in dequantised:
+            mistyped.append(f"{key}: checkpoint {meta.dtype} without a scale, model {target.dtype}")
     if misshapen:
         problems.append(f"misshapen keys ({len(misshapen)}): {misshapen[:10]}")
+    if mistyped:
+        problems.append(
+            f"tensors stored in another format than the model's ({len(mistyped)}; build the decoder with the "
+            f"checkpoint's dtype / expert_dtype / scale_dtype): {mistyped[:10]}"
+        )
     if problems:
         raise ValueError("cannot load official weights: " + "; ".join(problems))
 
     with torch.no_grad():
         for key, entry in weights.items():
             value = entry.load()
+            target = targets[key]
             scale_key = key[: -len("weight")] + "scale"
-            if scale_key in scales:
-                scale = scales[scale_key].load()
+            if scale_key in dequantised:
+                scale = dequantised[scale_key].load()
                 if value.dtype == torch.float8_e4m3fn:
                     value = dequantize_fp8_weight(value, scale)
                 else:
                     value = dequantize_fp4_weight(value, scale)
-            target = targets[key]
-            target.copy_(value.to(device=target.device, dtype=target.dtype))
+            if target.dtype in _QUANTISED:  # the bits as they are
+                from_checkpoint(target).copy_(from_checkpoint(value).view(from_checkpoint(target).dtype).to(target.device))
+            else:
+                target.copy_(value.to(device=target.device, dtype=target.dtype))
 
 
 def _safetensors_dtype(name: str) -> torch.dtype:
@@ -118,15 +148,22 @@ def _safetensors_dtype(name: str) -> torch.dtype:
 def init_random_weights(decoder: nn.Module, seed: int) -> None:
     """Random weights that keep activations O(1): linear maps N(0, 1/fan_in), norms around 1,
     hyper-connection maps giving unit-variance mixes, distinct hash experts per token. Fused
-    projections are drawn piece by piece under their official names, as if unfused."""
+    projections are drawn piece by piece under their official names, as if unfused; FP8 and FP4
+    weights are drawn dense and quantised as the official checkpoints are (one power-of-two scale
+    per block, kernels/blockscale/ref.py)."""
     generator = None
-    for name, param in official_parameters(decoder):
+    params = dict(official_parameters(decoder))
+    for name, param in params.items():
+        scale = params.get(name[: -len("weight")] + "scale") if name.endswith("weight") else None
+        if name.endswith(".scale") and name[: -len("scale")] + "weight" in params:
+            continue  # drawn with its weight
         if generator is None:
             generator = torch.Generator(device=param.device).manual_seed(seed)
         leaf = name.rsplit(".", 1)[-1]
+        shape = param.shape if scale is None else (*param.shape[:-1], logical_in_features(param, scale))
 
         def normal(std: float, mean: float = 0.0) -> torch.Tensor:
-            t = torch.randn(param.shape, generator=generator, device=param.device, dtype=torch.float32)
+            t = torch.randn(shape, generator=generator, device=param.device, dtype=torch.float32)
             return t * std + mean
 
         if leaf == "tid2eid":
@@ -141,15 +178,21 @@ def init_random_weights(decoder: nn.Module, seed: int) -> None:
         elif name.endswith("gate.bias"):
             value = normal(0.1)
         elif leaf.startswith("hc_") and leaf.endswith("_fn"):
-            value = normal(param.shape[-1] ** -0.5)
+            value = normal(shape[-1] ** -0.5)
         elif leaf.startswith("hc_") and leaf.endswith("_base"):
             value = normal(0.3)
         elif leaf.startswith("hc_") and leaf.endswith("_scale"):
-            value = torch.rand(param.shape, generator=generator, device=param.device) + 0.5
+            value = torch.rand(shape, generator=generator, device=param.device) + 0.5
         elif name.endswith("norm.weight"):
             value = normal(0.1, 1.0)
         elif name == "embed.weight":
             value = normal(1.0)
         else:
-            value = normal(param.shape[-1] ** -0.5)
-        param.copy_(value.to(param.dtype))
+            value = normal(shape[-1] ** -0.5)
+        if scale is None:
+            param.copy_(value.to(param.dtype))
+        else:
+            quantize = quantize_fp8_weight if param.dtype == torch.float8_e4m3fn else quantize_fp4_weight
+            values, scales = quantize(value, scale.dtype)
+            param.copy_(values)
+            scale.copy_(scales)

@@ -12,7 +12,8 @@ from torch import nn
 import kernels
 from kernels.moe import swiglu
 from model.config import ModelConfig
-from model.layers import LinearView, fp32_linear
+from model.formats import from_checkpoint, logical_in_features, project, scale_dtype_of, to_checkpoint
+from model.layers import Linear, LinearView, empty_scale, empty_weight, fp32_linear
 
 
 def top_k_by_rounds(keys: torch.Tensor, values: torch.Tensor, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -71,57 +72,82 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts 0..E-1 and the shared expert E, stacked: w1, w3 [E+1, inter, dim] and
-    w2 [E+1, dim, inter], so that the grouped kernel runs the shared expert as every token's last
-    pick (kernels.moe_experts' shared_expert) in the routed experts' launches. The routed
-    experts appear in state_dict() under their official per-expert names; the shared expert's
-    rows belong to MoE.shared_experts, which saves and loads them."""
+    """The routed experts 0..E-1 and, where it is stored in their format, the shared expert E,
+    stacked: w1, w3 [rows, inter, dim] and w2 [rows, dim, inter] in `fmt` (model/formats.py),
+    with their block scales w1_scale, w2_scale, w3_scale where the format has them. Stacked, the
+    grouped kernel runs the shared expert as every token's last pick (kernels.moe_experts'
+    shared_expert) in the routed experts' launches. The routed experts appear in state_dict()
+    under their official per-expert names; the shared expert's rows belong to
+    MoE.shared_experts, which saves and loads them."""
 
     NAMES = ("w1", "w2", "w3")
 
-    def __init__(self, n_routed: int, dim: int, inter: int, dtype: torch.dtype, device=None):
+    def __init__(
+        self, n_routed: int, dim: int, inter: int, dtype: torch.dtype, device=None, fmt: str = "dense",
+        with_shared: bool = True, scale_dtype: torch.dtype = torch.float8_e8m0fnu, pow2: bool = True,
+    ):
         super().__init__()
         self.n_routed = n_routed
-        self.shared_index = n_routed
-        for name, shape in (("w1", (inter, dim)), ("w2", (dim, inter)), ("w3", (inter, dim))):
-            param = nn.Parameter(torch.empty(n_routed + 1, *shape, dtype=dtype, device=device), requires_grad=False)
-            self.register_parameter(name, param)
+        self.shared_index = n_routed if with_shared else -1
+        self.pow2 = pow2
+        rows = (n_routed + 1 if with_shared else n_routed,)
+        for name, (out, inp) in (("w1", (inter, dim)), ("w2", (dim, inter)), ("w3", (inter, dim))):
+            self.register_parameter(name, empty_weight(fmt, out, inp, dtype, device, rows))
+            self.register_parameter(f"{name}_scale", empty_scale(fmt, out, inp, scale_dtype, device, rows))
         self.register_state_dict_post_hook(self._split_per_expert)
         self.register_load_state_dict_pre_hook(self._stack_per_expert)
 
+    def stored(self, name: str) -> list[tuple[str, torch.Tensor | None]]:
+        """(official leaf, stacked tensor) of projection `name`: its weight and scale."""
+        return [("weight", getattr(self, name)), ("scale", getattr(self, f"{name}_scale"))]
+
     def own_parameters(self):
-        """The routed experts' rows (model.layers.official_parameters)."""
-        return [(name, getattr(self, name)[: self.n_routed]) for name in self.NAMES]
+        """The routed experts' rows, per projection (model.layers.official_parameters)."""
+        return [(f"{name}.{leaf}", t[: self.n_routed]) for name in self.NAMES for leaf, t in self.stored(name) if t is not None]
 
     @staticmethod
     def _split_per_expert(module, state_dict, prefix, local_metadata):
         for name in Experts.NAMES:
-            stacked = state_dict.pop(prefix + name)
-            for e in range(module.n_routed):
-                state_dict[f"{prefix}{e}.{name}.weight"] = stacked[e]
+            for leaf, key in (("weight", name), ("scale", f"{name}_scale")):
+                if prefix + key not in state_dict:
+                    continue
+                stacked = state_dict.pop(prefix + key)
+                for e in range(module.n_routed):
+                    state_dict[f"{prefix}{e}.{name}.{leaf}"] = to_checkpoint(stacked[e])
 
     @staticmethod
     def _stack_per_expert(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        # The shared row keeps its value here; MoE.shared_experts loads it afterwards.
+        # A shared row keeps its value here; MoE.shared_experts loads it afterwards.
         for name in Experts.NAMES:
-            keys = [f"{prefix}{e}.{name}.weight" for e in range(module.n_routed)]
-            if all(k in state_dict for k in keys):
-                shared = getattr(module, name)[module.n_routed :].detach()
-                state_dict[prefix + name] = torch.cat([torch.stack([state_dict.pop(k) for k in keys]).to(shared), shared])
+            for leaf, stacked in module.stored(name):
+                keys = [f"{prefix}{e}.{name}.{leaf}" for e in range(module.n_routed)]
+                if stacked is None or not all(k in state_dict for k in keys):
+                    continue
+                routed = torch.stack([from_checkpoint(state_dict.pop(k)) for k in keys]).to(stacked)
+                key = prefix + (name if leaf == "weight" else f"{name}_scale")
+                state_dict[key] = torch.cat([routed, stacked[module.n_routed :].detach()])
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if self.w1_scale is None:
+            return None
+        return self.w1_scale, self.w2_scale, self.w3_scale
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
         """fp32 sum over each token's routed picks ids [B, k] of its expert's output times
-        weights [B, k], then the shared expert's output (its last pick, weight 1)."""
-        return kernels.moe_experts(x, ids, weights, self.w1, self.w2, self.w3, swiglu_limit, shared_expert=self.shared_index)
+        weights [B, k], then, if stacked here, the shared expert's output (its last pick, weight 1)."""
+        return kernels.moe_experts(
+            x, ids, weights, self.w1, self.w2, self.w3, swiglu_limit, shared_expert=self.shared_index,
+            scales=self.scales(), pow2=self.pow2,
+        )
 
 
 class ExpertView(LinearView):
-    """One of the shared expert's projections: its row of an Experts stack, saved and loaded under
-    the projection's official name (see LinearView)."""
+    """One of the shared expert's projections: its row of an Experts stack (and of the stack's
+    scales), saved and loaded under the projection's official name (see LinearView)."""
 
     def __init__(self, experts: Experts, name: str):
-        out_features, in_features = getattr(experts, name).shape[1:]
-        super().__init__(in_features, out_features)
+        out_features = getattr(experts, name).shape[1]
+        super().__init__(logical_in_features(getattr(experts, name), getattr(experts, f"{name}_scale")), out_features)
         self._stack = (experts, name)  # a tuple, so that the stack is not registered twice
 
     @property
@@ -129,15 +155,29 @@ class ExpertView(LinearView):
         experts, name = self._stack
         return getattr(experts, name)[experts.shared_index]
 
+    @property
+    def scale(self) -> torch.Tensor | None:
+        experts, name = self._stack
+        scale = getattr(experts, f"{name}_scale")
+        return None if scale is None else scale[experts.shared_index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return project(x, self.weight, self.scale, self._stack[0].pow2)
+
 
 class SharedExpert(nn.Module):
-    """The shared expert, whose weights are the last row of the Experts stacks. forward() runs it
-    on its own (the unfused product, for comparison); MoE runs it inside the grouped kernel."""
+    """The shared expert: the last row of the Experts stacks where it has the routed experts'
+    format (MoE then runs it inside the grouped kernel, and forward() is the unfused product, for
+    comparison), otherwise three Linears of its own that MoE runs after the routed experts."""
 
-    def __init__(self, experts: Experts, swiglu_limit: float):
+    def __init__(self, experts: Experts, swiglu_limit: float, linears: dict[str, Linear] | None = None):
         super().__init__()
         self.swiglu_limit = swiglu_limit
-        self.w1, self.w2, self.w3 = (ExpertView(experts, name) for name in Experts.NAMES)
+        self.stacked = linears is None
+        if self.stacked:
+            self.w1, self.w2, self.w3 = (ExpertView(experts, name) for name in Experts.NAMES)
+        else:
+            self.w1, self.w2, self.w3 = (linears[name] for name in Experts.NAMES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
@@ -149,11 +189,25 @@ class MoE(nn.Module):
         super().__init__()
         self.swiglu_limit = cfg.swiglu_limit
         self.gate = Gate(cfg, layer_id < cfg.n_hash_layers, dtype, device)
-        self.experts = Experts(cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, dtype, device)
-        self.shared_experts = SharedExpert(self.experts, cfg.swiglu_limit)
+        stored = dict(scale_dtype=scale_dtype_of(cfg.scale_dtype), pow2=cfg.pow2_scales)
+        # The shared expert joins the routed experts' stacks where it has their format.
+        stacked = cfg.expert_format == cfg.linear_format
+        self.experts = Experts(
+            cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, dtype, device, fmt=cfg.expert_format, with_shared=stacked, **stored
+        )
+        linears = None
+        if not stacked:
+            dim, inter = cfg.dim, cfg.moe_inter_dim
+            shapes = {"w1": (dim, inter), "w2": (inter, dim), "w3": (dim, inter)}
+            linears = {name: Linear(*shape, dtype, device, fmt=cfg.linear_format, **stored) for name, shape in shapes.items()}
+        self.shared_experts = SharedExpert(self.experts, cfg.swiglu_limit, linears)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, tokens)
-        # The shared expert runs as every token's last pick with weight 1 (exact in the fp32
-        # SwiGLU), so the fp32 sum is the official one: the routed picks, then the shared output.
-        return self.experts(x, ids, weights, self.swiglu_limit).to(x.dtype)
+        # Stacked, the shared expert runs as every token's last pick with weight 1 (exact in the
+        # fp32 SwiGLU); either way the fp32 sum is the official one: the routed picks, then the
+        # shared output.
+        y = self.experts(x, ids, weights, self.swiglu_limit)
+        if not self.shared_experts.stacked:
+            y = y + self.shared_experts(x).float()
+        return y.to(x.dtype)

@@ -45,7 +45,8 @@ def random_official_weights(decoder: Decoder, seed: int) -> dict[str, torch.Tens
 
 
 def test_flash_state_dict_is_the_official_table_and_holds_no_fused_weight():
-    decoder = Decoder(ModelConfig.preset("flash"), max_batch=1, max_seq_len=65536, device="meta")
+    bf16_build = ModelConfig.preset("flash").replace(dtype="bf16", expert_dtype=None)
+    decoder = Decoder(bf16_build, max_batch=1, max_seq_len=65536, device="meta")
     state = decoder.state_dict()
     described = {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in state.items()}
     assert described == OFFICIAL["flash"]
@@ -63,6 +64,23 @@ def test_flash_state_dict_is_the_official_table_and_holds_no_fused_weight():
     assert ratio4.qr_proj.names == ("wq_b", "indexer.wq_b")
     assert ratio4.x_proj.weight.shape == (1024 + 512 + 64, 4096)
     assert ratio4.x32_proj.weight.dtype == torch.float32 and ratio4.x32_proj.weight.shape == (2 * 1024 + 2 * 256, 4096)
+
+
+def test_fp8_projections_fuse_by_format_with_their_scale_blocks():
+    """The checkpoint's formats: the FP8 projections of x fuse with their 128-row scale blocks
+    stacked; the indexer's bf16 weights_proj is a product of its own; the FP4 routed experts are
+    stacked without the FP8 shared expert, which keeps its own linears."""
+    decoder = Decoder(ModelConfig.preset("flash"), max_batch=1, max_seq_len=65536, device="meta")
+    attn = decoder.layers[2].attn
+    assert attn.x_proj.names == ("wq_a", "wkv") and attn.x_proj.weight.dtype == torch.float8_e4m3fn
+    assert attn.x_proj.scale.shape == ((1024 + 512) // 128, 4096 // 128)
+    assert attn.x_dense_proj.names == ("indexer.weights_proj",) and attn.x_dense_proj.weight.dtype == torch.bfloat16
+    assert attn.qr_proj.names == ("wq_b", "indexer.wq_b") and attn.qr_proj.scale.shape == ((32768 + 8192) // 128, 1024 // 128)
+    assert attn.wkv.scale.shape == (4, 32) and attn.indexer.wq_b.scale.shape == (64, 8)
+    ffn = decoder.layers[0].ffn
+    assert ffn.experts.w1.shape == (256, 2048, 2048) and ffn.experts.w1.dtype == torch.uint8
+    assert ffn.experts.w1_scale.shape == (256, 2048, 4096 // 32)
+    assert not ffn.shared_experts.stacked and ffn.shared_experts.w2.weight.dtype == torch.float8_e4m3fn
 
 
 def test_fast_products_join_the_model_dtype_group_with_the_same_state_dict():
@@ -130,7 +148,8 @@ def test_init_draws_each_projection_under_its_official_name_with_its_fan_in():
     # The unfused parameter list: the state dict with the routed experts stacked again.
     unfused = [k for k in decoder.state_dict() if ".experts." not in k]
     assert [n for n in names if ".experts." not in n] == unfused
-    assert not any(isinstance(decoder.get_submodule(n.rpartition(".")[0]), FusedLinear) for n in names)
+    modules = dict(decoder.named_modules())
+    assert not any(isinstance(modules.get(n.rpartition(".")[0]), FusedLinear) for n in names)
 
     decoder.init_random(seed=5)
     state = decoder.state_dict()

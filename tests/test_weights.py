@@ -29,9 +29,25 @@ def described(decoder: Decoder) -> dict[str, list]:
     return {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in decoder.state_dict().items()}
 
 
-def test_flash_state_dict_equals_official_table():
-    decoder = Decoder(ModelConfig.preset("flash"), max_batch=1, max_seq_len=65536, device="meta")
-    ours, official = described(decoder), OFFICIAL["flash"]
+def expanded(table: dict, experts: int) -> dict:
+    """A table whose "experts.*." keys stand for every expert."""
+    out = {}
+    for key, value in table.items():
+        for e in range(experts) if ".experts.*." in key else [None]:
+            out[key if e is None else key.replace(".experts.*.", f".experts.{e}.")] = value
+    return out
+
+
+@pytest.mark.parametrize("build", ["fp8", "bf16"])
+def test_flash_state_dict_equals_official_table(build):
+    """The preset stores weights as the official checkpoint does (fp8 linears, fp4 experts, their
+    scales); with dtype bf16 and no expert dtype, as the official bf16 build."""
+    cfg = ModelConfig.preset("flash")
+    if build == "bf16":
+        cfg = cfg.replace(dtype="bf16", expert_dtype=None)
+    decoder = Decoder(cfg, max_batch=1, max_seq_len=65536, device="meta")
+    official = OFFICIAL["flash"] if build == "bf16" else expanded(OFFICIAL["flash_fp8"], cfg.n_routed_experts)
+    ours = described(decoder)
     assert sorted(set(official) - set(ours)) == []
     assert sorted(set(ours) - set(official)) == []
     assert {k: v for k, v in ours.items() if official[k] != v} == {}

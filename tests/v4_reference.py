@@ -46,6 +46,20 @@ def fp4_round_trip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return (q * s).reshape(x.shape).to(x.dtype)
 
 
+def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A block-scaled checkpoint weight as fp32: e4m3 [out, in] with one scale per 128 x 128
+    block, or e2m1 codes packed two per byte (low nibble first) with one scale per 32 inputs."""
+    s = scale.float()
+    if weight.dtype == torch.float8_e4m3fn:
+        out, inp = weight.shape
+        blocks = s[torch.arange(out)[:, None] // 128, torch.arange(inp)[None, :] // 128]
+        return weight.float() * blocks
+    codes = weight.view(torch.uint8).long()
+    codes = torch.stack([codes % 16, codes // 16], -1).flatten(-2)
+    values = E2M1_GRID[codes % 8] * torch.where(codes >= 8, -1.0, 1.0)
+    return values * s[:, torch.arange(values.shape[-1]) // 32]
+
+
 def hadamard(n: int) -> torch.Tensor:
     i = torch.arange(n)
     parity = torch.tensor([bin(v).count("1") % 2 for v in range(n)])[(i[:, None] & i[None, :])]
@@ -58,6 +72,7 @@ class V4Reference:
         self.w = {k: v.detach().cpu() for k, v in weights.items()}
         self.dtype = dtype
         self.had = hadamard(cfg.index_head_dim)
+        self.dequantized: dict[str, torch.Tensor] = {}
 
     # -- pieces -------------------------------------------------------------------------------
     def freqs(self, compressed: bool) -> torch.Tensor:
@@ -90,7 +105,15 @@ class V4Reference:
         return (self.w[weight_name] * x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps)).to(x.dtype)
 
     def lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return x @ self.w[name].t()
+        """x W^T; for a block-scaled W the official linear(): x rounded to e4m3 per 128 values,
+        the product of the dequantised operands in fp32, the result in x's dtype."""
+        scale = self.w.get(name[: -len("weight")] + "scale")
+        if scale is None:
+            return x @ self.w[name].t()
+        pow2 = self.cfg.scale_dtype == "fp8" or self.cfg.scale_fmt == "ue8m0"
+        if name not in self.dequantized:
+            self.dequantized[name] = dequantize(self.w[name], scale)
+        return (fp8_round_trip(x.float(), 128, pow2) @ self.dequantized[name].t()).to(x.dtype)
 
     def hc_mix(self, h: torch.Tensor, prefix: str):
         """h [T, hc, D] -> (x [T, D], post [T, hc], comb [T, hc, hc])."""

@@ -59,21 +59,22 @@ def act_quant_dequant(x: torch.Tensor, pow2: bool = True) -> torch.Tensor:
 
 
 def quantize_fp8_weight(w: torch.Tensor, scale_dtype: torch.dtype = torch.float8_e8m0fnu) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] -> (e4m3 [out, in], scales [ceil(out/128), ceil(in/128)]): one power-of-two
-    scale per 128 x 128 block (amax / 448 rounded up), edge blocks partial."""
-    out, inp = w.shape
+    """w [..., out, in] -> (e4m3 [..., out, in], scales [..., ceil(out/128), ceil(in/128)]): one
+    power-of-two scale per 128 x 128 block (amax / 448 rounded up), edge blocks partial."""
+    *lead, out, inp = w.shape
     rows, cols = -(-out // FP8_BLOCK), -(-inp // FP8_BLOCK)
-    padded = w.float().new_zeros(rows * FP8_BLOCK, cols * FP8_BLOCK)
-    padded[:out, :inp] = w.float()
-    blocks = padded.view(rows, FP8_BLOCK, cols, FP8_BLOCK)
-    scale = pow2_ceil(blocks.abs().amax((1, 3)).clamp(min=1e-4) / FP8_MAX)  # [rows, cols]
-    values = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[:out, :inp]
+    padded = w.float().new_zeros(*lead, rows * FP8_BLOCK, cols * FP8_BLOCK)
+    padded[..., :out, :inp] = w.float()
+    blocks = padded.view(*lead, rows, FP8_BLOCK, cols, FP8_BLOCK)
+    scale = pow2_ceil(blocks.abs().amax((-3, -1)).clamp(min=1e-4) / FP8_MAX)  # [..., rows, cols]
+    values = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[..., :out, :inp]
     return values.to(torch.float8_e4m3fn), scale.to(scale_dtype)
 
 
 def dequantize_fp8_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    out, inp = w.shape
-    s = scale_to_float(scale).repeat_interleave(FP8_BLOCK, 0)[:out].repeat_interleave(FP8_BLOCK, 1)[:, :inp]
+    """[..., out, in] e4m3 with [..., ceil(out/128), ceil(in/128)] scales -> fp32."""
+    out, inp = w.shape[-2:]
+    s = scale_to_float(scale).repeat_interleave(FP8_BLOCK, -2)[..., :out, :].repeat_interleave(FP8_BLOCK, -1)[..., :inp]
     return w.float() * s
 
 

@@ -1,7 +1,8 @@
 """Routed experts as a custom op (semantics: kernels/moe/ref.py).
 
 `torch.ops.v4.moe_experts` runs the plain-torch reference on CPU and the Triton grouped GEMM of
-kernels/moe/triton.py on CUDA; neither syncs with the host.
+kernels/moe/triton.py on CUDA; neither syncs with the host. Block-scaled (FP8 / FP4) experts run
+the reference on every device for now.
 """
 from __future__ import annotations
 
@@ -37,18 +38,51 @@ def _(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit, shared_expert):
     return moe_experts_triton(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit, shared_expert)
 
 
+@torch.library.custom_op("v4::moe_experts_scaled", mutates_args=())
+def moe_experts_scaled_op(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w3_scale: torch.Tensor,
+    swiglu_limit: float,
+    shared_expert: int,
+    pow2: bool,
+) -> torch.Tensor:
+    """Block-scaled experts (FP8 or FP4 weights with their scales)."""
+    scales = (w1_scale, w2_scale, w3_scale)
+    return moe_experts_reference(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit, shared_expert, scales, pow2)
+
+
+@moe_experts_scaled_op.register_fake
+def _(x, expert_ids, expert_weights, w1, w2, w3, w1_scale, w2_scale, w3_scale, swiglu_limit, shared_expert, pow2):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
 IMPLS = COMMON_IMPLS
 
 
 def moe_experts(
-    x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit: float, impl: str = "auto", shared_expert: int = -1
+    x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit: float, impl: str = "auto", shared_expert: int = -1,
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, pow2: bool = True,
 ) -> torch.Tensor:
     """[B,D] fp32 (see moe_experts_reference). impl: "auto" (the custom op: Triton on CUDA,
     reference on CPU), "triton" (the Triton path directly, e.g. on CPU under
     TRITON_INTERPRET=1) or "reference". shared_expert: -1, or the expert every token runs after
-    its picks with weight 1."""
+    its picks with weight 1. scales: the (w1, w2, w3) block scales of FP8 / FP4 experts."""
     check_impl("moe_experts", impl, IMPLS)
-    check_moe_inputs(x, expert_ids, expert_weights, w1, w2, w3, shared_expert)
+    check_moe_inputs(x, expert_ids, expert_weights, w1, w2, w3, shared_expert, scales)
+    if scales is not None:
+        if impl == "triton":
+            raise ValueError("moe_experts: the Triton path takes dense experts; block-scaled ones run impl='auto' or 'reference'")
+        args = (x, expert_ids, expert_weights, w1, w2, w3, *scales, float(swiglu_limit), int(shared_expert), bool(pow2))
+        if impl == "reference":
+            return moe_experts_reference(x, expert_ids, expert_weights, w1, w2, w3, float(swiglu_limit), int(shared_expert), scales, pow2)
+        return moe_experts_scaled_op(*args)
     args = (x, expert_ids, expert_weights, w1, w2, w3, float(swiglu_limit), int(shared_expert))
     if impl == "triton":
         from kernels.moe.triton import moe_experts_triton

@@ -7,12 +7,18 @@ summed in fp32):
     g = clamp(x w1[e]^T, max=limit), u = clamp(x w3[e]^T, -limit, limit)
     out[b] += (w * silu(g) * u) w2[e]^T
 
+Block-scaled experts (FP8 or FP4 weights with their scales, kernels/blockscale/ref.py) follow the
+official linear(): each product's input is quantised first (x before w1 and w3, the weighted
+SwiGLU before w2) and the product is returned in the activation dtype.
+
 The plain-torch reference, the shared-expert helpers and the input checks.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.blockscale.ref import act_quant_dequant, dequantize_weight
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -40,6 +46,19 @@ def with_shared_pick(expert_ids: torch.Tensor, expert_weights: torch.Tensor, sha
     return ids, weights
 
 
+def _picked(w: torch.Tensor, scale: torch.Tensor | None, ids) -> torch.Tensor:
+    """The weights of experts `ids` (an index or an index tensor), dequantised to fp32 where scaled."""
+    return w[ids] if scale is None else dequantize_weight(w[ids], scale[ids])
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, scaled: bool, pow2: bool) -> torch.Tensor:
+    """x @ w^T in x's dtype: as it is for dense w, the official block-scaled product for a
+    dequantised w (x quantised first, the product in fp32)."""
+    if not scaled:
+        return x @ w.transpose(-1, -2)
+    return (act_quant_dequant(x, pow2) @ w.transpose(-1, -2)).to(x.dtype)
+
+
 def moe_experts_reference(
     x: torch.Tensor,
     expert_ids: torch.Tensor,
@@ -49,14 +68,19 @@ def moe_experts_reference(
     w3: torch.Tensor,
     swiglu_limit: float,
     shared_expert: int = -1,
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    pow2: bool = True,
 ) -> torch.Tensor:
     """Plain-torch reference without host syncs. x [B,D]; expert_ids [B,k]; expert_weights
-    [B,k] fp32; w1, w3 [E,I,D]; w2 [E,D,I]; shared_expert: -1 or an expert every token runs
-    last with weight 1. Returns [B,D] fp32.
+    [B,k] fp32; w1, w3 [E,I,D]; w2 [E,D,I] (block-scaled: as stored, with `scales` (w1, w2, w3
+    scales) and `pow2` activation scales); shared_expert: -1 or an expert every token runs last
+    with weight 1. Returns [B,D] fp32.
 
     Few pairs: gather the picked experts' weights (reads only those). Many pairs: run every
     expert densely with a zero routing weight for the tokens that did not pick it; a zero
     weight zeroes the intermediate, so the sum is unchanged."""
+    s1, s2, s3 = scales if scales is not None else (None, None, None)
+    scaled = scales is not None
     if shared_expert >= 0:
         expert_ids, expert_weights = with_shared_pick(expert_ids, expert_weights, shared_expert)
     batch, picks = expert_ids.shape
@@ -64,27 +88,47 @@ def moe_experts_reference(
     if batch * picks <= num_experts:
         ids = expert_ids.reshape(-1).long()
         xs = x.repeat_interleave(picks, 0)[:, None, :]  # [P,1,D]
-        h = swiglu(xs @ w1[ids].transpose(1, 2), xs @ w3[ids].transpose(1, 2), swiglu_limit)
-        h = (h * expert_weights.reshape(-1, 1, 1).float()).to(x.dtype)
-        y = (h @ w2[ids].transpose(1, 2)).float()  # [P,1,D]
+        gate = _product(xs, _picked(w1, s1, ids), scaled, pow2)
+        up = _product(xs, _picked(w3, s3, ids), scaled, pow2)
+        h = (swiglu(gate, up, swiglu_limit) * expert_weights.reshape(-1, 1, 1).float()).to(x.dtype)
+        y = _product(h, _picked(w2, s2, ids), scaled, pow2).float()  # [P,1,D]
         return y.view(batch, picks, -1).sum(1)
     out = x.new_zeros(x.shape, dtype=torch.float32)
     for e in range(num_experts):
         weight = (expert_weights.float() * (expert_ids == e)).sum(1, keepdim=True)  # [B,1]
-        h = (swiglu(x @ w1[e].t(), x @ w3[e].t(), swiglu_limit) * weight).to(x.dtype)
-        out += (h @ w2[e].t()).float()
+        gate, up = _product(x, _picked(w1, s1, e), scaled, pow2), _product(x, _picked(w3, s3, e), scaled, pow2)
+        h = (swiglu(gate, up, swiglu_limit) * weight).to(x.dtype)
+        out += _product(h, _picked(w2, s2, e), scaled, pow2).float()
     return out
 
 
-def check_moe_inputs(x, expert_ids, expert_weights, w1, w2, w3, shared_expert: int) -> None:
+def check_moe_inputs(x, expert_ids, expert_weights, w1, w2, w3, shared_expert: int, scales=None) -> None:
     """Raise ValueError naming the first argument whose shape does not fit (no host sync)."""
     if x.dim() != 2 or expert_ids.shape != expert_weights.shape or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(
             "moe_experts expects x [B,D], expert_ids and expert_weights [B,k]; got "
             f"{tuple(x.shape)}, {tuple(expert_ids.shape)}, {tuple(expert_weights.shape)}"
         )
-    if w1.shape != w3.shape or w1.shape[2] != x.shape[1] or w2.shape != (w1.shape[0], w1.shape[2], w1.shape[1]):
+    if scales is not None:
+        _check_scaled_experts(x, w1, w2, w3, scales)
+    elif w1.shape != w3.shape or w1.shape[2] != x.shape[1] or w2.shape != (w1.shape[0], w1.shape[2], w1.shape[1]):
         raise ValueError(
             f"moe_experts: expert weights disagree: w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}, w3 {tuple(w3.shape)}"
         )
     check_shared_expert(shared_expert, w1.shape[0])
+
+
+def _check_scaled_experts(x, w1, w2, w3, scales) -> None:
+    """Block-scaled experts: FP8 (e4m3 [E,out,in]) or FP4 (uint8 [E,out,in/2]), scales to match."""
+    from kernels.blockscale.ref import check_blockscale_inputs
+
+    if len(scales) != 3 or w1.dim() != 3 or w1.shape != w3.shape or w1.shape[0] != w2.shape[0]:
+        raise ValueError(f"moe_experts: expert weights disagree: w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}, w3 {tuple(w3.shape)}")
+    inter = w1.shape[1]
+    for name, w, s, inp in (("w1", w1, scales[0], x.shape[1]), ("w2", w2, scales[1], inter), ("w3", w3, scales[2], x.shape[1])):
+        if s.dim() != 3 or s.shape[0] != w.shape[0]:
+            raise ValueError(f"moe_experts: {name}'s scale must be [E, ...] like its weight, got {tuple(s.shape)}")
+        try:
+            check_blockscale_inputs(x.new_empty(1, inp), w[0], s[0])
+        except ValueError as error:
+            raise ValueError(f"moe_experts: {name}: {error}") from None
