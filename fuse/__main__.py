@@ -10,7 +10,8 @@ import json
 import os
 import sys
 
-PRESETS = ("tiny", "bench", "flash")
+from model.config import PRESETS
+
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,7 +85,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def model_flags(p, preset: str, device: str) -> None:
-        p.add_argument("--preset", default=preset, choices=PRESETS, help="model widths: tiny (CPU), bench (V4-Flash widths, 16 experts), flash (V4-Flash)")
+        p.add_argument("--preset", default=preset, choices=PRESETS, help="model: tiny (CPU), tiny-fp8 (tiny with the checkpoint's FP8/FP4 formats), bench (V4-Flash widths, 16 experts, bf16), flash (V4-Flash, FP8/FP4)")
         p.add_argument("--layers", type=_positive, default=None, help="use the first N layers of the preset (default: all)")
         p.add_argument("--device", type=_device, default=device, help="cpu, cuda or cuda:N")
         p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")

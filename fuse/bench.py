@@ -102,8 +102,10 @@ def floor_bytes(decoder: Decoder, batch: int, context: int) -> dict[str, float]:
     weights = 0.0
     for name, p in decoder.named_parameters():
         nbytes = p.numel() * p.element_size()
-        if name.endswith(("experts.w1", "experts.w2", "experts.w3")):  # routed experts, then the shared one
-            touched = expected_experts(cfg.n_routed_experts, cfg.n_activated_experts, batch) + 1
+        if ".experts." in name and name.rsplit(".", 1)[-1] in ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"):
+            # routed experts (and the shared one where it is stacked with them), weights and scales
+            shared_rows = p.shape[0] - cfg.n_routed_experts
+            touched = expected_experts(cfg.n_routed_experts, cfg.n_activated_experts, batch) + shared_rows
             weights += nbytes / p.shape[0] * touched
         elif name == "embed.weight" or name.endswith("tid2eid"):
             weights += nbytes / p.shape[0] * batch
