@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
@@ -44,6 +44,7 @@ class CompileOptions:
     dump_dir: str | None = None  # write the generated code (depyf) and an index of its kernels here
     strict: bool = True  # a recompile after warm-up raises; False: it warns and is counted
     progress: bool = True  # one log line per bucket with its warm-up time
+    requested_compilation: str = field(default="auto", init=False, repr=False, compare=False)  # before resolving
 
     def __post_init__(self):
         if not self.buckets or any(isinstance(b, bool) or int(b) < 1 for b in self.buckets):
@@ -51,6 +52,7 @@ class CompileOptions:
         object.__setattr__(self, "buckets", tuple(sorted({int(b) for b in self.buckets})))
         if self.compilation not in COMPILATIONS:
             raise ValueError(f"compilation must be one of {COMPILATIONS}, got {self.compilation!r}")
+        object.__setattr__(self, "requested_compilation", self.compilation)
         object.__setattr__(self, "compilation", resolve_compilation(self.compilation))
         if self.skinny_product_columns < 0:
             raise ValueError(f"skinny_product_columns must be >= 0 (0: none), got {self.skinny_product_columns}")

@@ -64,7 +64,7 @@ class DecodeRunner:
         self.inspection: Inspection | None = None
         if dump:
             settings = {"device": str(self.device), "dynamic_batch": options.dynamic_batch, "mode": options.mode}
-            self.inspection = dump.inspection(options.compilation, buckets, settings, AROUND_THE_STEP)
+            self.inspection = dump.inspection(self.step.compilation, buckets, settings, AROUND_THE_STEP)
 
     def bucket_for(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
@@ -127,7 +127,7 @@ class DecodeRunner:
         lines = [
             f"buckets {list(self.buckets)} on {self.device}: compiled={self.options.compile} "
             f"graphs={self.use_graphs} dynamic_batch={self.options.dynamic_batch}"
-            + (f" compilation={self.options.compilation}" if self.options.compile else ""),
+            + (f" compilation={self.step.compilation}" if self.options.compile else ""),
             f"compiles {s.compiles}, graph breaks {s.graph_breaks}, recompiles after warm-up {s.recompiles}",
         ]
         start = s.describe_start()

@@ -65,6 +65,21 @@ class CompiledStep:
     run: StepFn
     once_per_step: tuple[types.CodeType, ...]  # graphs of these run once per step (the step, or the head)
     per_layer: types.CodeType | None = None  # regional: every block's graphs are entries of this code
+    compilation: str = "eager"  # what was compiled (see compilation_for)
+
+
+def holds_block_scaled_weights(model: DecodeModel) -> bool:
+    """Whether the model stores FP8 or packed FP4 weights (model/formats.py)."""
+    return any(p.dtype in (torch.float8_e4m3fn, torch.uint8) for p in model.parameters())
+
+
+def compilation_for(model: DecodeModel, options: CompileOptions) -> str:
+    """options.compilation, except that "auto" takes the regional compile for a model with
+    block-scaled weights: torch 2.13's Inductor cannot functionalise the nested region's cache
+    writes beside them (auto_functionalized_v2 is left in the graph)."""
+    if options.requested_compilation == "auto" and options.compilation == "nested" and holds_block_scaled_weights(model):
+        return "regional"
+    return options.compilation
 
 
 def build_step(
@@ -76,12 +91,13 @@ def build_step(
     graph a layer ran."""
     if not options.compile:
         return CompiledStep(model.step, ())
+    compilation = compilation_for(model, options)
     backend = compile_backend(options, model.device)
     dynamic = None if options.dynamic_batch else False
     compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=backend)  # noqa: E731
     symbolic = options.dynamic_batch
 
-    if options.compilation == "regional":
+    if compilation == "regional":
         forward = _shared_forward(model)
         blocks = []
         for index, layer in enumerate(model.layers):
@@ -92,14 +108,14 @@ def build_step(
         head = compile_(types.MethodType(head_fn, model))
         head = _batch_symbolic(head) if symbolic else head
         run = lambda tokens, positions, slots: model.step(tokens, positions, slots, layers=blocks, logits=head)  # noqa: E731
-        return CompiledStep(run, (head_fn.__code__,), forward.__code__)
+        return CompiledStep(run, (head_fn.__code__,), forward.__code__, compilation)
 
-    if options.compilation == "nested":
+    if compilation == "nested":
         fn = _fresh_function(_nested_region_step(model, _shared_forward(model)))
     else:  # "whole"
         fn = types.MethodType(_fresh_function(type(model).step), model)
     compiled = compile_(fn)
-    return CompiledStep(_batch_symbolic(compiled) if symbolic else compiled, (fn.__code__,))
+    return CompiledStep(_batch_symbolic(compiled) if symbolic else compiled, (fn.__code__,), compilation=compilation)
 
 
 def _shared_forward(model: DecodeModel) -> types.FunctionType:
