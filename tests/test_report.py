@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from fuse.launches import classify_kernel, classify_op, count_launches
+from fuse.launches import CATEGORIES, classify_kernel, classify_op, count_launches
 from fuse.report import ReportSettings, run_report
 
 
@@ -39,6 +39,14 @@ def test_compiled_count_sees_generated_kernels_and_fusion():
     assert many.counts["elementwise"] == few.counts["elementwise"]
     eager = count_launches(chain, x, z, 6)
     assert eager.glue > many.glue
+
+
+def test_cpu_time_by_category_adds_up_to_the_kernels():
+    x, z = torch.randn(8, 8), torch.randn(8, 8)
+    report = count_launches(chain, x, z, 3)
+    assert report.device == "cpu" and set(report.time_us) == set(CATEGORIES)
+    assert sum(report.time_us.values()) == pytest.approx(sum(report.kernel_time_us.values()))
+    assert report.time_us["gemm"] > 0 and 0 < report.glue_time_share() < 1
 
 
 def test_kernel_names_are_classified():
