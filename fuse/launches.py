@@ -254,10 +254,12 @@ def _cpu_kernel_events(events) -> list:
 
 
 def count_launches(
-    fn: Callable, *inputs, calls: int = 1, warmup: int = 1, label: str = "call", layers: int | None = None
+    fn: Callable, *inputs, calls: int = 1, warmup: int = 1, label: str = "call", layers: int | None = None,
+    trace_path: str | os.PathLike | None = None,
 ) -> LaunchReport:
     """Run fn(*inputs) `warmup` times, then profile `calls` calls and count their kernels by
-    category (see the module docstring for the method on each device)."""
+    category (see the module docstring for the method on each device). `trace_path`: also write
+    the profiled calls' timeline there (Chrome trace JSON; open it in Perfetto or chrome://tracing)."""
     for _ in range(warmup):
         fn(*inputs)
     on_cuda = torch.cuda.is_available() and any(isinstance(t, torch.Tensor) and t.is_cuda for t in _flatten(inputs))
@@ -278,6 +280,8 @@ def count_launches(
         finally:
             with _quiet_stderr():
                 prof.stop()
+    if trace_path is not None:
+        prof.export_chrome_trace(os.fspath(trace_path))
     names: Counter[str] = Counter()
     name_us: Counter[str] = Counter()
     time_us: Counter[str] = Counter()

@@ -19,6 +19,10 @@ from kernels.bench.timing import NOISY_SPREAD, Samples, wall_samples
 from model import Decoder, ModelConfig
 
 
+# The profiler's timeline of one step of each, in the report folder (Chrome trace JSON).
+TRACES = {"eager": "trace-eager.json", "compiled": "trace-compiled.json"}
+
+
 @dataclass
 class ReportSettings:
     preset: str = "tiny"
@@ -73,8 +77,13 @@ def run_report(settings: ReportSettings) -> dict:
     # Counting and timing repeat one step at the next position (it rewrites the same rows).
     args = eager.check_inputs(tokens, torch.full((settings.batch,), settings.steps), slots)
     one_step = one_step_errors(eager, compiled_model, runner.run_checked, args)
-    eager_launches = count_launches(eager.step, *args, label="eager", layers=cfg.n_layers)
-    compiled_launches = count_launches(runner.run_checked, *args, label="compiled", layers=cfg.n_layers)
+    # Each count also writes its profiled step's timeline (trace-eager.json, trace-compiled.json).
+    eager_launches = count_launches(
+        eager.step, *args, label="eager", layers=cfg.n_layers, trace_path=os.path.join(folder, TRACES["eager"])
+    )
+    compiled_launches = count_launches(
+        runner.run_checked, *args, label="compiled", layers=cfg.n_layers, trace_path=os.path.join(folder, TRACES["compiled"])
+    )
     index_entries = None
     if runner.inspection is not None:
         # Replayed graphs hide which op launched a library kernel; a direct call shows it.
@@ -110,6 +119,7 @@ def run_report(settings: ReportSettings) -> dict:
         "threads": torch.get_num_threads(),
         "inspect": inspection,
         "index_entries": index_entries,
+        "traces": dict(TRACES),
     }
     write_outputs(folder, result, eager_launches, compiled_launches)
     return result

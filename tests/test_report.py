@@ -132,6 +132,20 @@ def test_every_profiled_kernel_is_in_the_inspection_index(report):
     assert any(e["kind"] == "cpp" for e in entries.values()) and any(e["kind"] == "custom op" for e in entries.values())
 
 
+def test_report_writes_the_timeline_of_one_step_of_each(report):
+    """trace-eager.json and trace-compiled.json: the profiler's Chrome traces of the counted steps,
+    holding an event for every kernel counted (the CPU profiler names generated kernels `graph_<n>_...`)."""
+    folder, result = report
+    for label in ("eager", "compiled"):
+        assert result["traces"][label] == f"trace-{label}.json"
+        trace = json.loads((folder / f"trace-{label}.json").read_text())
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        names = {e.get("name") for e in events}
+        counted = set(result[label]["kernels"])
+        assert counted and counted <= names, sorted(counted - names)[:5]
+    assert any("cpp_fused" in name for name in result["compiled"]["kernels"])
+
+
 @pytest.mark.parametrize("layers", [0, 7])
 def test_report_rejects_a_layer_count_the_preset_does_not_have(layers, tmp_path):
     settings = ReportSettings(layers=layers, out_dir=str(tmp_path / "out"))
