@@ -132,6 +132,35 @@ def test_every_profiled_kernel_is_in_the_inspection_index(report):
     assert any(e["kind"] == "cpp" for e in entries.values()) and any(e["kind"] == "custom op" for e in entries.values())
 
 
+def test_launches_chart_has_a_count_panel_and_a_time_panel(report):
+    """launches.png: kernels by category on a log scale and the step's time by category, eager
+    against compiled, every bar labelled; the PNG holds bars in both halves."""
+    from matplotlib import image
+
+    from fuse.launches import LaunchReport
+    from fuse.report import launches_figure
+
+    folder, result = report
+    reports = [
+        LaunchReport(label=r["label"], device=r["device"], calls=r["calls"], counts=r["counts"], time_us=r["time_us"], layers=r["layers"])
+        for r in (result["eager"], result["compiled"])
+    ]
+    assert all(sum(r.time_us.values()) > 0 for r in reports)  # on the CPU too
+    figure = launches_figure(*reports)
+    counts, times = figure.axes
+    assert counts.get_yscale() == "symlog" and "CPU time" in times.get_ylabel()
+    for ax in (counts, times):
+        assert len(ax.patches) == 2 * len(CATEGORIES)
+        labels = [t.get_text() for t in ax.texts]
+        assert len([t for t in labels if re.fullmatch(r"[\d.]+", t)]) == 2 * len(CATEGORIES)
+    assert any("glue share" in t.get_text() for t in times.texts)
+    pixels = image.imread(folder / "launches.png")
+    height, width = pixels.shape[:2]
+    assert width > 2 * height > 600
+    colored = (pixels[..., :3].max(-1) - pixels[..., :3].min(-1)) > 0.3  # bar colours, not grey or white
+    assert colored[:, : width // 2].sum() > 2000 and colored[:, width // 2 :].sum() > 2000
+
+
 def test_report_writes_the_timeline_of_one_step_of_each(report):
     """trace-eager.json and trace-compiled.json: the profiler's Chrome traces of the counted steps,
     holding an event for every kernel counted (the CPU profiler names generated kernels `graph_<n>_...`)."""
