@@ -30,8 +30,11 @@ class Kernel:
     namespace, `v4.moe_experts`).
     ops: the ATen (and custom) ops it computes, for generated kernels the ops it fused. From
     Inductor's `Original ATen: [...]` comments where the output code has them (Triton kernels,
-    extern calls); the C++ backend writes none, so for `cpp` kernels they are read back from the
-    kernel's name, which lists them (`cpp_fused_add_mean_mul_0`).
+    extern calls, and C++ kernels compiled by fuse's backend, which has Inductor write them above
+    C++ launches too); else read back from the kernel's name, which lists them
+    (`cpp_fused_add_mean_mul_0`). Inside a nested compile region's function Inductor's comments
+    name the call of the region and its inputs, not the nodes inside (`Unsorted Source Nodes`):
+    a generated kernel there keeps the ops of its name.
     source_nodes: the captured-graph nodes it came from (`Source Nodes: [...]` comments; empty
     where there are none).
     calls: launches per run of its graph."""
@@ -85,11 +88,12 @@ def parse_output_code(source: str) -> list[Kernel]:
     # Inductor writes a launch's origin comment directly above it (on CUDA with the stream line
     # between); any other line in between means the comment was not about a launch.
     pending: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    unsorted = False
     for line, times in zip(lines, runs):
         text = line.strip()
         if text.startswith("#"):
             if "Original ATen:" in text or "Source Nodes:" in text:
-                pending = _comment_origins(text)
+                pending, unsorted = _comment_origins(text), "Unsorted Source Nodes" in text
             continue
         if not text or _STREAM_LINE.match(text):
             continue
@@ -97,8 +101,11 @@ def parse_output_code(source: str) -> list[Kernel]:
             for match in launch.finditer(text) if launch else ():
                 entry = defined[match.group(1)]
                 entry["calls"] += times
-                if pending and not entry["ops"] and not entry["source_nodes"]:
-                    entry["source_nodes"], entry["ops"] = pending
+                if pending and not entry["source_nodes"]:
+                    entry["source_nodes"] = pending[0]
+                    if not entry["ops"] or (pending[1] and not unsorted):
+                        # a custom op never runs inside a generated kernel (ops_from_kernel_name)
+                        entry["ops"] = tuple(op for op in pending[1] if op.split(".")[0] in ("aten", "prims")) or entry["ops"]
             for name, kind in _opaque_calls(text):
                 entry = opaque.setdefault(name, {"kind": kind, "ops": (), "source_nodes": (), "calls": 0})
                 entry["calls"] += times

@@ -66,6 +66,21 @@ def test_index_lists_fused_kernels(inspected):
                 assert k.calls == expected, k.name
 
 
+def test_cpp_launches_name_their_source_nodes(inspected, tiny_regional):
+    """On the CPU every C++ kernel launch has Inductor's origin comment above it (fuse's backend
+    has it written), so the index names the captured-graph nodes of the kernels."""
+    for result in (inspected[1], tiny_regional[1].inspection):
+        for graph in result.graphs:
+            lines = graph.files["output_code"].read_text().splitlines()
+            launches = [i for i, line in enumerate(lines) if re.match(r"\s+cpp_fused_\w+\(", line)]
+            assert launches and all("Source Nodes: [" in lines[i - 1] for i in launches), graph.name
+        generated = [k for k in result.kernels if k.kind == "cpp"]
+        assert all(k.source_nodes for k in generated)
+        # outside nested regions' functions the nodes are the kernel's own, and its ops those it fused
+        own = [k for k in generated if "invoke_subgraph" not in k.source_nodes]
+        assert own and all(k.ops and all(op.startswith("aten.") for op in k.ops) for k in own)
+
+
 def test_nested_compilation_is_one_graph_per_shape_with_shared_layer_functions(inspected):
     """Nested compilation: the step is one graph for batch 1 and one for the symbolic batch the
     other buckets share; in each, a layer kind several layers share is one function its wrapper
@@ -402,6 +417,41 @@ def test_inspect_on_cuda_indexes_triton_kernels(tmp_path):
     for graph in result.graphs:
         assert "async_compile.triton(" in graph.files["output_code"].read_text()
     print("\n" + "\n".join(f"{k.graph} {k.kind:20} {k.calls} {k.name}" for k in result.kernels[:40]))
+
+
+CPP_OUTPUT_CODE = '''
+cpp_fused_add_mul_0 = async_compile.cpp_pybinding(['const float*', 'float*'], r\'\'\'
+extern "C" void kernel(const float* in_ptr0, float* out_ptr0) {}
+\'\'\')
+cpp_fused_index_mean_sparse_mla_decode_1 = async_compile.cpp_pybinding(['const float*', 'float*'], r\'\'\'
+extern "C" void kernel(const float* in_ptr0, float* out_ptr0) {}
+\'\'\')
+
+def subgraph_0(args):
+    arg0_1, arg1_1 = args
+    # Unsorted Source Nodes: [invoke_subgraph, streams], Original ATen: [aten.repeat, aten.index, aten.mean, v4.sparse_mla_decode]
+    cpp_fused_index_mean_sparse_mla_decode_1(arg0_1, arg1_1)
+    return (arg1_1,)
+
+class Runner:
+    def call(self, args):
+        arg0_1, arg1_1 = args
+        # Topologically Sorted Source Nodes: [mul_3, add_7], Original ATen: [aten.mul, aten.add]
+        cpp_fused_add_mul_0(arg0_1, arg1_1)
+        buf0 = subgraph_0([arg0_1, arg1_1])
+        return (buf0[0],)
+'''
+
+
+def test_cpp_launches_take_their_origin_comments():
+    """fuse's backend has Inductor write the origin comment above C++ launches too; inside a
+    nested region's function the comment names the region's call, so the kernel keeps the ops
+    of its name (a custom op in it is an input it reads)."""
+    kernels = {k.name: k for k in parse_output_code(CPP_OUTPUT_CODE)}
+    top = kernels["cpp_fused_add_mul_0"]
+    assert (top.kind, top.calls, top.source_nodes, top.ops) == ("cpp", 1, ("mul_3", "add_7"), ("aten.mul", "aten.add"))
+    inner = kernels["cpp_fused_index_mean_sparse_mla_decode_1"]
+    assert (inner.calls, inner.source_nodes, inner.ops) == (1, ("invoke_subgraph", "streams"), ("aten.index", "aten.mean"))
 
 
 def test_in_place_writes_of_the_wrapper_are_launches():
