@@ -34,7 +34,7 @@ class Kernel:
     C++ launches too); else read back from the kernel's name, which lists them
     (`cpp_fused_add_mean_mul_0`). Inside a nested compile region's function Inductor's comments
     name the call of the region and its inputs, not the nodes inside (`Unsorted Source Nodes`):
-    a generated kernel there keeps the ops of its name.
+    a generated kernel there keeps the ops of its name, a library call or custom op its own op.
     source_nodes: the captured-graph nodes it came from (`Source Nodes: [...]` comments; empty
     where there are none).
     calls: launches per run of its graph."""
@@ -111,7 +111,10 @@ def parse_output_code(source: str) -> list[Kernel]:
                 entry["calls"] += times
                 if pending:
                     entry["source_nodes"] = _union(entry["source_nodes"], pending[0])
-                    entry["ops"] = _union(entry["ops"], pending[1])
+                    # inside a nested region's function the comment's ops are those of the region's
+                    # whole call: the call's own op stands for them (`extern_kernels.mm`: aten.mm)
+                    own = (name.replace("extern_kernels.", "aten."),)
+                    entry["ops"] = _union(entry["ops"], own if unsorted else pending[1])
         pending = None
     return [Kernel(name, **entry) for name, entry in (*defined.items(), *opaque.items())]
 

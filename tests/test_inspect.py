@@ -454,6 +454,23 @@ def test_cpp_launches_take_their_origin_comments():
     assert (inner.calls, inner.source_nodes, inner.ops) == (1, ("invoke_subgraph", "streams"), ("aten.index", "aten.mean"))
 
 
+def test_calls_inside_a_region_function_keep_their_own_op():
+    """Inside a nested region's function Inductor's comment above a library call or custom op
+    lists the ops of the region's whole call (the embedding of the step included): the call's own
+    op stands for them."""
+    source = CPP_OUTPUT_CODE.replace(
+        "    return (arg1_1,)",
+        "    # Unsorted Source Nodes: [invoke_subgraph, streams], Original ATen: [aten.repeat, aten.embedding, aten.mm]\n"
+        "    extern_kernels.mm(arg0_1, arg1_1, out=arg1_1)\n"
+        "    # Unsorted Source Nodes: [invoke_subgraph, streams], Original ATen: [aten.repeat, v4.moe_experts]\n"
+        "    buf1 = torch.ops.v4.moe_experts.default(arg0_1, arg1_1)\n"
+        "    return (buf1,)",
+    )
+    kernels = {k.name: k for k in parse_output_code(source)}
+    assert kernels["extern_kernels.mm"].ops == ("aten.mm",) and kernels["v4.moe_experts"].ops == ("v4.moe_experts",)
+    assert kernels["v4.moe_experts"].source_nodes == ("invoke_subgraph", "streams")
+
+
 def test_in_place_writes_of_the_wrapper_are_launches():
     """A mutated graph input written back (`arg.copy_(buf)`) or a zeroed buffer is a kernel the
     wrapper launches, indexed as the ATen op the profiler names it by."""
