@@ -26,9 +26,13 @@ from fuse.options import CompileOptions
 from fuse.passes import SkinnyProducts
 
 
-def compile_backend(options: CompileOptions, device: torch.device) -> Callable:
+def compile_backend(
+    options: CompileOptions, device: torch.device, on_graph: Callable[[torch.fx.GraphModule], None] | None = None
+) -> Callable:
     """Inductor with the options' mode and config patches; `backend.config_patches` says what
-    the step compiles with."""
+    the step compiles with. `on_graph(graph)` sees each graph Dynamo captured before Inductor
+    compiles it (the code dump reads the model modules of its nodes there); it must not change
+    the graph, and the compile and its cache keys are the same with it or without."""
     config: dict[str, object] = dict(torch._inductor.list_mode_options(options.mode)) if options.mode else {}
     # The runner captures its own graphs, whatever the mode says.
     config["triton.cudagraphs"] = False
@@ -41,6 +45,8 @@ def compile_backend(options: CompileOptions, device: torch.device) -> Callable:
     config["post_grad_custom_pre_pass"] = _OriginComments(SkinnyProducts(options.skinny_product_columns))
 
     def backend(graph: torch.fx.GraphModule, example_inputs):
+        if on_graph is not None:
+            on_graph(graph)
         with cpp_origin_comments():
             return compile_fx(graph, example_inputs, config_patches=dict(config))
 

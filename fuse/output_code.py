@@ -37,7 +37,10 @@ class Kernel:
     a generated kernel there keeps the ops of its name, a library call or custom op its own op.
     source_nodes: the captured-graph nodes it came from (`Source Nodes: [...]` comments; empty
     where there are none).
-    calls: launches per run of its graph."""
+    calls: launches per run of its graph.
+    modules: the model modules it computes for (`layers.3.attn.compressor`), filled in by the code
+    dump (fuse.inspection), which knows the model; a kernel of a function several layers share
+    names them as a list or range (`layers.[0-1].attn`)."""
 
     name: str
     kind: str
@@ -45,9 +48,27 @@ class Kernel:
     ops: tuple[str, ...] = ()
     source_nodes: tuple[str, ...] = ()
     graph: str = ""
+    modules: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "calls": self.calls, "ops": list(self.ops), "source_nodes": list(self.source_nodes)}
+        return {
+            "name": self.name, "kind": self.kind, "calls": self.calls, "modules": list(self.modules),
+            "ops": list(self.ops), "source_nodes": list(self.source_nodes),
+        }
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch of a kernel on one path of calls from the wrapper's `call`: the source nodes of
+    the comment above it, the graph inputs it reads (positions in `call(args)`, which is the order
+    of the captured graph's placeholders) and, where it runs in a nested compile region's function,
+    the graph inputs that function's call passes (a function called once per layer gives one
+    Launch per call)."""
+
+    kernel: str
+    source_nodes: tuple[str, ...]
+    inputs: tuple[int, ...]
+    region_inputs: tuple[int, ...] | None = None  # None: launched by `call` itself
 
 
 _DEFINITION = re.compile(r"^(?P<name>\w+) = async_compile\.(?P<method>\w+)\(", re.M)
@@ -119,15 +140,107 @@ def parse_output_code(source: str) -> list[Kernel]:
     return [Kernel(name, **entry) for name, entry in (*defined.items(), *opaque.items())]
 
 
+def launches(source: str) -> list[Launch]:
+    """Every launch parse_output_code counts, once per path of calls that reaches it, with the
+    graph inputs it reads: the names of the wrapper's arguments on its line, followed through the
+    calls of nested regions' functions (`f_args = [buf0, arg8_1, ...]`; `f(f_args)`) back to
+    `call(args)`. Buffers are not followed."""
+    lines = _TRIPLE_QUOTED.sub("''", source).splitlines()
+    owner = _line_owners(lines)
+    defined = [match["name"] for match in _DEFINITION.finditer(source)]
+    launch = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, defined)) + r")(?:\.run)?\(") if defined else None
+    params = _parameters(lines, owner)
+    sites = _call_sites(lines, owner, set(params) - {_WRAPPER_ENTRY})
+
+    def resolve(name: str, function: str, path: tuple) -> int | None:
+        if name not in params.get(function, {}):
+            return None
+        if function == _WRAPPER_ENTRY:
+            return params[function][name]
+        caller, elements = path[-1]
+        position = params[function][name]
+        return resolve(elements[position], caller, path[:-1]) if position < len(elements) else None
+
+    found: list[Launch] = []
+    pending: tuple[str, ...] = ()
+    for i, line in enumerate(lines):
+        text = line.strip()
+        if text.startswith("#"):
+            if "Source Nodes:" in text or "Original ATen:" in text:
+                pending = _comment_origins(text)[0]
+            continue
+        if not text or _STREAM_LINE.match(text):
+            continue
+        function = owner[i]
+        names = [] if "async_compile." in text or function not in params else (
+            [m.group(1) for m in launch.finditer(text)] if launch else []
+        ) + [name for name, _ in _opaque_calls(text)]
+        for path in _call_paths(function, sites) if names else ():
+            read = [resolve(t, function, path) for t in dict.fromkeys(re.findall(r"\b\w+\b", text))]
+            region = None
+            if path:
+                caller, elements = path[-1]
+                region = tuple(p for p in (resolve(e, caller, path[:-1]) for e in elements) if p is not None)
+            inputs = tuple(p for p in read if p is not None)
+            found += [Launch(name, pending, inputs, region) for name in names]
+        pending = ()
+    return found
+
+
+def _parameters(lines: list[str], owner: list[str | None]) -> dict[str, dict[str, int]]:
+    """Function -> its arguments by position, from the line that unpacks them (`arg0_1, arg1_1 = args`)."""
+    params: dict[str, dict[str, int]] = {}
+    for line, function in zip(lines, owner):
+        if function and function not in params and (match := re.match(r"^\s*(\w+(?:\s*,\s*\w+)*),?\s*=\s*args\s*$", line)):
+            params[function] = {name.strip(): i for i, name in enumerate(match.group(1).split(","))}
+    return params
+
+
+def _call_sites(lines: list[str], owner: list[str | None], functions: set[str]) -> dict[str, list[tuple[str, list[str]]]]:
+    """Function -> (caller, argument expressions) of each call of it: `f_args = [a, b]` (then
+    `f(f_args)`) or `f([a, b])`."""
+    sites: dict[str, list[tuple[str, list[str]]]] = {name: [] for name in functions}
+    if not functions:
+        return sites
+    names = "|".join(map(re.escape, sorted(functions)))
+    listed = re.compile(rf"^\s*({names})_args = \[(.*)\]\s*$")
+    direct = re.compile(rf"(?<![\w.])({names})\(\[(.*)\]\)")
+    for line, caller in zip(lines, owner):
+        match = listed.match(line) or direct.search(line)
+        if match and caller:
+            sites[match.group(1)].append((caller, [e.strip() for e in _split_arguments(match.group(2))]))
+    return sites
+
+
+def _call_paths(function: str | None, sites: dict, seen: frozenset = frozenset()) -> list[tuple]:
+    """The chains of call sites from `call` to `function` (one empty chain for `call` itself)."""
+    if function == _WRAPPER_ENTRY:
+        return [()]
+    if function is None or function in seen:
+        return []
+    return [path + (site,) for site in sites.get(function, ()) for path in _call_paths(site[0], sites, seen | {function})]
+
+
+def _split_arguments(text: str) -> list[str]:
+    """`a, f(b, c), d` -> [`a`, `f(b, c)`, `d`]."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p for p in parts if p.strip()]
+
+
 _DEF = re.compile(r"^(?P<indent>\s*)def (?P<name>\w+)\(")
 _WRAPPER_ENTRY = "call"
 
 
-def _runs_per_call(lines: list[str]) -> list[int]:
-    """For each line of a wrapper module, how often it runs per call of the wrapper: 1 in
-    `call`, n in a function that code running once calls n times (the nested compile regions'
-    subgraph functions), 0 elsewhere (module level, `get_args`, the benchmark harness)."""
-    owner: list[str | None] = []  # innermost function each line belongs to
+def _line_owners(lines: list[str]) -> list[str | None]:
+    """The innermost function each line of a module belongs to (None at module level)."""
+    owner: list[str | None] = []
     stack: list[tuple[int, str]] = []
     for line in lines:
         if line.strip():
@@ -137,6 +250,14 @@ def _runs_per_call(lines: list[str]) -> list[int]:
         owner.append(stack[-1][1] if stack else None)
         if (match := _DEF.match(line)) is not None:
             stack.append((len(match["indent"]), match["name"]))
+    return owner
+
+
+def _runs_per_call(lines: list[str]) -> list[int]:
+    """For each line of a wrapper module, how often it runs per call of the wrapper: 1 in
+    `call`, n in a function that code running once calls n times (the nested compile regions'
+    subgraph functions), 0 elsewhere (module level, `get_args`, the benchmark harness)."""
+    owner = _line_owners(lines)
     functions = {name for name in owner if name}
     callers: dict[str, list[int]] = {name: [] for name in functions}
     if functions - {_WRAPPER_ENTRY}:

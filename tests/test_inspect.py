@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import fuse
-from fuse.output_code import known_ops, ops_from_kernel_name, parse_output_code, triton_kernel_info
+from fuse.inspection import module_list
+from fuse.output_code import known_ops, launches, ops_from_kernel_name, parse_output_code, triton_kernel_info
 from kernels.hc_mix import tiles
 from model import Decoder, ModelConfig
 
@@ -79,6 +80,78 @@ def test_cpp_launches_name_their_source_nodes(inspected, tiny_regional):
         # outside nested regions' functions the nodes are the kernel's own, and its ops those it fused
         own = [k for k in generated if "invoke_subgraph" not in k.source_nodes]
         assert own and all(k.ops and all(op.startswith("aten.") for op in k.ops) for k in own)
+
+
+def expand(module: str) -> set[str]:
+    """`layers.[0-1,3].attn` -> {layers.0.attn, layers.1.attn, layers.3.attn}."""
+    match = re.fullmatch(r"layers\.\[([\d,-]+)\](.*)", module)
+    if not match:
+        return {module}
+    indices = set()
+    for part in match.group(1).split(","):
+        low, _, high = part.partition("-")
+        indices |= set(range(int(low), int(high or low) + 1))
+    return {f"layers.{i}{match.group(2)}" for i in indices}
+
+
+def test_index_names_the_model_modules_of_every_kernel(inspected, tiny_regional):
+    """Each kernel names the decoder modules it computes for: a kernel of a function several
+    layers share names all the layers of that kind, and each custom op the module that calls it,
+    in every layer that does."""
+    decoder, nested, _, _ = inspected
+    regional = tiny_regional[1].inspection
+    cfg = decoder.config
+    kinds = layer_kinds(cfg)
+    top_level = {"embed", "norm", "head", "(model)"}
+    for result in (nested, regional):
+        for graph in result.graphs:
+            for k in graph.kernels:
+                assert k.modules, (graph.name, k.name)
+                paths = set().union(*map(expand, k.modules))
+                assert all(p in top_level or re.match(r"layers\.\d+(\.|$)", p) for p in paths), (k.name, k.modules)
+                layers = {int(p.split(".")[1]) for p in paths if p.startswith("layers.")}
+                # a kernel runs for every layer of the kinds it runs for
+                assert layers == {i for i in range(cfg.n_layers) if kinds[i] in {kinds[j] for j in layers}}, (k.name, k.modules)
+                if graph.layers is not None:  # regional: the layers that run the graph
+                    assert layers <= set(graph.layers)
+        for bucket in result.buckets:
+            named: dict[str, set[str]] = {}
+            for graph in result.graphs_of(bucket):
+                for k in graph.kernels:
+                    if k.kind == "custom op":
+                        named.setdefault(k.name, set()).update(*map(expand, k.modules))
+            assert named == {
+                "v4.sparse_mla_decode": {f"layers.{i}.attn" for i in range(cfg.n_layers)},
+                "v4.moe_experts": {f"layers.{i}.ffn.experts" for i in range(cfg.n_layers)},
+                "v4.indexer_topk": {f"layers.{i}.attn.indexer" for i in range(cfg.n_layers) if cfg.layer_ratios[i] == 4},
+            }
+    assert any("compressor" in m for k in nested.kernels for m in k.modules)
+    rows = re.findall(r"^\| `cpp_fused\w+` \| cpp \| \d+ \| (layers\.[^|]*) \|", nested.index_md.read_text(), re.M)
+    assert rows and any("layers.[" in row for row in rows)  # shared functions, written once for their layers
+
+
+def test_launches_follow_arguments_through_region_calls(inspected):
+    """output_code.launches: one launch per path of calls, so they add up to each kernel's calls;
+    a launch in a region's function reads the graph inputs its call passes."""
+    _, result, _, _ = inspected
+    for graph in result.graphs:
+        found = launches(graph.files["output_code"].read_text())
+        assert Counter(l.kernel for l in found) == {k.name: k.calls for k in graph.kernels}
+        assert any(l.region_inputs for l in found) and any(l.region_inputs is None for l in found)
+    code = NESTED_OUTPUT_CODE
+    assert [(l.kernel, l.inputs, l.region_inputs) for l in launches(code) if l.kernel == "v4.moe_experts"] == [
+        ("v4.moe_experts", (0, 1), (0, 1)), ("v4.moe_experts", (1,), (1,)), ("v4.moe_experts", (1,), (1,)),
+    ]  # the later calls pass buffers for arg0_1, which are not followed
+
+
+def test_module_lists_name_each_layer_path_once():
+    layers = tuple(f"layers.{i}" for i in range(6))
+    assert module_list(["layers.0.attn", "layers.1.attn", "embed", "", "layers.3.ffn", "layers.5.ffn"], layers) == (
+        "layers.[0-1].attn", "embed", "(model)", "layers.[3,5].ffn",
+    )
+    assert module_list(["layers.0", "layers.1", "layers.2", "layers.4"], layers) == ("layers.[0-2,4]",)
+    assert module_list(["layers.3.attn.compressor"], layers) == ("layers.3.attn.compressor",)
+    assert module_list(["layers.3.attn"], layers, run_by=(3, 5)) == ("layers.[3,5].attn",)
 
 
 def test_nested_compilation_is_one_graph_per_shape_with_shared_layer_functions(inspected):
@@ -170,10 +243,10 @@ def test_index_json_and_markdown_agree(inspected):
     md_graphs = dict(zip(sections[::2], sections[1::2]))
     assert list(md_graphs) == [g["name"] for g in index["graphs"]]
     for g in index["graphs"]:
-        rows = re.findall(r"^\| `([^`]+)` \| ([\w ]+) \| (\d+) \| ([^|]*) \| ([^|]*) \|$", md_graphs[g["name"]], re.M)
+        rows = re.findall(r"^\| `([^`]+)` \| ([\w ]+) \| (\d+) \| ([^|]*) \| ([^|]*) \| ([^|]*) \|$", md_graphs[g["name"]], re.M)
         split = lambda cell: [x for x in cell.strip().split(", ") if x]
-        assert [(name, kind, int(calls), split(ops), split(nodes)) for name, kind, calls, ops, nodes in rows] == [
-            (k["name"], k["kind"], k["calls"], k["ops"], k["source_nodes"]) for k in g["kernels"]
+        assert [(name, kind, int(calls), split(modules), split(ops), split(nodes)) for name, kind, calls, modules, ops, nodes in rows] == [
+            (k["name"], k["kind"], k["calls"], k["modules"], k["ops"], k["source_nodes"]) for k in g["kernels"]
         ]
         for name in g["files"].values():
             assert name is None or f"[`{name}`]({name})" in md_graphs[g["name"]]

@@ -175,6 +175,28 @@ def test_report_writes_the_timeline_of_one_step_of_each(report):
     assert any("cpp_fused" in name for name in result["compiled"]["kernels"])
 
 
+def test_the_slowest_kernels_are_in_the_index_with_file_ops_and_module(report):
+    """Each kernel of report.md's top table has an index entry with the file it is in, the ops it
+    computes (fused) and the model modules it came from; the runner's own copies say so."""
+    folder, result = report
+    index = json.loads((folder / "inspect" / "index.json").read_text())
+    graphs = {g["name"]: g for g in index["graphs"]}
+    top = sorted(result["compiled"]["kernel_time_us"].items(), key=lambda kv: -kv[1])[:15]
+    for name, _ in top:
+        entry = result["index_entries"][name]
+        if entry["graph"] == "runner":
+            kernel = next(k for k in index["around_step"] if k["name"] == entry["entry"])
+            assert kernel["modules"] == ["(runner)"]
+        else:
+            graph = graphs[entry["graph"]]
+            assert (folder / "inspect" / graph["files"]["output_code"]).is_file()
+            kernel = next(k for k in graph["kernels"] if k["name"] == entry["entry"])
+            assert kernel["modules"] and all(re.fullmatch(r"[\w.\[\],-]+|\(model\)", m) for m in kernel["modules"]), kernel
+        assert kernel["ops"], kernel
+    md = (folder / "inspect" / "index.md").read_text()
+    assert "| kernel | kind | calls | module | ops | source nodes |" in md
+
+
 @pytest.mark.parametrize("layers", [0, 7])
 def test_report_rejects_a_layer_count_the_preset_does_not_have(layers, tmp_path):
     settings = ReportSettings(layers=layers, out_dir=str(tmp_path / "out"))
