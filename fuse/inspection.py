@@ -5,29 +5,10 @@ holds exactly the graphs the runner runs; `runner.inspection` (an `Inspection`) 
 `index.json` / `index.md` say which graph runs for which bucket and layers, and what each one's
 wrapper launches. `fuse.inspect(model, PATH, batch=B)` does the same for one bucket.
 
-The dump, per compiled graph `__compiled_fn_N` (N is Dynamo's id; the nested and whole-step
-compilations have one graph per shape for the step, the regional one a graph per distinct layer
-kind and shape, shared by every layer of that kind, plus the head's):
-
-- `__transformed_code_K_for_<frame>.py`: the bytecode Dynamo substituted for the compiled
-  frame, decompiled to Python. It gathers the graph's inputs and calls `__compiled_fn_N_<id>`.
-  K counts frames, not graphs: the index says which file belongs to which graph.
-- `full_code_for_<frame>_0.py`: the whole frame: per cache entry its guards and transformed
-  code, then the original source.
-- `__compiled_fn_N.<stage>.0.py`: the FX graph at successive stages, each a runnable
-  `GraphModule` whose comments give the model source line of every node:
-  `__compiled_fn_N.__compiled_fn_N_<id>.0.py` is what Dynamo captured (its node names are the
-  "source nodes" of the index), `Forward_graph` AOTAutograd's ATen graph, `AFTER_POST_GRAD`
-  what Inductor fuses after its passes; `BEFORE_PRE_GRAD`, `tensorify_python_scalars` and
-  `pre_insert_deferred_runtime_asserts_*` are steps in between. A graph served from the compile
-  cache has no AOTAutograd or post-grad stage: those ran when the cache was filled.
-- `__compiled_fn_N.kernel_K.py`: Inductor's output code: the kernels' source (C++ on the CPU,
-  Triton on CUDA, each Triton kernel under comments naming the source nodes and ATen ops it
-  fused), then `call(args)`, the wrapper, this graph's launch sequence (allocations, generated
-  kernels, `extern_kernels.*` library calls, the opaque custom ops `torch.ops.v4.*`). With nested
-  compilation a layer kind several layers share is a function of its own above the wrapper
-  (`..._subgraph_K(args)`), called once per such layer. Triton kernels Inductor loads as modules
-  of their own appear as further kernel_K files; the index points at the one with `call`.
+The dump holds, per compiled graph `__compiled_fn_N` (N is Dynamo's id; the nested and
+whole-step compilations have one graph per shape for the step, the regional one a graph per
+distinct layer kind and shape, shared by every layer of that kind, plus the head's), the kinds
+of files DUMP_FILES (below) describes; each index.md lists them too.
 
 Modules: the backend shows the dump each graph Dynamo captured (`CodeDump.record_graph`), whose
 nodes carry the model module that called them; a kernel's modules are those of its source nodes
@@ -57,6 +38,29 @@ import torch
 from fuse.output_code import Kernel, launches, parse_output_code
 
 _INDEX_FORMAT = 3  # bumped when index.json changes shape
+
+# What each kind of file in a dump is (module docstring); index.md lists it.
+DUMP_FILES = (
+    ("index.md, index.json", "this index: per graph its files and what its wrapper launches, and the custom-op calls per step"),
+    ("__transformed_code_K_for_<frame>.py", "the bytecode Dynamo substituted for the compiled frame, decompiled to Python: it "
+     "gathers the graph's inputs and calls `__compiled_fn_N_<id>`. K counts frames, not graphs: each graph below names its file"),
+    ("full_code_for_<frame>_0.py", "the whole frame: per cache entry its guards and transformed code, then the original source"),
+    ("__compiled_fn_N.__compiled_fn_N_<id>.0.py", "the FX graph Dynamo captured, a runnable `GraphModule` whose comments give "
+     "the model source line of every node; its node names are the source nodes of the tables below (a nested region only "
+     "one layer runs is inlined before Inductor compiles it: its nodes are those of its `subgraph_K` class, renamed where "
+     "names collide)"),
+    ("__compiled_fn_N.Forward_graph.0.py", "AOTAutograd's ATen graph"),
+    ("__compiled_fn_N.AFTER_POST_GRAD.0.py", "what Inductor fuses, after its graph passes"),
+    ("__compiled_fn_N.<other stage>.<i>.py", "`BEFORE_PRE_GRAD`, `tensorify_python_scalars`, "
+     "`pre_insert_deferred_runtime_asserts_*`: steps in between (`<i>` counts repeats). A graph served from the compile "
+     "cache has no AOTAutograd or post-grad stage: those ran when the cache was filled"),
+    ("__compiled_fn_N.kernel_K.py", "Inductor's output code: the kernels' source (C++ on the CPU, Triton on CUDA), then "
+     "`call(args)`, the wrapper: the graph's launch sequence (allocations, generated kernels, `extern_kernels.*` library "
+     "calls, the opaque custom ops `torch.ops.v4.*`), each launch under a comment naming its source nodes and ATen ops. "
+     "With nested compilation a layer kind several layers share is a function of its own above the wrapper "
+     "(`..._subgraph_K(args)`), called once per such layer. Triton kernels Inductor loads as modules of their own are "
+     "further kernel_K files; each graph below names the one with `call`"),
+)
 _DUMP_PREFIXES = ("__compiled_fn_", "__transformed_code_", "full_code_for_")
 
 
@@ -504,6 +508,12 @@ def index_markdown(index: dict) -> str:
         "both layers run); source nodes: nodes of the captured graph (inside a function several layers share, "
         "those of its call). "
         f"Whole frame with guards: {', '.join(f'`{n}`' for n in index['full_code']) or 'none'}.",
+        "",
+        "## The files in this folder",
+        "",
+        "| file | what it is |",
+        "|---|---|",
+        *(f"| `{name}` | {what} |" for name, what in DUMP_FILES),
         "",
         "## Custom-op calls per decode step",
         "",

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fuse
-from fuse.inspection import module_list
+from fuse.inspection import DUMP_FILES, module_list
 from fuse.output_code import known_ops, launches, ops_from_kernel_name, parse_output_code, triton_kernel_info
 from kernels.hc_mix import tiles
 from model import Decoder, ModelConfig
@@ -250,6 +250,21 @@ def test_index_json_and_markdown_agree(inspected):
         ]
         for name in g["files"].values():
             assert name is None or f"[`{name}`]({name})" in md_graphs[g["name"]]
+
+
+def test_index_says_what_each_file_of_the_dump_is(inspected, tiny_regional):
+    """index.md's first section describes every kind of file in the folder (DUMP_FILES, which the
+    module docstring points at); every file the dump holds is of one of those kinds."""
+    kinds = []
+    for name, _ in DUMP_FILES:
+        for pattern in name.split(", "):
+            parts = re.split(r"(<[^>]+>|(?<=_)[NK](?=[._]))", pattern)
+            kinds.append(re.compile("".join(".+" if p.startswith("<") else r"\d+" if p in "NK" and p else re.escape(p) for p in parts)))
+    for result in (inspected[1], tiny_regional[1].inspection):
+        section = result.index_md.read_text().split("## The files in this folder")[1].split("\n## ")[0]
+        assert all(f"| `{name}` | {what} |" in section for name, what in DUMP_FILES)
+        files = [p.name for p in result.out_dir.iterdir()]
+        assert files and all(any(k.fullmatch(f) for k in kinds) for f in files), [f for f in files if not any(k.fullmatch(f) for k in kinds)]
 
 
 def test_inspect_refuses_bad_arguments(tmp_path, inspected):

@@ -194,7 +194,7 @@ def test_the_slowest_kernels_are_in_the_index_with_file_ops_and_module(report):
             assert kernel["modules"] and all(re.fullmatch(r"[\w.\[\],-]+|\(model\)", m) for m in kernel["modules"]), kernel
         assert kernel["ops"], kernel
     md = (folder / "inspect" / "index.md").read_text()
-    assert "| kernel | kind | calls | module | ops | source nodes |" in md
+    assert "| kernel | kind | calls | module | ops | source nodes |" in md and "## The files in this folder" in md
 
 
 @pytest.mark.parametrize("layers", [0, 7])
