@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from fuse.output_code import Kernel, launches, parse_output_code
+from fuse.output_code import Kernel, launches, parse_output_code, wrapper_arity
 
 _INDEX_FORMAT = 3  # bumped when index.json changes shape
 
@@ -388,10 +388,14 @@ def _with_modules(graph: CompiledGraph, recorded: GraphModules, names: ModelName
     region's call, not the nodes inside), those of what it reads, else the layer whose call runs
     it. A regional graph runs for every layer of its kind: its modules are those of the layer it
     was captured from, named for all of them."""
-    owners = lambda positions: [recorded.inputs[p] for p in positions if p < len(recorded.inputs) and recorded.inputs[p] is not None]  # noqa: E731
+    source = graph.files["output_code"].read_text()
+    # the wrapper's arguments are the captured graph's inputs in order; where the counts differ,
+    # what a launch reads says nothing
+    inputs = recorded.inputs if wrapper_arity(source) == len(recorded.inputs) else ()
+    owners = lambda positions: [inputs[p] for p in positions if p < len(inputs) and inputs[p] is not None]  # noqa: E731
     opaque = {k.name for k in graph.kernels if k.kind in ("extern", "custom op")}
     found: dict[str, list[str]] = {}
-    for launch in launches(graph.files["output_code"].read_text()):
+    for launch in launches(source):
         if launch.region_inputs is None:
             nodes = [recorded.nodes[n] for n in launch.source_nodes if n in recorded.nodes]
             if launch.kernel in opaque:

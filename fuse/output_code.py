@@ -140,6 +140,13 @@ def parse_output_code(source: str) -> list[Kernel]:
     return [Kernel(name, **entry) for name, entry in (*defined.items(), *opaque.items())]
 
 
+def wrapper_arity(source: str) -> int | None:
+    """How many arguments the wrapper's `call(args)` unpacks (None: no such line)."""
+    lines = _TRIPLE_QUOTED.sub("''", source).splitlines()
+    found = _parameters(lines, _line_owners(lines)).get(_WRAPPER_ENTRY)
+    return None if found is None else len(found)
+
+
 def launches(source: str) -> list[Launch]:
     """Every launch parse_output_code counts, once per path of calls that reaches it, with the
     graph inputs it reads: the names of the wrapper's arguments on its line, followed through the

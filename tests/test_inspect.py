@@ -15,7 +15,7 @@ import torch
 
 import fuse
 from fuse.inspection import DUMP_FILES, module_list
-from fuse.output_code import known_ops, launches, ops_from_kernel_name, parse_output_code, triton_kernel_info
+from fuse.output_code import known_ops, launches, ops_from_kernel_name, parse_output_code, triton_kernel_info, wrapper_arity
 from kernels.hc_mix import tiles
 from model import Decoder, ModelConfig
 
@@ -142,6 +142,7 @@ def test_launches_follow_arguments_through_region_calls(inspected):
     assert [(l.kernel, l.inputs, l.region_inputs) for l in launches(code) if l.kernel == "v4.moe_experts"] == [
         ("v4.moe_experts", (0, 1), (0, 1)), ("v4.moe_experts", (1,), (1,)), ("v4.moe_experts", (1,), (1,)),
     ]  # the later calls pass buffers for arg0_1, which are not followed
+    assert wrapper_arity(code) == 2 and wrapper_arity("def f(x):\n    return x\n") is None
 
 
 def test_module_lists_name_each_layer_path_once():
