@@ -94,7 +94,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "report", formatter_class=defaults,
         help="the main job: compile, check against eager, count and time kernels, dump the generated code",
         description="Compile the decode step, check it against eager, count its kernels by category (eager vs "
-        "compiled), time both, and write report.json, report.md, launches.png and the generated code (inspect/).",
+        "compiled), time both, and write report.json, report.md, launches.png, the profiler timeline of one step of each "
+        "(trace-eager.json, trace-compiled.json) and the generated code (inspect/).",
     )
     model_flags(report, "tiny", "cpu")
     report.add_argument("--batch", type=_positive, default=4, help="batch size (one bucket)")
@@ -173,7 +174,7 @@ def _report(args) -> int:
 
         write_section(args.results, f"fuse report {args.preset} {args.device.split(':')[0]}", results_markdown(settings.folder()))
     print(format_console(result, result["eager"], result["compiled"]))
-    written = "report.json, report.md, launches.png" + (", inspect/ (the generated code; start at inspect/index.md)" if result["index_entries"] is not None else "")
+    written = "report.json, report.md, launches.png, trace-eager.json, trace-compiled.json" + (", inspect/ (the generated code; start at inspect/index.md)" if result["index_entries"] is not None else "")
     print(f"wrote {written} to {settings.folder()}")
     return 0
 

@@ -5,29 +5,15 @@ holds exactly the graphs the runner runs; `runner.inspection` (an `Inspection`) 
 `index.json` / `index.md` say which graph runs for which bucket and layers, and what each one's
 wrapper launches. `fuse.inspect(model, PATH, batch=B)` does the same for one bucket.
 
-The dump, per compiled graph `__compiled_fn_N` (N is Dynamo's id; the nested and whole-step
-compilations have one graph per shape for the step, the regional one a graph per distinct layer
-kind and shape, shared by every layer of that kind, plus the head's):
+The dump holds, per compiled graph `__compiled_fn_N` (N is Dynamo's id; the nested and
+whole-step compilations have one graph per shape for the step, the regional one a graph per
+distinct layer kind and shape, shared by every layer of that kind, plus the head's), the kinds
+of files DUMP_FILES (below) describes; each index.md lists them too.
 
-- `__transformed_code_K_for_<frame>.py`: the bytecode Dynamo substituted for the compiled
-  frame, decompiled to Python. It gathers the graph's inputs and calls `__compiled_fn_N_<id>`.
-  K counts frames, not graphs: the index says which file belongs to which graph.
-- `full_code_for_<frame>_0.py`: the whole frame: per cache entry its guards and transformed
-  code, then the original source.
-- `__compiled_fn_N.<stage>.0.py`: the FX graph at successive stages, each a runnable
-  `GraphModule` whose comments give the model source line of every node:
-  `__compiled_fn_N.__compiled_fn_N_<id>.0.py` is what Dynamo captured (its node names are the
-  "source nodes" of the index), `Forward_graph` AOTAutograd's ATen graph, `AFTER_POST_GRAD`
-  what Inductor fuses after its passes; `BEFORE_PRE_GRAD`, `tensorify_python_scalars` and
-  `pre_insert_deferred_runtime_asserts_*` are steps in between. A graph served from the compile
-  cache has no AOTAutograd or post-grad stage: those ran when the cache was filled.
-- `__compiled_fn_N.kernel_K.py`: Inductor's output code: the kernels' source (C++ on the CPU,
-  Triton on CUDA, each Triton kernel under comments naming the source nodes and ATen ops it
-  fused), then `call(args)`, the wrapper, this graph's launch sequence (allocations, generated
-  kernels, `extern_kernels.*` library calls, the opaque custom ops `torch.ops.v4.*`). With nested
-  compilation a layer kind several layers share is a function of its own above the wrapper
-  (`..._subgraph_K(args)`), called once per such layer. Triton kernels Inductor loads as modules
-  of their own appear as further kernel_K files; the index points at the one with `call`.
+Modules: the backend shows the dump each graph Dynamo captured (`CodeDump.record_graph`), whose
+nodes carry the model module that called them; a kernel's modules are those of its source nodes
+or of the parameters and buffers it reads (`_with_modules`), written once for all the layers
+that run it (`layers.[0-1].attn`).
 
 Counts: `Kernel.calls` is per run of its graph (a subgraph function's launches once per call of
 it); a graph runs once per layer listed under it (regional) or once per step, so
@@ -49,9 +35,32 @@ from typing import Callable, Iterator
 
 import torch
 
-from fuse.output_code import Kernel, parse_output_code
+from fuse.output_code import Kernel, launches, parse_output_code, wrapper_arity
 
-_INDEX_FORMAT = 2  # bumped when index.json changes shape
+_INDEX_FORMAT = 3  # bumped when index.json changes shape
+
+# What each kind of file in a dump is (module docstring); index.md lists it.
+DUMP_FILES = (
+    ("index.md, index.json", "this index: per graph its files and what its wrapper launches, and the custom-op calls per step"),
+    ("__transformed_code_K_for_<frame>.py", "the bytecode Dynamo substituted for the compiled frame, decompiled to Python: it "
+     "gathers the graph's inputs and calls `__compiled_fn_N_<id>`. K counts frames, not graphs: each graph below names its file"),
+    ("full_code_for_<frame>_0.py", "the whole frame: per cache entry its guards and transformed code, then the original source"),
+    ("__compiled_fn_N.__compiled_fn_N_<id>.0.py", "the FX graph Dynamo captured, a runnable `GraphModule` whose comments give "
+     "the model source line of every node; its node names are the source nodes of the tables below (a nested region only "
+     "one layer runs is inlined before Inductor compiles it: its nodes are those of its `subgraph_K` class, renamed where "
+     "names collide)"),
+    ("__compiled_fn_N.Forward_graph.0.py", "AOTAutograd's ATen graph"),
+    ("__compiled_fn_N.AFTER_POST_GRAD.0.py", "what Inductor fuses, after its graph passes"),
+    ("__compiled_fn_N.<other stage>.<i>.py", "`BEFORE_PRE_GRAD`, `tensorify_python_scalars`, "
+     "`pre_insert_deferred_runtime_asserts_*`: steps in between (`<i>` counts repeats). A graph served from the compile "
+     "cache has no AOTAutograd or post-grad stage: those ran when the cache was filled"),
+    ("__compiled_fn_N.kernel_K.py", "Inductor's output code: the kernels' source (C++ on the CPU, Triton on CUDA), then "
+     "`call(args)`, the wrapper: the graph's launch sequence (allocations, generated kernels, `extern_kernels.*` library "
+     "calls, the opaque custom ops `torch.ops.v4.*`), each launch under a comment naming its source nodes and ATen ops. "
+     "With nested compilation a layer kind several layers share is a function of its own above the wrapper "
+     "(`..._subgraph_K(args)`), called once per such layer. Triton kernels Inductor loads as modules of their own are "
+     "further kernel_K files; each graph below names the one with `call`"),
+)
 _DUMP_PREFIXES = ("__compiled_fn_", "__transformed_code_", "full_code_for_")
 
 
@@ -114,10 +123,15 @@ class CodeDump:
     bucket's first call (`dump.first_call(size)`) and each regional layer (`dump.after_block`)
     ran; `dump.inspection(...)` then reads and indexes the dump.
 
-    `out_dir` must be new or empty, or hold an earlier dump, which is replaced."""
+    `out_dir` must be new or empty, or hold an earlier dump, which is replaced. With `model`
+    (the decoder compiled), `record_graph` (the backend's `on_graph`) learns which of its modules
+    each node of a captured graph belongs to, and the index names each kernel's modules."""
 
-    def __init__(self, out_dir: str | os.PathLike):
+    def __init__(self, out_dir: str | os.PathLike, model: torch.nn.Module | None = None):
         self.out = _prepare_out_dir(Path(out_dir))
+        self._model = model
+        self._names: ModelNames | None = None
+        self._graph_modules: dict[str, GraphModules] = {}
         self._stack: contextlib.ExitStack | None = None
         self._once_per_step_codes: tuple[types.CodeType, ...] = ()
         self._bucket: int | None = None  # the bucket whose first call is running
@@ -149,6 +163,17 @@ class CodeDump:
                 self._buckets[name].add(bucket)
                 self._once_per_step.add(name)
 
+    def record_graph(self, graph: torch.fx.GraphModule) -> None:
+        """Called by the backend with each graph Dynamo captured, before Inductor compiles it:
+        records the model module of each node and input (read only; the graph is not changed)."""
+        if not isinstance(self._model, torch.nn.Module):
+            return
+        from depyf.explain.utils import get_current_compiled_fn_name
+
+        if self._names is None:
+            self._names = ModelNames.of(self._model)
+        self._graph_modules[get_current_compiled_fn_name()] = graph_modules(graph, self._names)
+
     def after_block(self, index: int, code: types.CodeType) -> None:
         """After layer `index` ran a graph compiled from `code` (regional compilation)."""
         if self._bucket is None:
@@ -170,7 +195,10 @@ class CodeDump:
         graphs = []
         for name in _graph_names(self.out, recorded):
             layers = None if name in self._once_per_step else tuple(sorted(self._layers.get(name, ())))
-            graphs.append(_read_graph(self.out, name, layers, tuple(sorted(self._buckets.get(name, ())))))
+            graph = _read_graph(self.out, name, layers, tuple(sorted(self._buckets.get(name, ()))))
+            if self._names is not None and name in self._graph_modules and graph.files["output_code"]:
+                graph = _with_modules(graph, self._graph_modules[name], self._names)
+            graphs.append(graph)
         per_step: dict[int, collections.Counter[str]] = {b: collections.Counter() for b in buckets}
         for g in graphs:
             for bucket in g.buckets:
@@ -296,6 +324,139 @@ def _is_wrapper(source: str) -> bool:
     return re.search(r"^\s*def call\(", source, re.M) is not None
 
 
+# -- model modules ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelNames:
+    """The compiled model's module names (`layers.3.attn`, "" the model itself) by object id, the
+    module owning each parameter and buffer by tensor id, and the names of its decoder layers."""
+
+    modules: dict[int, str]
+    owners: dict[int, str]
+    layers: tuple[str, ...]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ModelNames":
+        modules: dict[int, str] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            modules.setdefault(id(module), name)
+        owners: dict[int, str] = {}
+        for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+            owners.setdefault(id(tensor), name.rpartition(".")[0])
+        layers = tuple(modules[id(layer)] for layer in getattr(model, "layers", ()) if id(layer) in modules)
+        return cls(modules, owners, layers)
+
+
+@dataclass(frozen=True)
+class GraphModules:
+    """Where a captured graph's nodes come from: node name -> module (the innermost module call
+    Dynamo recorded for it, else the owner of a parameter or buffer it reads directly), and per
+    graph input, in placeholder order (that of the output code's `call(args)`), the module owning
+    it (None for the step's own inputs)."""
+
+    nodes: dict[str, str]
+    inputs: tuple[str | None, ...]
+
+
+def graph_modules(graph: torch.fx.GraphModule, names: ModelNames) -> GraphModules:
+    nodes: dict[str, str] = {}
+    inputs: list[str | None] = []
+    for node in graph.graph.nodes:
+        if node.op == "placeholder":
+            try:
+                example = node.meta["grapharg"].example
+            except (KeyError, AttributeError, RuntimeError):
+                example = None
+            owner = names.owners.get(id(example)) if isinstance(example, torch.Tensor) else None
+            inputs.append(owner)
+            if owner is not None:
+                nodes[node.name] = owner
+            continue
+        # nn_module_stack: outermost first, keyed by id(module) (`<id>@<n>` for its n-th call)
+        stack = [names.modules.get(int(k.split("@")[0])) for k in node.meta.get("nn_module_stack") or {} if k.split("@")[0].isdigit()]
+        stack = [m for m in stack if m is not None]
+        read = [nodes[i.name] for i in node.all_input_nodes if i.op == "placeholder" and i.name in nodes]
+        module = stack[-1] if stack else read[0] if read else None
+        if module is not None:
+            nodes[node.name] = module
+    return GraphModules(nodes, tuple(inputs))
+
+
+def _with_modules(graph: CompiledGraph, recorded: GraphModules, names: ModelNames) -> CompiledGraph:
+    """`graph` with each kernel's modules: for a generated kernel launched by the wrapper itself,
+    those of its source nodes, else of the parameters and buffers it reads (for a library call or
+    custom op the other way round); inside a nested region's function (whose comments name the
+    region's call, not the nodes inside), those of what it reads, else the layer whose call runs
+    it. A regional graph runs for every layer of its kind: its modules are those of the layer it
+    was captured from, named for all of them."""
+    source = graph.files["output_code"].read_text()
+    # the wrapper's arguments are the captured graph's inputs in order; where the counts differ,
+    # what a launch reads says nothing
+    inputs = recorded.inputs if wrapper_arity(source) == len(recorded.inputs) else ()
+    owners = lambda positions: [inputs[p] for p in positions if p < len(inputs) and inputs[p] is not None]  # noqa: E731
+    opaque = {k.name for k in graph.kernels if k.kind in ("extern", "custom op")}
+    found: dict[str, list[str]] = {}
+    for launch in launches(source):
+        if launch.region_inputs is None:
+            nodes = [recorded.nodes[n] for n in launch.source_nodes if n in recorded.nodes]
+            if launch.kernel in opaque:
+                # the weights a library call or custom op reads, else its own node: the last
+                # (topologically sorted) of its source nodes, those before fed it
+                modules = owners(launch.inputs) or nodes[-1:]
+            else:
+                modules = nodes or owners(launch.inputs)
+        else:
+            modules = owners(launch.inputs) or _layers_of(owners(launch.region_inputs), names.layers)
+        if len(set(modules)) > 1:
+            modules = [m for m in modules if m]  # the model itself says nothing beside a module
+        found.setdefault(launch.kernel, []).extend(modules)
+    kernels = tuple(replace(k, modules=module_list(found.get(k.name, ()), names.layers, graph.layers)) for k in graph.kernels)
+    return replace(graph, kernels=kernels)
+
+
+def _layers_of(modules: list[str], layers: tuple[str, ...]) -> list[str]:
+    """The decoder layers `modules` lie in (a region's call passes its layer's parameters)."""
+    return list(dict.fromkeys(layer for m in modules for layer in layers if m == layer or m.startswith(layer + ".")))
+
+
+def module_list(modules, layers: tuple[str, ...], run_by: tuple[int, ...] | None = None) -> tuple[str, ...]:
+    """Distinct module paths in order of first appearance, each decoder layer's path written once
+    for all the layers it appears in: `layers.3.attn`, `layers.[0-1].attn`, `layers.[3,5].ffn`;
+    "" (the model itself) as `(model)`. `run_by`: the layers a regional graph runs for, which
+    stand for the one layer named in its modules."""
+    index = {name: i for i, name in enumerate(layers)}
+    groups: dict[tuple[str, str], list[int]] = {}
+    for module in modules:
+        layer = next((l for l in layers if module == l or module.startswith(l + ".")), None)
+        if layer is None:
+            groups.setdefault((module, ""), [])
+            continue
+        parent, rest = layer.rpartition(".")[0], module[len(layer):]
+        indices = groups.setdefault((parent, rest), [])
+        for i in run_by if run_by is not None else (index[layer],):
+            if i not in indices:
+                indices.append(i)
+    out = []
+    for (head, rest), indices in groups.items():
+        if not indices:
+            out.append(head or "(model)")
+        else:
+            out.append(f"{head + '.' if head else ''}{_index_set(sorted(indices))}{rest}")
+    return tuple(out)
+
+
+def _index_set(indices: list[int]) -> str:
+    """[3] -> `3`; [0, 1] -> `[0-1]`; [3, 5] -> `[3,5]`; [0, 1, 2, 4] -> `[0-2,4]`."""
+    if len(indices) == 1:
+        return str(indices[0])
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return "[" + ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs) + "]"
+
+
 # -- the index ----------------------------------------------------------------------------------
 def index_dict(inspection: Inspection, settings: dict[str, object]) -> dict:
     import depyf
@@ -347,8 +508,16 @@ def index_markdown(index: dict) -> str:
         "",
         "Each graph lists what its output code's wrapper (`call`) launches, with calls per run of the graph; "
         "a graph runs once per layer listed, or once per step. ops: the ATen ops a kernel computes (for fused "
-        "kernels, the ops it fused); source nodes: nodes of the captured graph. "
+        "kernels, the ops it fused); module: the model modules it computes for (`layers.[0-1].attn`: a function "
+        "both layers run); source nodes: nodes of the captured graph (inside a function several layers share, "
+        "those of its call). "
         f"Whole frame with guards: {', '.join(f'`{n}`' for n in index['full_code']) or 'none'}.",
+        "",
+        "## The files in this folder",
+        "",
+        "| file | what it is |",
+        "|---|---|",
+        *(f"| `{name}` | {what} |" for name, what in DUMP_FILES),
         "",
         "## Custom-op calls per decode step",
         "",
@@ -358,8 +527,9 @@ def index_markdown(index: dict) -> str:
     ]
     if index["around_step"]:
         lines += ["", "## Around the step", "", "What the runner launches per call besides the step's graphs.", "",
-                  "| kernel | kind | calls | ops |", "|---|---|---|---|"]
-        lines += [f"| `{k['name']}` | {k['kind']} | {k['calls']} | {', '.join(k['ops'])} |" for k in index["around_step"]]
+                  "| kernel | kind | calls | module | ops |", "|---|---|---|---|---|"]
+        lines += [f"| `{k['name']}` | {k['kind']} | {k['calls']} | {', '.join(k['modules'])} | {', '.join(k['ops'])} |"
+                  for k in index["around_step"]]
     once_per_step = "the head" if index["compilation"] == "regional" else "the step"
     for g in index["graphs"]:
         runs = once_per_step if g["layers"] is None else "layers " + ", ".join(map(str, g["layers"]))
@@ -368,9 +538,10 @@ def index_markdown(index: dict) -> str:
         for role, name in g["files"].items():
             missing = "served from the compile cache" if role in _FROM_CACHE and g["files"]["output_code"] else "not dumped"
             lines.append(f"- {_FILE_ROLES[role]}: " + (f"[`{name}`]({name})" if name else missing))
-        lines += ["", "| kernel | kind | calls | ops | source nodes |", "|---|---|---|---|---|"]
+        lines += ["", "| kernel | kind | calls | module | ops | source nodes |", "|---|---|---|---|---|---|"]
         lines += [
-            f"| `{k['name']}` | {k['kind']} | {k['calls']} | {', '.join(k['ops'])} | {', '.join(k['source_nodes'])} |"
+            f"| `{k['name']}` | {k['kind']} | {k['calls']} | {', '.join(k['modules'])} | {', '.join(k['ops'])} | "
+            f"{', '.join(k['source_nodes'])} |"
             for k in g["kernels"]
         ]
     return "\n".join(lines) + "\n"

@@ -128,7 +128,8 @@ def classify_kernel(name: str, custom: Iterable[str] = ()) -> str:
 
 @dataclass
 class LaunchReport:
-    """Kernels per call by category (averaged over the profiled calls) and, on CUDA, device time."""
+    """Kernels per call by category (averaged over the profiled calls) and their time: device time
+    on CUDA, on the CPU the CPU time of each counted op or kernel (what it runs inside included)."""
 
     label: str
     device: str
@@ -156,7 +157,7 @@ class LaunchReport:
         return sum(self.time_us.get(c, 0.0) for c in GLUE) / total if total else None
 
     def rows(self) -> list[tuple[str, float, float | None, float | None]]:
-        """(category, kernels per call, per layer, share of device time)."""
+        """(category, kernels per call, per layer, share of device (CUDA) or CPU time)."""
         total_time = sum(self.time_us.values())
         out = []
         for c in CATEGORIES + ("glue", "total"):
@@ -195,7 +196,8 @@ class LaunchReport:
         return json.dumps(self.to_dict(), indent=2)
 
     def to_markdown(self) -> str:
-        header = "| category | kernels per call | per layer | share of device time |\n|---|---|---|---|"
+        unit = "device" if self.device == "cuda" else "CPU"
+        header = f"| category | kernels per call | per layer | share of {unit} time |\n|---|---|---|---|"
         lines = [header] + [
             f"| {c} | {n:g} | {'' if pl is None else f'{pl:.1f}'} | {'' if share is None else f'{100 * share:.1f}%'} |"
             for c, n, pl, share in self.rows()
@@ -252,10 +254,12 @@ def _cpu_kernel_events(events) -> list:
 
 
 def count_launches(
-    fn: Callable, *inputs, calls: int = 1, warmup: int = 1, label: str = "call", layers: int | None = None
+    fn: Callable, *inputs, calls: int = 1, warmup: int = 1, label: str = "call", layers: int | None = None,
+    trace_path: str | os.PathLike | None = None,
 ) -> LaunchReport:
     """Run fn(*inputs) `warmup` times, then profile `calls` calls and count their kernels by
-    category (see the module docstring for the method on each device)."""
+    category (see the module docstring for the method on each device). `trace_path`: also write
+    the profiled calls' timeline there (Chrome trace JSON; open it in Perfetto or chrome://tracing)."""
     for _ in range(warmup):
         fn(*inputs)
     on_cuda = torch.cuda.is_available() and any(isinstance(t, torch.Tensor) and t.is_cuda for t in _flatten(inputs))
@@ -276,6 +280,8 @@ def count_launches(
         finally:
             with _quiet_stderr():
                 prof.stop()
+    if trace_path is not None:
+        prof.export_chrome_trace(os.fspath(trace_path))
     names: Counter[str] = Counter()
     name_us: Counter[str] = Counter()
     time_us: Counter[str] = Counter()
@@ -297,6 +303,7 @@ def count_launches(
         for e in _cpu_kernel_events(prof.events()):
             names[e.name] += 1
             name_us[e.name] += e.cpu_time_total
+            time_us[classify_op(e.name)] += e.cpu_time_total
             origins[e.name] = e.name if "::" in e.name else ""
         counts = Counter()
         for name, n in names.items():
@@ -306,7 +313,7 @@ def count_launches(
         device="cuda" if on_cuda else "cpu",
         calls=calls,
         counts={c: counts.get(c, 0) / calls for c in CATEGORIES},
-        time_us={c: time_us.get(c, 0.0) / calls for c in CATEGORIES} if on_cuda else {},
+        time_us={c: time_us.get(c, 0.0) / calls for c in CATEGORIES},
         layers=layers,
         kernels={k: v / calls for k, v in sorted(names.items(), key=lambda kv: -kv[1])},
         kernel_time_us={k: v / calls for k, v in sorted(name_us.items(), key=lambda kv: -kv[1])},

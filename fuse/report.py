@@ -19,6 +19,10 @@ from kernels.bench.timing import NOISY_SPREAD, Samples, wall_samples
 from model import Decoder, ModelConfig
 
 
+# The profiler's timeline of one step of each, in the report folder (Chrome trace JSON).
+TRACES = {"eager": "trace-eager.json", "compiled": "trace-compiled.json"}
+
+
 @dataclass
 class ReportSettings:
     preset: str = "tiny"
@@ -73,8 +77,13 @@ def run_report(settings: ReportSettings) -> dict:
     # Counting and timing repeat one step at the next position (it rewrites the same rows).
     args = eager.check_inputs(tokens, torch.full((settings.batch,), settings.steps), slots)
     one_step = one_step_errors(eager, compiled_model, runner.run_checked, args)
-    eager_launches = count_launches(eager.step, *args, label="eager", layers=cfg.n_layers)
-    compiled_launches = count_launches(runner.run_checked, *args, label="compiled", layers=cfg.n_layers)
+    # Each count also writes its profiled step's timeline (trace-eager.json, trace-compiled.json).
+    eager_launches = count_launches(
+        eager.step, *args, label="eager", layers=cfg.n_layers, trace_path=os.path.join(folder, TRACES["eager"])
+    )
+    compiled_launches = count_launches(
+        runner.run_checked, *args, label="compiled", layers=cfg.n_layers, trace_path=os.path.join(folder, TRACES["compiled"])
+    )
     index_entries = None
     if runner.inspection is not None:
         # Replayed graphs hide which op launched a library kernel; a direct call shows it.
@@ -110,6 +119,7 @@ def run_report(settings: ReportSettings) -> dict:
         "threads": torch.get_num_threads(),
         "inspect": inspection,
         "index_entries": index_entries,
+        "traces": dict(TRACES),
     }
     write_outputs(folder, result, eager_launches, compiled_launches)
     return result
@@ -187,23 +197,50 @@ def write_outputs(folder: str, result: dict, eager: LaunchReport, compiled: Laun
 
 
 def plot_launches(path: str, eager: LaunchReport, compiled: LaunchReport) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = launches_figure(eager, compiled)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def launches_figure(eager: LaunchReport, compiled: LaunchReport):
+    """launches.png: kernels per decode step by category (a log scale, so the compiled bars stay
+    readable beside eager's thousands), and the step's time by category (device time on CUDA, CPU
+    time on the CPU) with the glue share of each; every bar labelled with its value."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, (counts, times) = plt.subplots(1, 2, figsize=(12, 4.2))
     x = range(len(CATEGORIES))
     width = 0.4
-    ax.bar([i - width / 2 for i in x], [eager.counts[c] for c in CATEGORIES], width, label=eager.label)
-    ax.bar([i + width / 2 for i in x], [compiled.counts[c] for c in CATEGORIES], width, label=compiled.label)
-    ax.set_xticks(list(x), CATEGORIES)
-    ax.set_ylabel("kernels per decode step")
-    ax.set_title(f"Kernels per decode step by category ({eager.device})")
-    ax.legend()
+    panels = (
+        (counts, lambda r, c: r.counts.get(c, 0.0), lambda v: f"{v:g}"),
+        (times, lambda r, c: r.time_us.get(c, 0.0) / 1000, lambda v: f"{v:.3g}" if v < 100 else f"{v:.0f}"),
+    )
+    for ax, value, label in panels:
+        for offset, launches in ((-width / 2, eager), (width / 2, compiled)):
+            values = [value(launches, c) for c in CATEGORIES]
+            bars = ax.bar([i + offset for i in x], values, width, label=launches.label)
+            ax.bar_label(bars, labels=[label(v) for v in values], fontsize=7, padding=1)
+        ax.set_xticks(list(x), CATEGORIES)
+        ax.legend()
+    counts.set_yscale("symlog", linthresh=1)  # log above 1, so that 0 still has a place
+    counts.set_ylim(0, max(max(r.counts.values(), default=1) for r in (eager, compiled)) * 4)
+    counts.set_ylabel("kernels per decode step (log scale)")
+    counts.set_title(f"Kernels per decode step by category ({eager.device})")
+    unit = "device" if eager.device == "cuda" else "CPU"
+    times.set_ylabel(f"{unit} time per decode step, ms")
+    times.set_title(f"{unit} time per decode step by category")
+    shares = [(r.label, r.glue_time_share()) for r in (eager, compiled)]
+    text = "glue share of the time: " + ", ".join(f"{label} {'-' if s is None else f'{100 * s:.0f}%'}" for label, s in shares)
+    times.text(0.02, 0.97, text, transform=times.transAxes, va="top", fontsize=9,
+               bbox=dict(boxstyle="round", facecolor="white", alpha=0.8))
+    times.margins(y=0.2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def format_console(result: dict, eager: dict, compiled: dict) -> str:

@@ -27,9 +27,9 @@ from fuse.step import DecodeModel, build_step, check_decode_model, decode_mode
 # What a call launches besides the step: its batch copied into the bucket's inputs, the rest
 # filled with padding rows, the output copied out.
 AROUND_THE_STEP = (
-    Kernel("aten.copy_", "runner", 3, ops=("aten.copy_",)),
-    Kernel("aten.fill_", "runner", 3, ops=("aten.fill_",)),
-    Kernel("aten.clone", "runner", 1, ops=("aten.clone",)),
+    Kernel("aten.copy_", "runner", 3, ops=("aten.copy_",), modules=("(runner)",)),
+    Kernel("aten.fill_", "runner", 3, ops=("aten.fill_",), modules=("(runner)",)),
+    Kernel("aten.clone", "runner", 1, ops=("aten.clone",), modules=("(runner)",)),
 )
 
 
@@ -52,9 +52,11 @@ class DecodeRunner:
                 use_cache_dir(options.cache_dir)
             if self.device.type == "cuda":
                 pin_triton_toolchain()
-        dump = CodeDump(options.dump_dir) if options.dump_dir else None
+        dump = CodeDump(options.dump_dir, model=decoder) if options.dump_dir else None
         with dump or contextlib.nullcontext():
-            self.step = build_step(decoder, options, after_block=dump.after_block if dump else None)
+            self.step = build_step(
+                decoder, options, after_block=dump.after_block if dump else None, on_graph=dump.record_graph if dump else None
+            )
             if dump:
                 dump.watch(self.step.once_per_step)
             self._buckets = build_buckets(

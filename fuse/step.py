@@ -83,16 +83,19 @@ def compilation_for(model: DecodeModel, options: CompileOptions) -> str:
 
 
 def build_step(
-    model: DecodeModel, options: CompileOptions, after_block: Callable[[int, types.CodeType], None] | None = None
+    model: DecodeModel,
+    options: CompileOptions,
+    after_block: Callable[[int, types.CodeType], None] | None = None,
+    on_graph: Callable[[torch.fx.GraphModule], None] | None = None,
 ) -> CompiledStep:
     """The decode step as `options` compile it (`options.compile=False`: the eager step).
     `after_block(index, code)` (regional compilation only) is called after each block's compiled
     call, with the code object its graphs belong to: readers of Dynamo's cache learn from it which
-    graph a layer ran."""
+    graph a layer ran. `on_graph(graph)`: the backend's (fuse/backend.py)."""
     if not options.compile:
         return CompiledStep(model.step, ())
     compilation = compilation_for(model, options)
-    backend = compile_backend(options, model.device)
+    backend = compile_backend(options, model.device, on_graph)
     dynamic = None if options.dynamic_batch else False
     compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=backend)  # noqa: E731
     symbolic = options.dynamic_batch

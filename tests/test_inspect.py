@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import fuse
-from fuse.output_code import known_ops, ops_from_kernel_name, parse_output_code, triton_kernel_info
+from fuse.inspection import DUMP_FILES, module_list
+from fuse.output_code import known_ops, launches, ops_from_kernel_name, parse_output_code, triton_kernel_info, wrapper_arity
 from kernels.hc_mix import tiles
 from model import Decoder, ModelConfig
 
@@ -64,6 +65,94 @@ def test_index_lists_fused_kernels(inspected):
                 launches = lambda code: len(re.findall(rf"^\s+{k.name}\(", code, re.M))
                 expected = launches(wrapper) + sum(launches(body) * runs[name] for name, body in functions.items())
                 assert k.calls == expected, k.name
+
+
+def test_cpp_launches_name_their_source_nodes(inspected, tiny_regional):
+    """On the CPU every C++ kernel launch has Inductor's origin comment above it (fuse's backend
+    has it written), so the index names the captured-graph nodes of the kernels."""
+    for result in (inspected[1], tiny_regional[1].inspection):
+        for graph in result.graphs:
+            lines = graph.files["output_code"].read_text().splitlines()
+            launches = [i for i, line in enumerate(lines) if re.match(r"\s+cpp_fused_\w+\(", line)]
+            assert launches and all("Source Nodes: [" in lines[i - 1] for i in launches), graph.name
+        generated = [k for k in result.kernels if k.kind == "cpp"]
+        assert all(k.source_nodes for k in generated)
+        # outside nested regions' functions the nodes are the kernel's own, and its ops those it fused
+        own = [k for k in generated if "invoke_subgraph" not in k.source_nodes]
+        assert own and all(k.ops and all(op.startswith("aten.") for op in k.ops) for k in own)
+
+
+def expand(module: str) -> set[str]:
+    """`layers.[0-1,3].attn` -> {layers.0.attn, layers.1.attn, layers.3.attn}."""
+    match = re.fullmatch(r"layers\.\[([\d,-]+)\](.*)", module)
+    if not match:
+        return {module}
+    indices = set()
+    for part in match.group(1).split(","):
+        low, _, high = part.partition("-")
+        indices |= set(range(int(low), int(high or low) + 1))
+    return {f"layers.{i}{match.group(2)}" for i in indices}
+
+
+def test_index_names_the_model_modules_of_every_kernel(inspected, tiny_regional):
+    """Each kernel names the decoder modules it computes for: a kernel of a function several
+    layers share names all the layers of that kind, and each custom op the module that calls it,
+    in every layer that does."""
+    decoder, nested, _, _ = inspected
+    regional = tiny_regional[1].inspection
+    cfg = decoder.config
+    kinds = layer_kinds(cfg)
+    top_level = {"embed", "norm", "head", "(model)"}
+    for result in (nested, regional):
+        for graph in result.graphs:
+            for k in graph.kernels:
+                assert k.modules, (graph.name, k.name)
+                paths = set().union(*map(expand, k.modules))
+                assert all(p in top_level or re.match(r"layers\.\d+(\.|$)", p) for p in paths), (k.name, k.modules)
+                layers = {int(p.split(".")[1]) for p in paths if p.startswith("layers.")}
+                # a kernel runs for every layer of the kinds it runs for
+                assert layers == {i for i in range(cfg.n_layers) if kinds[i] in {kinds[j] for j in layers}}, (k.name, k.modules)
+                if graph.layers is not None:  # regional: the layers that run the graph
+                    assert layers <= set(graph.layers)
+        for bucket in result.buckets:
+            named: dict[str, set[str]] = {}
+            for graph in result.graphs_of(bucket):
+                for k in graph.kernels:
+                    if k.kind == "custom op":
+                        named.setdefault(k.name, set()).update(*map(expand, k.modules))
+            assert named == {
+                "v4.sparse_mla_decode": {f"layers.{i}.attn" for i in range(cfg.n_layers)},
+                "v4.moe_experts": {f"layers.{i}.ffn.experts" for i in range(cfg.n_layers)},
+                "v4.indexer_topk": {f"layers.{i}.attn.indexer" for i in range(cfg.n_layers) if cfg.layer_ratios[i] == 4},
+            }
+    assert any("compressor" in m for k in nested.kernels for m in k.modules)
+    rows = re.findall(r"^\| `cpp_fused\w+` \| cpp \| \d+ \| (layers\.[^|]*) \|", nested.index_md.read_text(), re.M)
+    assert rows and any("layers.[" in row for row in rows)  # shared functions, written once for their layers
+
+
+def test_launches_follow_arguments_through_region_calls(inspected):
+    """output_code.launches: one launch per path of calls, so they add up to each kernel's calls;
+    a launch in a region's function reads the graph inputs its call passes."""
+    _, result, _, _ = inspected
+    for graph in result.graphs:
+        found = launches(graph.files["output_code"].read_text())
+        assert Counter(l.kernel for l in found) == {k.name: k.calls for k in graph.kernels}
+        assert any(l.region_inputs for l in found) and any(l.region_inputs is None for l in found)
+    code = NESTED_OUTPUT_CODE
+    assert [(l.kernel, l.inputs, l.region_inputs) for l in launches(code) if l.kernel == "v4.moe_experts"] == [
+        ("v4.moe_experts", (0, 1), (0, 1)), ("v4.moe_experts", (1,), (1,)), ("v4.moe_experts", (1,), (1,)),
+    ]  # the later calls pass buffers for arg0_1, which are not followed
+    assert wrapper_arity(code) == 2 and wrapper_arity("def f(x):\n    return x\n") is None
+
+
+def test_module_lists_name_each_layer_path_once():
+    layers = tuple(f"layers.{i}" for i in range(6))
+    assert module_list(["layers.0.attn", "layers.1.attn", "embed", "", "layers.3.ffn", "layers.5.ffn"], layers) == (
+        "layers.[0-1].attn", "embed", "(model)", "layers.[3,5].ffn",
+    )
+    assert module_list(["layers.0", "layers.1", "layers.2", "layers.4"], layers) == ("layers.[0-2,4]",)
+    assert module_list(["layers.3.attn.compressor"], layers) == ("layers.3.attn.compressor",)
+    assert module_list(["layers.3.attn"], layers, run_by=(3, 5)) == ("layers.[3,5].attn",)
 
 
 def test_nested_compilation_is_one_graph_per_shape_with_shared_layer_functions(inspected):
@@ -155,13 +244,28 @@ def test_index_json_and_markdown_agree(inspected):
     md_graphs = dict(zip(sections[::2], sections[1::2]))
     assert list(md_graphs) == [g["name"] for g in index["graphs"]]
     for g in index["graphs"]:
-        rows = re.findall(r"^\| `([^`]+)` \| ([\w ]+) \| (\d+) \| ([^|]*) \| ([^|]*) \|$", md_graphs[g["name"]], re.M)
+        rows = re.findall(r"^\| `([^`]+)` \| ([\w ]+) \| (\d+) \| ([^|]*) \| ([^|]*) \| ([^|]*) \|$", md_graphs[g["name"]], re.M)
         split = lambda cell: [x for x in cell.strip().split(", ") if x]
-        assert [(name, kind, int(calls), split(ops), split(nodes)) for name, kind, calls, ops, nodes in rows] == [
-            (k["name"], k["kind"], k["calls"], k["ops"], k["source_nodes"]) for k in g["kernels"]
+        assert [(name, kind, int(calls), split(modules), split(ops), split(nodes)) for name, kind, calls, modules, ops, nodes in rows] == [
+            (k["name"], k["kind"], k["calls"], k["modules"], k["ops"], k["source_nodes"]) for k in g["kernels"]
         ]
         for name in g["files"].values():
             assert name is None or f"[`{name}`]({name})" in md_graphs[g["name"]]
+
+
+def test_index_says_what_each_file_of_the_dump_is(inspected, tiny_regional):
+    """index.md's first section describes every kind of file in the folder (DUMP_FILES, which the
+    module docstring points at); every file the dump holds is of one of those kinds."""
+    kinds = []
+    for name, _ in DUMP_FILES:
+        for pattern in name.split(", "):
+            parts = re.split(r"(<[^>]+>|(?<=_)[NK](?=[._]))", pattern)
+            kinds.append(re.compile("".join(".+" if p.startswith("<") else r"\d+" if p in "NK" and p else re.escape(p) for p in parts)))
+    for result in (inspected[1], tiny_regional[1].inspection):
+        section = result.index_md.read_text().split("## The files in this folder")[1].split("\n## ")[0]
+        assert all(f"| `{name}` | {what} |" in section for name, what in DUMP_FILES)
+        files = [p.name for p in result.out_dir.iterdir()]
+        assert files and all(any(k.fullmatch(f) for k in kinds) for f in files), [f for f in files if not any(k.fullmatch(f) for k in kinds)]
 
 
 def test_inspect_refuses_bad_arguments(tmp_path, inspected):
@@ -402,6 +506,58 @@ def test_inspect_on_cuda_indexes_triton_kernels(tmp_path):
     for graph in result.graphs:
         assert "async_compile.triton(" in graph.files["output_code"].read_text()
     print("\n" + "\n".join(f"{k.graph} {k.kind:20} {k.calls} {k.name}" for k in result.kernels[:40]))
+
+
+CPP_OUTPUT_CODE = '''
+cpp_fused_add_mul_0 = async_compile.cpp_pybinding(['const float*', 'float*'], r\'\'\'
+extern "C" void kernel(const float* in_ptr0, float* out_ptr0) {}
+\'\'\')
+cpp_fused_index_mean_sparse_mla_decode_1 = async_compile.cpp_pybinding(['const float*', 'float*'], r\'\'\'
+extern "C" void kernel(const float* in_ptr0, float* out_ptr0) {}
+\'\'\')
+
+def subgraph_0(args):
+    arg0_1, arg1_1 = args
+    # Unsorted Source Nodes: [invoke_subgraph, streams], Original ATen: [aten.repeat, aten.index, aten.mean, v4.sparse_mla_decode]
+    cpp_fused_index_mean_sparse_mla_decode_1(arg0_1, arg1_1)
+    return (arg1_1,)
+
+class Runner:
+    def call(self, args):
+        arg0_1, arg1_1 = args
+        # Topologically Sorted Source Nodes: [mul_3, add_7], Original ATen: [aten.mul, aten.add]
+        cpp_fused_add_mul_0(arg0_1, arg1_1)
+        buf0 = subgraph_0([arg0_1, arg1_1])
+        return (buf0[0],)
+'''
+
+
+def test_cpp_launches_take_their_origin_comments():
+    """fuse's backend has Inductor write the origin comment above C++ launches too; inside a
+    nested region's function the comment names the region's call, so the kernel keeps the ops
+    of its name (a custom op in it is an input it reads)."""
+    kernels = {k.name: k for k in parse_output_code(CPP_OUTPUT_CODE)}
+    top = kernels["cpp_fused_add_mul_0"]
+    assert (top.kind, top.calls, top.source_nodes, top.ops) == ("cpp", 1, ("mul_3", "add_7"), ("aten.mul", "aten.add"))
+    inner = kernels["cpp_fused_index_mean_sparse_mla_decode_1"]
+    assert (inner.calls, inner.source_nodes, inner.ops) == (1, ("invoke_subgraph", "streams"), ("aten.index", "aten.mean"))
+
+
+def test_calls_inside_a_region_function_keep_their_own_op():
+    """Inside a nested region's function Inductor's comment above a library call or custom op
+    lists the ops of the region's whole call (the embedding of the step included): the call's own
+    op stands for them."""
+    source = CPP_OUTPUT_CODE.replace(
+        "    return (arg1_1,)",
+        "    # Unsorted Source Nodes: [invoke_subgraph, streams], Original ATen: [aten.repeat, aten.embedding, aten.mm]\n"
+        "    extern_kernels.mm(arg0_1, arg1_1, out=arg1_1)\n"
+        "    # Unsorted Source Nodes: [invoke_subgraph, streams], Original ATen: [aten.repeat, v4.moe_experts]\n"
+        "    buf1 = torch.ops.v4.moe_experts.default(arg0_1, arg1_1)\n"
+        "    return (buf1,)",
+    )
+    kernels = {k.name: k for k in parse_output_code(source)}
+    assert kernels["extern_kernels.mm"].ops == ("aten.mm",) and kernels["v4.moe_experts"].ops == ("v4.moe_experts",)
+    assert kernels["v4.moe_experts"].source_nodes == ("invoke_subgraph", "streams")
 
 
 def test_in_place_writes_of_the_wrapper_are_launches():

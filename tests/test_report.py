@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from fuse.launches import classify_kernel, classify_op, count_launches
+from fuse.launches import CATEGORIES, classify_kernel, classify_op, count_launches
 from fuse.report import ReportSettings, run_report
 
 
@@ -39,6 +39,14 @@ def test_compiled_count_sees_generated_kernels_and_fusion():
     assert many.counts["elementwise"] == few.counts["elementwise"]
     eager = count_launches(chain, x, z, 6)
     assert eager.glue > many.glue
+
+
+def test_cpu_time_by_category_adds_up_to_the_kernels():
+    x, z = torch.randn(8, 8), torch.randn(8, 8)
+    report = count_launches(chain, x, z, 3)
+    assert report.device == "cpu" and set(report.time_us) == set(CATEGORIES)
+    assert sum(report.time_us.values()) == pytest.approx(sum(report.kernel_time_us.values()))
+    assert report.time_us["gemm"] > 0 and 0 < report.glue_time_share() < 1
 
 
 def test_kernel_names_are_classified():
@@ -122,6 +130,71 @@ def test_every_profiled_kernel_is_in_the_inspection_index(report):
     assert not missing, missing
     assert {(e["graph"], e["entry"]) for e in entries.values()} <= listed
     assert any(e["kind"] == "cpp" for e in entries.values()) and any(e["kind"] == "custom op" for e in entries.values())
+
+
+def test_launches_chart_has_a_count_panel_and_a_time_panel(report):
+    """launches.png: kernels by category on a log scale and the step's time by category, eager
+    against compiled, every bar labelled; the PNG holds bars in both halves."""
+    from matplotlib import image
+
+    from fuse.launches import LaunchReport
+    from fuse.report import launches_figure
+
+    folder, result = report
+    reports = [
+        LaunchReport(label=r["label"], device=r["device"], calls=r["calls"], counts=r["counts"], time_us=r["time_us"], layers=r["layers"])
+        for r in (result["eager"], result["compiled"])
+    ]
+    assert all(sum(r.time_us.values()) > 0 for r in reports)  # on the CPU too
+    figure = launches_figure(*reports)
+    counts, times = figure.axes
+    assert counts.get_yscale() == "symlog" and "CPU time" in times.get_ylabel()
+    for ax in (counts, times):
+        assert len(ax.patches) == 2 * len(CATEGORIES)
+        labels = [t.get_text() for t in ax.texts]
+        assert len([t for t in labels if re.fullmatch(r"[\d.]+", t)]) == 2 * len(CATEGORIES)
+    assert any("glue share" in t.get_text() for t in times.texts)
+    pixels = image.imread(folder / "launches.png")
+    height, width = pixels.shape[:2]
+    assert width > 2 * height > 600
+    colored = (pixels[..., :3].max(-1) - pixels[..., :3].min(-1)) > 0.3  # bar colours, not grey or white
+    assert colored[:, : width // 2].sum() > 2000 and colored[:, width // 2 :].sum() > 2000
+
+
+def test_report_writes_the_timeline_of_one_step_of_each(report):
+    """trace-eager.json and trace-compiled.json: the profiler's Chrome traces of the counted steps,
+    holding an event for every kernel counted (the CPU profiler names generated kernels `graph_<n>_...`)."""
+    folder, result = report
+    for label in ("eager", "compiled"):
+        assert result["traces"][label] == f"trace-{label}.json"
+        trace = json.loads((folder / f"trace-{label}.json").read_text())
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        names = {e.get("name") for e in events}
+        counted = set(result[label]["kernels"])
+        assert counted and counted <= names, sorted(counted - names)[:5]
+    assert any("cpp_fused" in name for name in result["compiled"]["kernels"])
+
+
+def test_the_slowest_kernels_are_in_the_index_with_file_ops_and_module(report):
+    """Each kernel of report.md's top table has an index entry with the file it is in, the ops it
+    computes (fused) and the model modules it came from; the runner's own copies say so."""
+    folder, result = report
+    index = json.loads((folder / "inspect" / "index.json").read_text())
+    graphs = {g["name"]: g for g in index["graphs"]}
+    top = sorted(result["compiled"]["kernel_time_us"].items(), key=lambda kv: -kv[1])[:15]
+    for name, _ in top:
+        entry = result["index_entries"][name]
+        if entry["graph"] == "runner":
+            kernel = next(k for k in index["around_step"] if k["name"] == entry["entry"])
+            assert kernel["modules"] == ["(runner)"]
+        else:
+            graph = graphs[entry["graph"]]
+            assert (folder / "inspect" / graph["files"]["output_code"]).is_file()
+            kernel = next(k for k in graph["kernels"] if k["name"] == entry["entry"])
+            assert kernel["modules"] and all(re.fullmatch(r"[\w.\[\],-]+|\(model\)", m) for m in kernel["modules"]), kernel
+        assert kernel["ops"], kernel
+    md = (folder / "inspect" / "index.md").read_text()
+    assert "| kernel | kind | calls | module | ops | source nodes |" in md and "## The files in this folder" in md
 
 
 @pytest.mark.parametrize("layers", [0, 7])
