@@ -130,6 +130,8 @@ class DecodeRunner:
             + (f" compilation={self.options.compilation}" if self.options.compile else ""),
             f"compiles {s.compiles}, graph breaks {s.graph_breaks}, recompiles after warm-up {s.recompiles}",
         ]
+        if self.options.compile:
+            lines.append(f"compiled rather than loaded from caches: Inductor {s.inductor_compiles}, AOTAutograd {s.aot_compiles}")
         start = s.describe_start()
         if start:
             lines.append(start)
