@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 import torch
 from torch._dynamo.utils import counters
 
-# Phases of a start, in the order they happen per bucket.
-START_PHASES = ("first calls", "warm-up and capture")
+# Phases of a start, in the order they happen: loading an artifact (fuse/artifact.py), then per
+# bucket its first calls and its capture, then saving the artifact.
+START_PHASES = ("artifact load", "first calls", "warm-up and capture", "artifact save")
 # Parts of the first calls, from torch's own compile timers: Dynamo's tracing, the backend (which
 # includes waiting for kernel compiles), and the autotuning of Inductor's kernels (at their first run).
 COMPILE_PHASES = ("dynamo", "backend compile or cache load", "kernel compile", "autotune")
@@ -25,10 +26,12 @@ AUTOTUNE_TIMERS = (
 @dataclass
 class RunnerStats:
     compiles: int = 0  # graphs Dynamo compiled (all in warm-up, unless a recompile happened)
-    # Graphs Inductor and AOTAutograd compiled rather than loaded from their caches (0 in a start
-    # from a warm cache).
+    # Graphs Inductor and AOTAutograd compiled rather than loaded from their caches, and Triton
+    # cache entries the custom ops wrote (a kernel or its launcher compiled, an autotune run):
+    # all 0 in a start from a matching artifact or a warm cache.
     inductor_compiles: int = 0
     aot_compiles: int = 0
+    triton_compiles: int = 0
     graph_breaks: int = 0
     recompiles: int = 0  # compiles after warm-up (lenient mode only; strict mode raises)
     captured: list[int] = field(default_factory=list)  # buckets replayed from a CUDA graph
