@@ -184,8 +184,8 @@ def open_artifact(path: str, expected: dict, mode: str, details: dict | None = N
     if not os.path.exists(path):
         if mode == "load":
             raise FileNotFoundError(
-                f"fuse: no artifact at {path} (artifact_mode='load' needs one; build it with a start with "
-                "artifact_mode='refuse')"
+                f"fuse: no artifact at {path} (artifact_mode='load' needs one; build it with `python -m fuse "
+                f"precompile ... --artifact {path}` or a start with artifact_mode='refuse')"
             )
         return None, ""
     if os.path.isdir(path):
@@ -210,8 +210,8 @@ def open_artifact(path: str, expected: dict, mode: str, details: dict | None = N
         warnings.warn(f"fuse: the artifact {path} was built for another start ({named}); rebuilding it", stacklevel=4)
         return None, "mismatch: " + ", ".join(name for name, _, _ in wrong)
     raise ArtifactMismatch(
-        f"fuse: the artifact {path} was built for another start: {named}. Rebuild it (artifact_mode='rebuild', or "
-        "delete it), or start with the versions and options it was built for",
+        f"fuse: the artifact {path} was built for another start: {named}. Rebuild it (`python -m fuse precompile`, "
+        f"artifact_mode='rebuild', or delete it), or start with the versions and options it was built for",
         wrong,
     )
 
