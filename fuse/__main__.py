@@ -131,7 +131,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     bench.add_argument("--eager-steps", type=_positive, default=4, help="steps of the (slow) eager variant")
     bench.add_argument("--repeats", type=_positive, default=5, help="interleaved rounds; the median is reported")
     bench.add_argument("--fp32-products", default="exact", choices=["exact", "fast"], help="ModelConfig.fp32_products")
-    bench.add_argument("--start-times", action="store_true", help="only: cold and warm start of compile_decode for 7 buckets, each in a new process")
+    bench.add_argument("--start-times", action="store_true", help="only: cold, warm and artifact start of compile_decode for 7 buckets, each in a new process")
     bench.add_argument("--compare-precision", action="store_true", help="only: fp32 products fast vs exact")
     bench.add_argument("--out", default="fuse-out/bench", help="output folder")
     bench.add_argument("--results", default=None, help="also write the tables into this results file (docs/results.md)")
@@ -139,6 +139,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                        help="an Inductor config patch for the compile_decode variant, e.g. combo_kernels=True (repeatable)")
     bench.add_argument("--start-time-child", action="store_true", help=argparse.SUPPRESS)
     bench.add_argument("--buckets", type=_ints, default=None, help=argparse.SUPPRESS)
+    bench.add_argument("--artifact", default=None, help=argparse.SUPPRESS)
 
     precompile = commands.add_parser(
         "precompile", formatter_class=defaults,
@@ -228,7 +229,7 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
     except ValueError as error:
         command.error(str(error))
     if args.start_time_child:  # one timed start in this fresh process (see bench.measure_start_times)
-        print(json.dumps(bench.start_time_child(settings, args.buckets or bench.START_BUCKETS)))
+        print(json.dumps(bench.start_time_child(settings, args.buckets or bench.START_BUCKETS, artifact=args.artifact)))
         return 0
     from kernels.bench.results import write_section
 

@@ -241,6 +241,22 @@ def test_loading_restores_triton_entries_and_libraries_into_this_process_caches(
     assert (inductor_root / "zz" / "kept.so").read_bytes() == b"mine"
 
 
+def test_start_times_table_has_the_artifact_start():
+    from fuse import bench
+
+    start = {"seconds": 9.0, "compiles": 1, "captured": 0, "phases": {"first calls": 8.0, "dynamo": 5.0},
+             "inductor_compiles": 0, "aot_compiles": 0, "triton_compiles": 0}
+    result = {"command": "python -m fuse bench --start-times", "buckets": [1], "layers": 2,
+              "cold": {**start, "seconds": 90.0, "inductor_compiles": 1, "aot_compiles": 1}, "warm": start,
+              "artifact": {**start, "phases": {"artifact load": 0.2, "first calls": 8.0}}}
+    table = bench.start_times_markdown(result)
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| cold", "| warm", "| artifact"]
+    assert "artifact load" in rows[0] and "| 1 / 1 / 0 |" in rows[1] and "| 0 / 0 / 0 |" in rows[3]
+    old = {k: v for k, v in result.items() if k != "artifact"}  # results written before artifacts still render
+    assert "| artifact |" not in bench.start_times_markdown(old)
+
+
 # -- on a GPU: the custom ops' Triton kernels and autotune choices travel too -----------------------
 def check_gpu_artifact_start(tmp_path, spec: dict, build_with_precompile: bool = False) -> None:
     path = str(tmp_path / "artifact.zip")
