@@ -375,7 +375,10 @@ def _recording_triton_cache(watch: CompileCacheWatch):
     class Recording(base):  # the manager in force, noting each entry folder a lookup opens
         def __init__(self, key, *args, **kwargs):
             super().__init__(key, *args, **kwargs)
-            bound = signature.bind_partial(self, key, *args, **kwargs).arguments
+            try:
+                bound = signature.bind_partial(self, key, *args, **kwargs).arguments
+            except TypeError:  # a manager of another signature: its lookups are still noted
+                bound = {}
             folder = getattr(self, "cache_dir", None)
             if folder and not bound.get("override") and not bound.get("dump"):  # not Triton's dump or override folders
                 watch.triton_opened.add(folder)
