@@ -10,6 +10,7 @@ import json
 import os
 import sys
 
+from fuse.options import COMPILATIONS
 from model.config import PRESETS
 
 
@@ -30,6 +31,16 @@ def _ints(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
     return values
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -121,7 +132,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     bench.add_argument("--eager-steps", type=_positive, default=4, help="steps of the (slow) eager variant")
     bench.add_argument("--repeats", type=_positive, default=5, help="interleaved rounds; the median is reported")
     bench.add_argument("--fp32-products", default="exact", choices=["exact", "fast"], help="ModelConfig.fp32_products")
-    bench.add_argument("--start-times", action="store_true", help="only: cold and warm start of compile_decode for 7 buckets, each in a new process")
+    bench.add_argument("--start-times", action="store_true", help="only: cold, warm and artifact start of compile_decode for 7 buckets, each in a new process")
     bench.add_argument("--compare-precision", action="store_true", help="only: fp32 products fast vs exact")
     bench.add_argument("--out", default="fuse-out/bench", help="output folder")
     bench.add_argument("--results", default=None, help="also write the tables into this results file (docs/results.md)")
@@ -129,13 +140,38 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                        help="an Inductor config patch for the compile_decode variant, e.g. combo_kernels=True (repeatable)")
     bench.add_argument("--start-time-child", action="store_true", help=argparse.SUPPRESS)
     bench.add_argument("--buckets", type=_ints, default=None, help=argparse.SUPPRESS)
+    bench.add_argument("--artifact", default=None, help=argparse.SUPPRESS)
+
+    precompile = commands.add_parser(
+        "precompile", formatter_class=defaults,
+        help="build the artifact a later start loads instead of compiling (compile_decode's artifact option)",
+        description="Compile the decode step for the buckets, as compile_decode(..., artifact=PATH) does, and save "
+        "what a later start needs into PATH: a start of the same decoder shape, options, device and versions "
+        "then compiles nothing. An artifact already at PATH that matches is loaded (nothing to do); one that does "
+        "not is refused, or rebuilt with --rebuild.",
+    )
+    model_flags(precompile, "bench", "cuda")
+    precompile.add_argument("--artifact", required=True, help="the artifact file to write (a zip)")
+    precompile.add_argument("--buckets", type=_ints, default=(1, 2, 4, 8, 16, 32, 64), help="batch buckets (comma list)")
+    precompile.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="weights and activations; unset: bfloat16 on cuda, float32 on cpu")
+    precompile.add_argument("--max-batch", type=_positive, default=None, help="the decoder's max_batch; unset: the largest bucket")
+    precompile.add_argument("--max-seq-len", type=_positive, default=4096, help="the decoder's max_seq_len")
+    precompile.add_argument("--fp32-products", default="exact", choices=["exact", "fast"], help="ModelConfig.fp32_products")
+    precompile.add_argument("--compilation", default="auto", choices=list(COMPILATIONS), help="CompileOptions.compilation")
+    precompile.add_argument("--static-batch", action="store_true", help="one graph per bucket (CompileOptions.dynamic_batch=False)")
+    precompile.add_argument("--skinny-product-columns", type=_non_negative, default=64, help="CompileOptions.skinny_product_columns")
+    precompile.add_argument("--mode", default=None, help="an Inductor mode (CompileOptions.mode)")
+    precompile.add_argument("--inductor-option", action="append", type=_inductor_option, default=[], metavar="KEY=VALUE",
+                            help="an Inductor config patch (CompileOptions.inductor_options; repeatable)")
+    precompile.add_argument("--cache-dir", default=None, help="CompileOptions.cache_dir: persistent compile caches to compile from")
+    precompile.add_argument("--rebuild", action="store_true", help="rebuild an artifact at PATH that does not match, instead of refusing")
 
     demo = commands.add_parser("demo", formatter_class=defaults, help="a short eager decode run: tokens/s and logits statistics")
     model_flags(demo, "tiny", "cpu")
     demo.add_argument("--batch", type=_positive, default=4, help="sequences decoded at once")
     demo.add_argument("--steps", type=_positive, default=32, help="decode steps")
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
-    return parser, {"report": report, "bench": bench, "demo": demo}
+    return parser, {"report": report, "bench": bench, "precompile": precompile, "demo": demo}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args)
     if args.command == "bench":
         return _bench(command, args)
+    if args.command == "precompile":
+        return _precompile(command, args)
     return _demo(args)
 
 
@@ -192,7 +230,7 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
     except ValueError as error:
         command.error(str(error))
     if args.start_time_child:  # one timed start in this fresh process (see bench.measure_start_times)
-        print(json.dumps(bench.start_time_child(settings, args.buckets or bench.START_BUCKETS)))
+        print(json.dumps(bench.start_time_child(settings, args.buckets or bench.START_BUCKETS, artifact=args.artifact)))
         return 0
     from kernels.bench.results import write_section
 
@@ -215,6 +253,41 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
         write_section(args.results, f"fuse bench {args.preset} {result['layers']} layers", bench.to_markdown(result))
     print(bench.to_markdown(result))
     print(f"wrote bench.json, bench.md, bench.png to {settings.out_dir}")
+    return 0
+
+
+def _precompile(command: argparse.ArgumentParser, args) -> int:
+    import torch
+
+    from fuse.options import CompileOptions
+    from fuse.runner import DecodeRunner
+    from model import Decoder, ModelConfig
+
+    max_batch = args.max_batch or max(args.buckets)
+    if min(args.buckets) > max_batch:
+        command.error(f"argument --buckets: no bucket fits --max-batch {max_batch}, got {','.join(map(str, args.buckets))}")
+    if os.path.isdir(args.artifact):
+        command.error(f"argument --artifact: {args.artifact} is a folder; an artifact is one file")
+    try:
+        options = CompileOptions(
+            buckets=args.buckets, dynamic_batch=not args.static_batch, compilation=args.compilation,
+            skinny_product_columns=args.skinny_product_columns, mode=args.mode,
+            inductor_options=dict(args.inductor_option) or None, cache_dir=args.cache_dir,
+            artifact=args.artifact, artifact_mode="rebuild" if args.rebuild else "refuse",
+        )
+    except ValueError as error:
+        flag = next((f for name, f in (("inductor_options", "--inductor-option"), ("mode", "--mode")) if name in str(error)), None)
+        command.error(f"argument {flag}: {error}" if flag else str(error))
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    config = ModelConfig.preset(args.preset, layers=args.layers).replace(fp32_products=args.fp32_products)
+    decoder = Decoder(config, max_batch=max_batch, max_seq_len=args.max_seq_len, dtype=dtype, device=args.device)
+    decoder.init_random(args.seed)
+    try:
+        runner = DecodeRunner(decoder, options)
+    except ValueError as error:  # an artifact at PATH that does not match, or is not one
+        print(f"fuse precompile: {str(error).removeprefix('fuse: ')}", file=sys.stderr)
+        return 1
+    print(runner.describe())
     return 0
 
 

@@ -289,33 +289,38 @@ def copy_bandwidth_gbs(device: torch.device) -> float:
     return 2 * src.numel() * src.element_size() / statistics.median(times) / 1e9
 
 
-# -- cold and warm start, each in a fresh process -------------------------------------------------
-def start_time_child(settings: BenchSettings, buckets: tuple[int, ...]) -> dict:
+# -- cold, warm and artifact start, each in a fresh process ----------------------------------------
+def start_time_child(settings: BenchSettings, buckets: tuple[int, ...], artifact: str | None = None) -> dict:
     cfg = settings.config()
     decoder = Decoder(cfg, max_batch=max(buckets), max_seq_len=max(settings.contexts) + 8, dtype=settings.dtype, device=settings.device)
     decoder.init_random(settings.seed)
     start = time.perf_counter()
-    runner = compile_decode(decoder, buckets=buckets, dynamic_batch=True, progress=False)  # caches: see measure_start_times
+    runner = compile_decode(decoder, buckets=buckets, dynamic_batch=True, progress=False, artifact=artifact)  # caches: see measure_start_times
     seconds = time.perf_counter() - start
+    s = runner.stats
     return {
-        "seconds": seconds, "compiles": runner.stats.compiles, "captured": len(runner.stats.captured),
-        "phases": runner.stats.start_seconds,
+        "seconds": seconds, "compiles": s.compiles, "captured": len(s.captured), "phases": s.start_seconds,
+        "inductor_compiles": s.inductor_compiles, "aot_compiles": s.aot_compiles, "triton_compiles": s.triton_compiles,
+        "artifact": runner.artifact.describe() if runner.artifact else None,
     }
 
 
 def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = START_BUCKETS) -> dict:
-    """compile_decode for `buckets`, twice in new processes sharing one empty cache folder."""
+    """compile_decode for `buckets`, three times in new processes: cold (empty compile caches; it
+    saves an artifact), warm (the caches the cold start filled) and artifact (other, empty caches
+    and the cold start's artifact only)."""
     results = {}
-    with tempfile.TemporaryDirectory(prefix="fuse-start-") as cache_dir:
-        for which in ("cold", "warm"):
+    with tempfile.TemporaryDirectory(prefix="fuse-start-") as folder:
+        artifact = os.path.join(folder, "artifact.zip")
+        for which, caches in (("cold", "caches"), ("warm", "caches"), ("artifact", "empty-caches")):
             command = [
                 sys.executable, "-m", "fuse", "bench", "--start-time-child",
                 "--preset", settings.preset, "--contexts", ",".join(map(str, settings.contexts)),
                 "--buckets", ",".join(map(str, buckets)), "--fp32-products", settings.fp32_products, "--device", settings.device,
-            ] + (["--layers", str(settings.layers)] if settings.layers else [])
+            ] + (["--layers", str(settings.layers)] if settings.layers else []) + (["--artifact", artifact] if which != "warm" else [])
             # The compile caches are chosen before the child imports torch (Inductor reads them once).
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
-                   "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton")}
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, caches, "inductor"),
+                   "TRITON_CACHE_DIR": os.path.join(folder, caches, "triton")}
             done = subprocess.run(command, capture_output=True, text=True, env=env)
             if done.returncode:
                 raise RuntimeError(f"{which} start failed:\n{done.stderr[-3000:]}")
@@ -328,22 +333,26 @@ def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = STAR
 
 
 def start_times_markdown(result: dict) -> str:
-    """The cold and warm starts, each split into the runner's phases (fuse/stats.py)."""
+    """The cold, warm and artifact starts, each split into the runner's phases (fuse/stats.py)."""
     from fuse.stats import COMPILE_PHASES, START_PHASES
 
     phases = list(START_PHASES) + list(COMPILE_PHASES)
+    starts = [which for which in ("cold", "warm", "artifact") if which in result]
     lines = [
         f"`{result['command']}`: compile_decode for buckets {result['buckets']} at {result['layers']} layers, each start "
-        "in a new process sharing one compile cache (cold: empty; warm: filled by the cold start). Seconds; the compile "
-        "timers are torch's own, parts of the first calls.",
+        "in a new process: cold with empty compile caches (it saves an artifact), warm with the caches the cold start "
+        "filled, artifact with other, empty caches and the cold start's artifact only. Seconds; the compile timers are "
+        "torch's own, parts of the first calls. Compiles: graphs Dynamo traced; Inductor, AOTAutograd: graphs compiled "
+        "rather than loaded from a cache; Triton: the custom ops' kernels compiled or tuned.",
         "",
-        "| start | total s | compiles | captured | " + " | ".join(phases) + " |",
-        "|---|---|---|---|" + "---|" * len(phases),
+        "| start | total s | compiles | Inductor / AOTAutograd / Triton compiles | captured | " + " | ".join(phases) + " |",
+        "|---|---|---|---|---|" + "---|" * len(phases),
     ]
-    for which in ("cold", "warm"):
+    for which in starts:
         r = result[which]
         cells = [f"{r['phases'].get(p, 0.0):.1f}" for p in phases]
-        lines.append(f"| {which} | {r['seconds']:.1f} | {r['compiles']} | {r['captured']} | " + " | ".join(cells) + " |")
+        backend = " / ".join(str(r[k]) if k in r else "-" for k in ("inductor_compiles", "aot_compiles", "triton_compiles"))
+        lines.append(f"| {which} | {r['seconds']:.1f} | {r['compiles']} | {backend} | {r['captured']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

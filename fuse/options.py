@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
 
 COMPILATIONS = ("auto", "nested", "regional", "whole")
+# What a start does with an artifact that does not match it (fuse/artifact.py): raise naming the
+# mismatch, rebuild it, or (like "refuse", and there must be one) load only.
+ARTIFACT_MODES = ("refuse", "rebuild", "load")
 
 
 def dynamo_reuses_nested_regions() -> bool:
@@ -42,6 +46,9 @@ class CompileOptions:
     inductor_options: Mapping[str, object] | None = None  # Inductor config patches, applied last
     cache_dir: str | None = None  # persistent Inductor/Triton caches, so that a second start is fast
     dump_dir: str | None = None  # write the generated code (depyf) and an index of its kernels here
+    # A file holding what a start compiled (fuse/artifact.py): loaded when there, else written after the start.
+    artifact: str | None = None
+    artifact_mode: str = "refuse"  # one of ARTIFACT_MODES: what a mismatched or missing artifact does
     strict: bool = True  # a recompile after warm-up raises; False: it warns and is counted
     progress: bool = True  # one log line per bucket with its warm-up time
     requested_compilation: str = field(default="auto", init=False, repr=False, compare=False)  # before resolving
@@ -69,3 +76,12 @@ class CompileOptions:
             raise ValueError("mode 'reduce-overhead' turns on PyTorch's cudagraph trees; compile_decode captures its own graphs")
         if self.dump_dir is not None and not self.compile:
             raise ValueError("dump_dir writes the generated code; with compile=False there is none")
+        if self.artifact_mode not in ARTIFACT_MODES:
+            raise ValueError(f"artifact_mode must be one of {ARTIFACT_MODES}, got {self.artifact_mode!r}")
+        if self.artifact is not None:
+            if not self.compile:
+                raise ValueError("artifact holds what a start compiles; with compile=False there is nothing")
+            path = self.artifact if isinstance(self.artifact, (str, os.PathLike)) else None
+            if path is None or not os.fspath(path) or not isinstance(os.fspath(path), str):
+                raise ValueError(f"artifact must be a file path, got {self.artifact!r}")
+            object.__setattr__(self, "artifact", os.fspath(path))

@@ -8,12 +8,18 @@ bucket run in chunks. After warm-up a recompile is an error naming the failed gu
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import time
 import warnings
 
 import torch
 import torch._dynamo
 
+from fuse.artifact import (
+    ArtifactUse, CompileCacheWatch, expected_manifest, load_artifact, manifest_details, open_artifact, save_artifact,
+    watching_compile_caches,
+)
 from fuse.backend import pin_triton_toolchain, use_cache_dir
 from fuse.graphs import build_buckets, supports_graphs
 from fuse.inspection import CodeDump, Inspection
@@ -23,6 +29,8 @@ from fuse.padding import fill_padded
 from fuse.stats import RunnerStats, dynamo_totals
 from fuse.step import DecodeModel, build_step, check_decode_model, decode_mode
 
+
+log = logging.getLogger("fuse")
 
 # What a call launches besides the step: its batch copied into the bucket's inputs, the rest
 # filled with padding rows, the output copied out.
@@ -47,26 +55,73 @@ class DecodeRunner:
             raise ValueError(f"no bucket fits max_batch={decoder.max_batch}: {options.buckets}")
         self.buckets = buckets
         self.use_graphs = options.cuda_graphs and supports_graphs(self.device)
-        if options.compile:
-            if options.cache_dir:
-                use_cache_dir(options.cache_dir)
-            if self.device.type == "cuda":
-                pin_triton_toolchain()
+        self.artifact: ArtifactUse | None = None  # what this start did with options.artifact
+        if options.compile and options.cache_dir:
+            use_cache_dir(options.cache_dir)
+        match, reason = self._load_artifact() if options.artifact else (None, "")
+        saving = options.artifact is not None and self.artifact is None
         dump = CodeDump(options.dump_dir, model=decoder) if options.dump_dir else None
-        with dump or contextlib.nullcontext():
-            self.step = build_step(
-                decoder, options, after_block=dump.after_block if dump else None, on_graph=dump.record_graph if dump else None
-            )
-            if dump:
-                dump.watch(self.step.once_per_step)
-            self._buckets = build_buckets(
-                self.step.run, decoder, buckets, self.use_graphs, self.stats, eager=decoder.step,
-                progress=options.progress, first_call=dump.first_call if dump else None,
-            )
+        watching = watching_compile_caches(fresh_record=saving) if options.compile else contextlib.nullcontext(CompileCacheWatch())
+        with watching as watch:
+            if options.compile and self.device.type == "cuda":
+                pin_triton_toolchain()
+            with dump or contextlib.nullcontext():
+                self.step = build_step(
+                    decoder, options, after_block=dump.after_block if dump else None,
+                    on_graph=dump.record_graph if dump else None,
+                )
+                if dump:
+                    dump.watch(self.step.once_per_step)
+                self._buckets = build_buckets(
+                    self.step.run, decoder, buckets, self.use_graphs, self.stats, eager=decoder.step,
+                    progress=options.progress, first_call=dump.first_call if dump else None,
+                )
+            self.stats.triton_compiles = watch.triton_compiles()
+            if saving:  # inside the watch: it holds what the start used
+                self._save_artifact(watch, match, reason)
+        if self.artifact is not None and self.artifact.action == "loaded":
+            self._check_nothing_compiled()
         self.inspection: Inspection | None = None
         if dump:
             settings = {"device": str(self.device), "dynamic_batch": options.dynamic_batch, "mode": options.mode}
             self.inspection = dump.inspection(self.step.compilation, buckets, settings, AROUND_THE_STEP)
+
+    def _load_artifact(self) -> tuple[dict, str]:
+        """Load options.artifact into the compile caches where it is there and matches (else raise,
+        per options.artifact_mode); returns what it must match and, where it is rebuilt, why."""
+        options = self.options
+        match = expected_manifest(self.decoder, options, self.buckets)
+        start = time.perf_counter()
+        archive, reason = open_artifact(options.artifact, match, options.artifact_mode, manifest_details(self.decoder))
+        if archive is not None:
+            self.artifact = load_artifact(archive, options.artifact)
+            self.stats.start_seconds["artifact load"] = time.perf_counter() - start
+            if options.progress:
+                log.warning("fuse: %s, in %.1f s", self.artifact.describe(), self.stats.start_seconds["artifact load"])
+        return match, reason
+
+    def _save_artifact(self, watch: CompileCacheWatch, match: dict, reason: str) -> None:
+        s = self.stats
+        built_by = {
+            "compiles": s.compiles, "inductor_compiles": s.inductor_compiles, "aot_compiles": s.aot_compiles,
+            "triton_compiles": s.triton_compiles, "start_seconds": {k: round(v, 3) for k, v in s.start_seconds.items()},
+        }
+        with s.phase("artifact save", self.device):
+            self.artifact = save_artifact(
+                self.options.artifact, match, watch, "rebuilt" if reason else "built", reason,
+                info={**manifest_details(self.decoder), "built_by": built_by},
+            )
+        if self.options.progress:
+            log.warning("fuse: %s", self.artifact.describe())
+
+    def _check_nothing_compiled(self) -> None:
+        s = self.stats
+        if s.inductor_compiles or s.aot_compiles or s.triton_compiles:
+            warnings.warn(
+                f"fuse: the start from the artifact {self.options.artifact} still compiled: Inductor {s.inductor_compiles}, "
+                f"AOTAutograd {s.aot_compiles}, Triton cache entries {s.triton_compiles} (something its manifest does not "
+                "record differs, e.g. an environment variable that is part of a compile cache's key)"
+            )
 
     def bucket_for(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
@@ -132,6 +187,13 @@ class DecodeRunner:
             + (f" compilation={self.step.compilation}" if self.options.compile else ""),
             f"compiles {s.compiles}, graph breaks {s.graph_breaks}, recompiles after warm-up {s.recompiles}",
         ]
+        if self.options.compile:
+            lines.append(
+                f"compiled rather than loaded from caches: Inductor {s.inductor_compiles}, AOTAutograd {s.aot_compiles}, "
+                f"Triton cache entries of the custom ops {s.triton_compiles}"
+            )
+        if self.artifact is not None:
+            lines.append(self.artifact.describe())
         start = s.describe_start()
         if start:
             lines.append(start)

@@ -9,15 +9,29 @@ from dataclasses import dataclass, field
 import torch
 from torch._dynamo.utils import counters
 
-# Phases of a start, in the order they happen per bucket.
-START_PHASES = ("first calls", "warm-up and capture")
-# Parts of the first calls, from torch's own compile timers.
-COMPILE_PHASES = ("dynamo", "backend compile or cache load")
+# Phases of a start, in the order they happen: loading an artifact (fuse/artifact.py), then per
+# bucket its first calls and its capture, then saving the artifact.
+START_PHASES = ("artifact load", "first calls", "warm-up and capture", "artifact save")
+# Parts of the first calls, from torch's own compile timers: Dynamo's tracing, the backend (which
+# includes waiting for kernel compiles), and the autotuning of Inductor's kernels (at their first run).
+COMPILE_PHASES = ("dynamo", "backend compile or cache load", "kernel compile", "autotune")
+# torch's timers (torch._dynamo.utils.compilation_time_metrics keys) behind the last two.
+KERNEL_COMPILE_TIMERS = ("async_compile.wait", "async_compile.precompile")
+AUTOTUNE_TIMERS = (
+    "CachingAutotuner.benchmark_all_configs", "CachingAutotuner.coordinate_descent_tuning",
+    "CachingAutotuner.combo_sequential_autotune",
+)  # and every "*_template_autotuning" (max-autotune's choice of GEMM templates)
 
 
 @dataclass
 class RunnerStats:
     compiles: int = 0  # graphs Dynamo compiled (all in warm-up, unless a recompile happened)
+    # Graphs Inductor and AOTAutograd compiled rather than loaded from their caches, and Triton
+    # cache entries the custom ops wrote (a kernel or its launcher compiled, an autotune run):
+    # all 0 in a start from a matching artifact or a warm cache.
+    inductor_compiles: int = 0
+    aot_compiles: int = 0
+    triton_compiles: int = 0
     graph_breaks: int = 0
     recompiles: int = 0  # compiles after warm-up (lenient mode only; strict mode raises)
     captured: list[int] = field(default_factory=list)  # buckets replayed from a CUDA graph
@@ -42,6 +56,7 @@ class RunnerStats:
     def counting_compiles(self):
         """Adds the compiles, graph breaks and compile-timer seconds of the block."""
         compiles0, breaks0 = dynamo_totals()
+        backend0 = compile_counts()
         timers0 = compile_timer_totals()
         try:
             yield
@@ -49,6 +64,9 @@ class RunnerStats:
             compiles1, breaks1 = dynamo_totals()
             self.compiles += compiles1 - compiles0
             self.graph_breaks += breaks1 - breaks0
+            backend1 = compile_counts()
+            self.inductor_compiles += backend1["inductor"] - backend0["inductor"]
+            self.aot_compiles += backend1["aot_autograd"] - backend0["aot_autograd"]
             for name, total in compile_timer_totals().items():
                 self.start_seconds[name] = self.start_seconds.get(name, 0.0) + total - timers0[name]
 
@@ -70,12 +88,31 @@ def dynamo_totals() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+def compile_counts() -> dict[str, int]:
+    """Graphs Inductor and AOTAutograd compiled in this process so far rather than loaded from
+    their caches (cache misses and bypasses)."""
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return {
+        "inductor": inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"],
+        "aot_autograd": aot["autograd_cache_miss"] + aot["autograd_cache_bypass"],
+    }
+
+
 def compile_timer_totals() -> dict[str, float]:
     """Seconds per COMPILE_PHASES entry in this process so far: a frame's compile
     (`_compile.compile_inner`) is Dynamo's tracing and guards plus the backend
-    (`OutputGraph.call_user_compiler`: AOTAutograd and Inductor, cache hits included)."""
+    (`OutputGraph.call_user_compiler`: AOTAutograd and Inductor, cache hits included), of which
+    "kernel compile" is the wait for Inductor's generated kernels (Triton on CUDA, C++ on the
+    CPU) to compile or load; "autotune" is Inductor's kernels' autotuning. The custom ops'
+    Triton compiles and autotuning have no torch timer: they are part of the first calls."""
     from torch._dynamo.utils import compilation_time_metrics
 
     total = lambda key: sum(compilation_time_metrics.get(key, ()))  # noqa: E731
     backend = total("OutputGraph.call_user_compiler")
-    return {"dynamo": total("_compile.compile_inner") - backend, "backend compile or cache load": backend}
+    autotune = sum(total(key) for key in AUTOTUNE_TIMERS) + sum(
+        sum(times) for key, times in list(compilation_time_metrics.items()) if key.endswith("_template_autotuning")
+    )
+    return {
+        "dynamo": total("_compile.compile_inner") - backend, "backend compile or cache load": backend,
+        "kernel compile": sum(total(key) for key in KERNEL_COMPILE_TIMERS), "autotune": autotune,
+    }

@@ -21,6 +21,13 @@ BAD = [
     ("bench --device cpu --variants eager,fuse-pdl", "--variants", "unknown variants ['fuse-pdl']"),
     ("bench --device cpu --batches 1,0", "--batches", "comma list of positive integers"),
     ("bench --device cpu --inductor-option combo_kernels", "--inductor-option", "KEY=VALUE"),
+    ("precompile --device cpu --preset tiny --artifact a.zip --buckets 2,x", "--buckets", "comma list of positive integers"),
+    ("precompile --device cpu --preset tiny --artifact a.zip --buckets 8 --max-batch 4", "--buckets", "no bucket fits --max-batch 4"),
+    ("precompile --device cpu --preset tiny --artifact a.zip --max-seq-len 0", "--max-seq-len", "positive integer"),
+    ("precompile --device cpu --preset tiny --artifact a.zip --skinny-product-columns -1", "--skinny-product-columns", ">= 0"),
+    ("precompile --device cpu --preset tiny --artifact a.zip --compilation flat", "--compilation", "choose from"),
+    ("precompile --device cpu --preset tiny --artifact a.zip --inductor-option no_such_setting=1", "--inductor-option", "no_such_setting"),
+    ("precompile --device cpu --preset tiny --artifact . ", "--artifact", "is a folder"),
 ]
 if not torch.cuda.is_available():
     BAD += [("report --device cuda", "--device", "no CUDA device here"), ("bench", "--device", "no CUDA device here")]

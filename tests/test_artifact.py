@@ -1,0 +1,301 @@
+"""Artifacts (fuse/artifact.py): a start saves what it compiled; a start in a new process with
+empty compile caches loads it and compiles nothing; a stale, corrupt or missing artifact never runs
+silently."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+import pytest
+import torch
+
+import fuse
+from decoders import TINY_SHAPE
+from fuse import artifact as art
+from model import Decoder, ModelConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUCKETS = (4,)  # with TINY_SHAPE: what other tests compile too, so in-process starts find a warm cache
+
+# One start in a new process (the decoder SPEC describes, seed 3): compile_decode with the
+# artifact, then one step on fixed inputs; prints its counts and writes its logits.
+START = textwrap.dedent("""
+    import json, sys, time, torch, fuse
+    from model import Decoder, ModelConfig
+    spec = json.loads(sys.argv[4])
+    decoder = Decoder(ModelConfig.preset(spec["preset"], layers=spec.get("layers")), max_batch=spec["max_batch"],
+                      max_seq_len=spec["max_seq_len"], dtype=getattr(torch, spec["dtype"]), device=spec["device"]).init_random(seed=3)
+    start = time.perf_counter()
+    runner = fuse.compile_decode(decoder, buckets=spec["buckets"], progress=False, artifact=sys.argv[1], artifact_mode=sys.argv[2])
+    seconds = time.perf_counter() - start
+    logits = runner(torch.tensor([5, 7, 11]), torch.tensor([0, 0, 0]), torch.tensor([0, 2, 3]))
+    torch.save(logits.cpu(), sys.argv[3])
+    s = runner.stats
+    print(json.dumps({"seconds": seconds, "compiles": s.compiles, "inductor": s.inductor_compiles, "aot": s.aot_compiles,
+                      "triton": s.triton_compiles, "phases": s.start_seconds, "action": runner.artifact.action,
+                      "contents": runner.artifact.contents, "describe": runner.describe()}))
+""")
+TINY_CPU = {"preset": "tiny", "device": "cpu", "dtype": "float32", "buckets": list(BUCKETS), "max_batch": 4, "max_seq_len": 64}
+
+
+def start_in_new_process(tmp_path, name: str, artifact: str, mode: str, spec: dict = TINY_CPU) -> tuple[dict, torch.Tensor]:
+    """A start in a new process whose compile caches are new, empty folders."""
+    caches = tmp_path / f"caches-{name}"
+    env = {**os.environ, "PYTHONPATH": ROOT, "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+           "TRITON_CACHE_DIR": str(caches / "triton")}
+    logits = tmp_path / f"logits-{name}.pt"
+    done = subprocess.run([sys.executable, "-c", START, artifact, mode, str(logits), json.dumps(spec)], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), torch.load(logits)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """An artifact built by a cold start (new process, empty caches), that start's counts and logits."""
+    tmp_path = tmp_path_factory.mktemp("artifact")
+    path = str(tmp_path / "tiny.zip")
+    stats, logits = start_in_new_process(tmp_path, "build", path, "refuse")
+    return path, stats, logits, tmp_path
+
+
+def tiny_decoder(config: ModelConfig | None = None, **shape) -> Decoder:
+    return Decoder(config or ModelConfig.preset("tiny"), **{**TINY_SHAPE, **shape}).init_random(seed=3)
+
+
+def copy_with_manifest(source: str, target: str, change) -> str:
+    """`source` rewritten to `target` with `change(manifest)` applied to its manifest."""
+    with zipfile.ZipFile(source) as old, zipfile.ZipFile(target, "w") as new:
+        for item in old.infolist():
+            data = old.read(item.filename)
+            if item.filename == art.MANIFEST:
+                manifest = json.loads(data)
+                change(manifest)
+                data = json.dumps(manifest).encode()
+            new.writestr(item, data)
+    return target
+
+
+def test_a_start_from_the_artifact_alone_compiles_nothing_and_computes_the_same(built):
+    path, cold, cold_logits, tmp_path = built
+    assert cold["action"] == "built" and cold["inductor"] >= 1 and cold["aot"] >= 1, cold
+    assert "artifact save" in cold["phases"] and "artifact: built and saved to" in cold["describe"]
+    with zipfile.ZipFile(path) as archive:
+        manifest = json.loads(archive.read(art.MANIFEST))
+        assert set(art.MATCH_FIELDS) <= set(manifest["match"])
+        assert manifest["match"]["model_preset"] == "tiny" and manifest["match"]["buckets"] == [4]
+        assert manifest["contents"]["inductor"] >= 1 and manifest["contents"]["aot_autograd"] >= 1
+        assert manifest["contents"]["cpp_libraries"] >= 1  # the CPU kernels, so that the next start builds none
+
+    warm, logits = start_in_new_process(tmp_path, "load", path, "load")  # other, empty caches: only the artifact
+    print(f"\ncold start (builds the artifact) {cold['seconds']:.1f} s: {cold['phases']}"
+          f"\nstart from the artifact {warm['seconds']:.1f} s: {warm['phases']}")
+    assert warm["action"] == "loaded", warm
+    # Dynamo still traces (its compile count is the same), but Inductor and AOTAutograd compile nothing.
+    assert warm["compiles"] == cold["compiles"]
+    assert (warm["inductor"], warm["aot"], warm["triton"]) == (0, 0, 0), warm["describe"]
+    assert warm["phases"]["artifact load"] > 0 and "artifact save" not in warm["phases"]
+    assert "artifact: loaded" in warm["describe"]
+    assert torch.equal(logits, cold_logits)
+
+
+def test_a_mismatched_artifact_is_refused_naming_every_difference(built):
+    path = built[0]
+    cases = [
+        # another model: the preset's config no longer matches (named field by field)
+        (tiny_decoder(ModelConfig.preset("tiny").replace(qat=False)), {}, ["model_preset: 'tiny' in the artifact, None here",
+                                                                           "model_config", "qat True -> False"]),
+        (tiny_decoder(), {"skinny_product_columns": 0}, ["skinny_product_columns: 64 in the artifact, 0 here"]),
+        (tiny_decoder(max_seq_len=96), {"buckets": (2, 4)}, ["max_seq_len: 64 in the artifact, 96 here",
+                                                             "buckets: [4] in the artifact, [2, 4] here"]),
+    ]
+    for decoder, options, named in cases:
+        options = {"buckets": BUCKETS, **options}
+        with pytest.raises(ValueError, match="was built for another start") as error:
+            fuse.compile_decode(decoder, progress=False, artifact=path, **options)
+        assert isinstance(error.value, art.ArtifactMismatch)
+        for text in named:
+            assert text in str(error.value), str(error.value)
+
+
+def test_a_stale_artifact_is_refused_or_rebuilt(built, tmp_path):
+    """A faked torch version: refused by default; with "rebuild" a warning names it, the start
+    compiles without it and overwrites it with one that matches."""
+    stale = copy_with_manifest(built[0], str(tmp_path / "stale.zip"), lambda m: m["match"].update(torch="0.0.1"))
+    decoder = tiny_decoder()
+    with pytest.raises(ValueError, match=re.escape(f"torch: '0.0.1' in the artifact, '{torch.__version__}' here")):
+        fuse.compile_decode(decoder, buckets=BUCKETS, progress=False, artifact=stale)
+    with pytest.warns(UserWarning, match=r"torch: '0.0.1' in the artifact.*rebuilding it"):
+        runner = fuse.compile_decode(decoder, buckets=BUCKETS, progress=False, artifact=stale, artifact_mode="rebuild")
+    assert runner.artifact.action == "rebuilt" and "torch" in runner.artifact.reason
+    assert "artifact: rebuilt (mismatch: " in runner.describe()
+    with zipfile.ZipFile(stale) as archive:
+        assert json.loads(archive.read(art.MANIFEST))["match"]["torch"] == torch.__version__
+    archive, reason = art.open_artifact(stale, art.expected_manifest(decoder, runner.options, BUCKETS), "refuse")
+    assert archive is not None and reason == ""  # the rebuilt one matches
+    archive.close()
+
+
+def test_a_missing_or_corrupt_artifact_is_a_clear_error(built, tmp_path):
+    decoder = tiny_decoder()
+    start = lambda path, mode="refuse": fuse.compile_decode(decoder, buckets=BUCKETS, progress=False, artifact=str(path), artifact_mode=mode)  # noqa: E731
+    with pytest.raises(FileNotFoundError, match=r"no artifact at .*missing.zip \(artifact_mode='load' needs one"):
+        start(tmp_path / "missing.zip", "load")
+    (tmp_path / "garbage.zip").write_bytes(b"not a zip at all")
+    data = open(built[0], "rb").read()
+    (tmp_path / "truncated.zip").write_bytes(data[: len(data) // 2])
+    with zipfile.ZipFile(tmp_path / "other.zip", "w") as other:
+        other.writestr("readme.txt", "an unrelated zip")
+    for name in ("garbage.zip", "truncated.zip", "other.zip"):
+        with pytest.raises(ValueError, match=rf"{name} is not a readable fuse artifact"):
+            start(tmp_path / name)
+    # A member whose bytes changed after it was written: its CRC fails when the start loads it.
+    with zipfile.ZipFile(built[0]) as archive:
+        info = archive.getinfo(art.TORCH_CACHE)
+        offset = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra) + info.compress_size // 2
+    flipped = bytearray(data)
+    flipped[offset] ^= 0xFF
+    (tmp_path / "flipped.zip").write_bytes(bytes(flipped))
+    with pytest.raises(ValueError, match=r"flipped.zip is not a readable fuse artifact"):
+        start(tmp_path / "flipped.zip")
+    os.makedirs(tmp_path / "folder.zip")
+    with pytest.raises(ValueError, match="is a folder"):
+        start(tmp_path / "folder.zip")
+
+
+def test_precompile_refuses_a_mismatched_artifact(built, capsys):
+    """`fuse precompile` on an artifact built with other options: exit status 1, the mismatch named."""
+    from fuse.__main__ import main
+
+    argv = "precompile --preset tiny --device cpu --buckets 4 --max-seq-len 64 --skinny-product-columns 0 --artifact"
+    assert main(argv.split() + [built[0]]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fuse precompile: the artifact ") and "skinny_product_columns: 64 in the artifact, 0 here" in err, err
+
+
+def test_artifact_options_are_checked():
+    with pytest.raises(ValueError, match="artifact_mode must be one of"):
+        fuse.CompileOptions(artifact="a.zip", artifact_mode="ignore")
+    with pytest.raises(ValueError, match="with compile=False there is nothing"):
+        fuse.CompileOptions(artifact="a.zip", compile=False)
+    with pytest.raises(ValueError, match="artifact must be a file path"):
+        fuse.CompileOptions(artifact=3)
+    assert fuse.CompileOptions(artifact=__import__("pathlib").Path("x/a.zip")).artifact == os.path.join("x", "a.zip")
+
+
+# -- the Triton side (the custom ops' kernels on CUDA), without a GPU ------------------------------
+def test_the_triton_cache_entries_a_start_opens_are_recorded_and_counted(tmp_path, monkeypatch):
+    """Through Triton's cache-manager hook: lookups are recorded, writes (compiles) counted, and
+    the hook is gone afterwards."""
+    pytest.importorskip("triton")
+    from triton import knobs
+    from triton.runtime.cache import get_cache_manager
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    before = knobs.cache.__dict__.get("manager_class")
+    with art.watching_compile_caches(fresh_record=False) as watch:
+        get_cache_manager("a" * 64).put(b"binary", "_custom_kernel.cubin")  # compiled now
+        get_cache_manager("b" * 64).get_file("_other_kernel.json")  # a miss: no entry
+        inductor = get_cache_manager("c" * 64)
+        inductor.put(b"binary", "triton_poi_fused_add_0.cubin")  # Inductor's: shipped in its graphs
+    assert knobs.cache.__dict__.get("manager_class") is before and "TRITON_CACHE_MANAGER" not in os.environ
+    assert watch.triton_compiles() == 1
+    entries = watch.triton_entries()  # the custom kernel's; not the miss's (empty), not Inductor's
+    assert len(entries) == 1 and os.listdir(entries[0]) == ["_custom_kernel.cubin"], entries
+
+
+def test_triton_group_files_are_pointed_at_the_new_cache(tmp_path):
+    group = {"child_paths": {"k.cubin": "/old/cache/KEY/k.cubin", "k.json": "/old/cache/KEY/k.json"}}
+    moved = json.loads(art._relocated_group(json.dumps(group).encode(), str(tmp_path)))
+    assert moved["child_paths"] == {"k.cubin": str(tmp_path / "KEY" / "k.cubin"), "k.json": str(tmp_path / "KEY" / "k.json")}
+
+
+def test_loading_restores_triton_entries_and_libraries_into_this_process_caches(built, tmp_path, monkeypatch):
+    """An artifact with a Triton entry (as a CUDA start's would hold): it lands in Triton's cache
+    folder with its group file pointing there; files already there are kept."""
+    triton_root, inductor_root = tmp_path / "triton", tmp_path / "inductor"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(triton_root))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor_root))
+    path = str(tmp_path / "with-triton.zip")
+    shutil.copy(built[0], path)
+    group = {"child_paths": {"_k.json": "/elsewhere/KEY/_k.json", "_k.cubin": "/elsewhere/KEY/_k.cubin"}}
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.writestr("triton/KEY/_k.cubin", b"cubin")
+        archive.writestr("triton/KEY/_k.json", b"{}")
+        archive.writestr("triton/KEY/__grp___k.json", json.dumps(group))
+    os.makedirs(inductor_root / "zz")
+    (inductor_root / "zz" / "kept.so").write_bytes(b"mine")
+    use = art.load_artifact(zipfile.ZipFile(path), path)
+    assert use.action == "loaded"
+    assert (triton_root / "KEY" / "_k.cubin").read_bytes() == b"cubin"
+    children = json.loads((triton_root / "KEY" / "__grp___k.json").read_text())["child_paths"]
+    assert children["_k.cubin"] == str(triton_root / "KEY" / "_k.cubin")
+    libraries = [n for n in zipfile.ZipFile(path).namelist() if n.startswith("inductor/") and n.endswith(".so")]
+    assert libraries and all((inductor_root / n.removeprefix("inductor/")).exists() for n in libraries)
+    assert (inductor_root / "zz" / "kept.so").read_bytes() == b"mine"
+
+
+def test_start_times_table_has_the_artifact_start():
+    from fuse import bench
+
+    start = {"seconds": 9.0, "compiles": 1, "captured": 0, "phases": {"first calls": 8.0, "dynamo": 5.0},
+             "inductor_compiles": 0, "aot_compiles": 0, "triton_compiles": 0}
+    result = {"command": "python -m fuse bench --start-times", "buckets": [1], "layers": 2,
+              "cold": {**start, "seconds": 90.0, "inductor_compiles": 1, "aot_compiles": 1}, "warm": start,
+              "artifact": {**start, "phases": {"artifact load": 0.2, "first calls": 8.0}}}
+    table = bench.start_times_markdown(result)
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| cold", "| warm", "| artifact"]
+    assert "artifact load" in rows[0] and "| 1 / 1 / 0 |" in rows[1] and "| 0 / 0 / 0 |" in rows[3]
+    old = {k: v for k, v in result.items() if k != "artifact"}  # results written before artifacts still render
+    assert "| artifact |" not in bench.start_times_markdown(old)
+
+
+# -- on a GPU: the custom ops' Triton kernels and autotune choices travel too -----------------------
+def check_gpu_artifact_start(tmp_path, spec: dict, build_with_precompile: bool = False) -> None:
+    path = str(tmp_path / "artifact.zip")
+    if build_with_precompile:  # the command, in a new process with empty caches
+        env = {**os.environ, "PYTHONPATH": ROOT, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "caches-build" / "inductor"),
+               "TRITON_CACHE_DIR": str(tmp_path / "caches-build" / "triton")}
+        command = [sys.executable, "-m", "fuse", "precompile", "--preset", spec["preset"], "--device", "cuda",
+                   "--dtype", spec["dtype"], "--buckets", ",".join(map(str, spec["buckets"])), "--max-batch", str(spec["max_batch"]),
+                   "--max-seq-len", str(spec["max_seq_len"]), "--artifact", path]
+        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stderr.count("ready in") == len(spec["buckets"])  # a progress line per bucket
+        print(f"\n{done.stdout}")
+        cold = None
+    else:
+        cold, cold_logits = start_in_new_process(tmp_path, "build", path, "refuse", spec)
+        assert cold["action"] == "built"
+    with zipfile.ZipFile(path) as archive:
+        contents = json.loads(archive.read(art.MANIFEST))["contents"]
+    assert contents["triton_entries"] >= 1, contents  # the custom ops' kernels (and launchers)
+    warm, logits = start_in_new_process(tmp_path, "load", path, "load", spec)
+    print(f"\n{spec['preset']}: cold {cold['seconds'] if cold else '-'} s, from the artifact {warm['seconds']:.1f} s"
+          f"\n{warm['describe']}")
+    assert warm["action"] == "loaded"
+    assert (warm["inductor"], warm["aot"], warm["triton"]) == (0, 0, 0), warm["describe"]
+    if cold is not None:
+        torch.testing.assert_close(logits, cold_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_start_from_the_artifact_compiles_nothing(tmp_path):
+    spec = {"preset": "tiny", "device": "cuda", "dtype": "float32", "buckets": [1, 4], "max_batch": 4, "max_seq_len": 64}
+    check_gpu_artifact_start(tmp_path, spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_bench_preset_artifact_from_precompile(tmp_path):
+    """`fuse precompile` at V4-Flash widths, 43 layers, every bucket; a start from its artifact."""
+    spec = {"preset": "bench", "device": "cuda", "dtype": "bfloat16", "buckets": [1, 2, 4, 8, 16, 32, 64], "max_batch": 64,
+            "max_seq_len": 2048}
+    check_gpu_artifact_start(tmp_path, spec, build_with_precompile=True)
