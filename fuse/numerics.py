@@ -212,14 +212,16 @@ def assert_close_up_to_rounding_flips(actual: torch.Tensor, expected: torch.Tens
     assert not flips.beyond_one_step, f"{name}: {flips.beyond_one_step} differences larger than one rounding step"
 
 
-def cache_flips(model, reference, slots: torch.Tensor) -> RoundingFlips:
-    """`rounding_flips` of every per-slot buffer (caches, compressor states) of `model` against
-    `reference`'s, at `slots`."""
-    buffers = dict(reference.named_buffers())
+def slot_rows(model, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Copies of every per-slot buffer of `model` (caches, compressor states) at `slots`."""
+    return {name: buf[slots] for name, buf in model.named_buffers() if buf.dim() >= 2 and buf.shape[0] == model.max_batch + 1}
+
+
+def cache_flips(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> RoundingFlips:
+    """`rounding_flips` summed over the buffers of two `slot_rows`."""
     total = RoundingFlips()
-    for name, buf in model.named_buffers():
-        if buf.dim() >= 2 and buf.shape[0] == model.max_batch + 1:
-            total = total + rounding_flips(buf[slots], buffers[name][slots])
+    for name, rows in actual.items():
+        total = total + rounding_flips(rows, expected[name])
     return total
 
 
@@ -298,29 +300,41 @@ def judge(checks: Sequence[Check], dtype: torch.dtype) -> Verdict:
 
 
 @torch.no_grad()
-def check_step(model, run: Callable[..., torch.Tensor], inputs: Inputs, reference, eager=None) -> Check:
+def check_step(model, run: Callable[..., torch.Tensor], inputs: Inputs, reference=None, eager=None) -> Check:
     """One step of `run` (which advances `model`, e.g. a runner's `run_checked`) from `model`'s
-    current state, against the fp32 `reference` from the same state (copied into it first). The
-    noise of the dtype is the eager step of `eager` (default: `model` itself, repeated from the
-    same state) against the reference. Leaves `model` as `run` left it."""
-    copy_state(model, reference)
-    expected_noise = None
-    if model.dtype != torch.float32:  # an fp32 model's eager step is the reference's arithmetic
+    current state, against the fp32 `reference` from the same state (copied into it first; for
+    an fp32 model, None: its own eager step, repeated from the same state). The noise of the
+    dtype is the eager step of `eager` (default: `model`'s own, repeated from the same state)
+    against the reference. Leaves `model` as `run` left it."""
+    fp32 = model.dtype == torch.float32
+    if reference is None and not fp32:
+        raise ValueError(f"check_step: a {model.dtype} model needs an fp32 reference (fp32_reference)")
+    slots = inputs[2]
+    if reference is not None:
+        copy_state(model, reference)
+    noisy = None
+    if not fp32:  # an fp32 model's eager step is the reference's arithmetic
         if eager is None:
             restore = restore_point(model)
-            expected_noise = model.step(*inputs)
+            noisy = model.step(*inputs)
             restore()
         else:
             copy_state(model, eager)
-            expected_noise = eager.step(*inputs)
-    actual = run(*inputs)
-    expected = reference.step(*inputs)
-    flips = None
-    if model.dtype == torch.float32 and model.config.qat:
-        flips = cache_flips(model, reference, inputs[2])
+            noisy = eager.step(*inputs)
+    if reference is None:
+        restore = restore_point(model)
+        expected = model.step(*inputs)
+        expected_rows = slot_rows(model, slots)
+        restore()
+        actual = run(*inputs)
+    else:
+        actual = run(*inputs)
+        expected = reference.step(*inputs)
+        expected_rows = slot_rows(reference, slots)
+    flips = cache_flips(slot_rows(model, slots), expected_rows) if fp32 and model.config.qat else None
     return Check(
         error=row_errors(actual, expected),
-        noise=torch.zeros(len(actual)) if expected_noise is None else row_errors(expected_noise, expected),
+        noise=torch.zeros(len(actual)) if noisy is None else row_errors(noisy, expected),
         top1_agree=int((actual.argmax(-1) == expected.argmax(-1)).sum()),
         flips=flips,
         non_finite=not bool(torch.isfinite(actual).all()),
