@@ -92,15 +92,21 @@ def test_padding_never_touches_real_slots(pair):
         assert_close_up_to_rounding_flips(after[name][[1, 3]], value[[1, 3]], name)
 
 
-def test_bad_input_leaves_caches_unchanged(pair):
-    _, runner = pair
-    before = real_slot_caches(runner.decoder)
+def test_bad_input_leaves_every_cache_unchanged(pair):
+    """Refused before anything is written: every buffer (caches of every slot, the scratch slot's
+    too, and the compressors' states) is as it was."""
+    eager, runner = pair
+    before = {name: buf.clone() for name, buf in runner.decoder.named_buffers()}
     with pytest.raises(ValueError, match="repeated"):
         runner(torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([2, 2]))
     with pytest.raises(ValueError, match="positions must be in"):
         runner(torch.tensor([1]), torch.tensor([runner.decoder.max_seq_len]), torch.tensor([0]))
-    after = real_slot_caches(runner.decoder)
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(ValueError, match="tokens must be in"):
+        runner(torch.tensor([1, eager.config.vocab_size]), torch.tensor([0, 0]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="must be int64"):
+        runner(torch.tensor([1], dtype=torch.int32), torch.tensor([0]), torch.tensor([0]))
+    for name, buf in runner.decoder.named_buffers():
+        assert torch.equal(buf, before[name]), f"{name} changed"
 
 
 def test_any_autograd_mode_of_the_caller_runs_the_same_graphs(pair):
