@@ -21,6 +21,10 @@ BAD = [
     ("bench --device cpu --variants eager,fuse-pdl", "--variants", "unknown variants ['fuse-pdl']"),
     ("bench --device cpu --batches 1,0", "--batches", "comma list of positive integers"),
     ("bench --device cpu --inductor-option combo_kernels", "--inductor-option", "KEY=VALUE"),
+    ("soak --device cpu --steps 0", "--steps", "positive integer"),
+    ("soak --device cpu --check-every 0", "--check-every", "positive integer"),
+    ("soak --device cpu --max-seq-len 1", "--max-seq-len", "at least 2"),
+    ("soak --preset tiny --device cpu --layers 9", "--layers", "tiny preset has 6 layers"),
 ]
 if not torch.cuda.is_available():
     BAD += [("report --device cuda", "--device", "no CUDA device here"), ("bench", "--device", "no CUDA device here")]
