@@ -166,12 +166,26 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     precompile.add_argument("--cache-dir", default=None, help="CompileOptions.cache_dir: persistent compile caches to compile from")
     precompile.add_argument("--rebuild", action="store_true", help="rebuild an artifact at PATH that does not match, instead of refusing")
 
+    soak = commands.add_parser(
+        "soak", formatter_class=defaults,
+        help="the compiled runner under random traffic for many steps: recompiles, graph breaks, memory, NaNs, accuracy",
+        description="Run the compiled runner for --steps steps of random batch sizes, slots and sequence lengths, check "
+        "a step every --check-every steps against the fp32 yardstick, and write soak.json and soak.md.",
+    )
+    model_flags(soak, "bench", "cuda")
+    soak.add_argument("--steps", type=_positive, default=10000, help="decode steps")
+    soak.add_argument("--check-every", type=_positive, default=250, help="steps between checks against the fp32 reference")
+    soak.add_argument("--max-batch", type=_positive, default=64, help="cache slots; batches are 1 to this many sequences")
+    soak.add_argument("--max-seq-len", type=_positive, default=2048, help="longest sequence (positions up to this - 1)")
+    soak.add_argument("--out", default="fuse-out/soak", help="output folder")
+    soak.add_argument("--results", default=None, help="also write the summary into this results file (docs/results.md)")
+
     demo = commands.add_parser("demo", formatter_class=defaults, help="a short eager decode run: tokens/s and logits statistics")
     model_flags(demo, "tiny", "cpu")
     demo.add_argument("--batch", type=_positive, default=4, help="sequences decoded at once")
     demo.add_argument("--steps", type=_positive, default=32, help="decode steps")
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
-    return parser, {"report": report, "bench": bench, "precompile": precompile, "demo": demo}
+    return parser, {"report": report, "bench": bench, "precompile": precompile, "soak": soak, "demo": demo}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(command, args)
     if args.command == "precompile":
         return _precompile(command, args)
+    if args.command == "soak":
+        return _soak(command, args)
     return _demo(args)
 
 
@@ -289,6 +305,25 @@ def _precompile(command: argparse.ArgumentParser, args) -> int:
         return 1
     print(runner.describe())
     return 0
+def _soak(command: argparse.ArgumentParser, args) -> int:
+    from fuse import soak
+
+    if args.max_seq_len < 2:
+        command.error(f"argument --max-seq-len: expected at least 2, got {args.max_seq_len}")
+    settings = soak.SoakSettings(
+        preset=args.preset, layers=args.layers, device=args.device, seed=args.seed, steps=args.steps,
+        check_every=args.check_every, max_batch=args.max_batch, max_seq_len=args.max_seq_len, out_dir=args.out,
+    )
+    result = soak.run_soak(settings)
+    soak.write_outputs(result, settings.out_dir)
+    if args.results:
+        from kernels.bench.results import write_section
+
+        write_section(args.results, f"fuse soak {args.preset} {args.device.split(':')[0]}", soak.to_markdown(result))
+    print(soak.to_markdown(result))
+    print(f"wrote soak.json, soak.md to {settings.out_dir}")
+    ok = result["verdict"]["passed"] and not result["non_finite_steps"] and not result["recompiles"]
+    return 0 if ok else 1
 
 
 def _demo(args) -> int:

@@ -35,7 +35,10 @@ from typing import Callable
 
 import torch
 
-from fuse.numerics import accuracy, padded_batch_size, padded_step, relative_error, restore_point
+from fuse.numerics import (
+    NOISE_FACTOR, StreamedReference, accuracy, check_step, copy_state, fp32_reference, judge, padded_batch_size, padded_step,
+    relative_error, restore_point,
+)
 from fuse.runner import compile_decode
 from fuse.stats import dynamo_totals
 from kernels.bench.timing import back_to_back_ms, call_ms
@@ -50,6 +53,8 @@ COMPILE_DECODE_VARIANTS = {
 DEFAULT_VARIANTS = VARIANTS[:4]
 START_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 YARDSTICK = "eager, padded"  # the accuracy checks' key for eager with padding rows
+FP32 = "against_fp32"  # the accuracy checks' key for the errors against the fp32 eager reference
+FP32_COMPILED = "fuse fp32"  # under FP32: the compile_decode variant compiled in fp32, against eager fp32
 
 
 @dataclass
@@ -244,12 +249,16 @@ def interleaved_ms(runs: dict[str, Callable], inputs: tuple, steps: dict[str, in
     return samples
 
 
-def check_against_eager(variants: dict[str, Variant], decoder: Decoder, inputs: tuple) -> dict[str, dict]:
+def check_against_eager(
+    variants: dict[str, Variant], decoder: Decoder, inputs: tuple, reference: Decoder | None = None,
+    fp32_run: Callable | None = None,
+) -> dict[str, dict]:
     """One step of every variant from the same state, against the eager step: max relative logit
-    error and the share of rows whose top token agrees. The yardstick, under YARDSTICK: the same
-    eager step with padding rows added, which changes only kernel choices and summation orders
-    (fuse/numerics.py); in bf16 a random-weight model amplifies such differences, so a variant's
-    numbers mean something only next to it."""
+    error and the share of rows whose top token agrees; the padded eager step under YARDSTICK
+    (kernel choice and summation order only). With the fp32 eager `reference` (fuse/numerics.py),
+    also under FP32: the eager step's own rounding against it, each variant's yardstick verdict,
+    and, with `fp32_run` (a compile_decode runner of the reference), the step compiled in fp32
+    against eager fp32 under FP32_COMPILED."""
     rows = padded_batch_size(len(inputs[0]))
     if rows > decoder.max_batch:
         raise ValueError(
@@ -261,14 +270,39 @@ def check_against_eager(variants: dict[str, Variant], decoder: Decoder, inputs: 
     restore()
     padded = padded_step(decoder, inputs).float()
     checks = {YARDSTICK: accuracy(padded, expected)}
+    verdicts = {}
     for name, variant in variants.items():
         if name == "eager":
             continue
         restore()
-        actual = variant.run(*inputs).float()
-        if not torch.isfinite(actual).all():
+        if reference is None:
+            actual = variant.run(*inputs).float()
+            if not torch.isfinite(actual).all():
+                raise AssertionError(f"{name}: non-finite logits")
+            checks[name] = accuracy(actual, expected)
+            continue
+        outputs = []
+
+        def run(*step_inputs, variant=variant):
+            outputs.append(variant.run(*step_inputs))
+            return outputs[-1]
+
+        check = check_step(decoder, run, inputs, reference)
+        if check.non_finite:
             raise AssertionError(f"{name}: non-finite logits")
-        checks[name] = accuracy(actual, expected)
+        checks[name] = accuracy(outputs[0].float(), expected)
+        verdicts[name] = judge([check], decoder.dtype)
+    if reference is not None:
+        noise = next(iter(verdicts.values()), None)
+        against = {"dtype": str(decoder.dtype).removeprefix("torch.")}
+        if noise is not None:
+            against["eager"] = {"worst_row": noise.noise, "median_row": noise.typical_noise}
+        against.update((name, verdict.to_dict()) for name, verdict in verdicts.items())
+        if fp32_run is not None:
+            restore()
+            copy_state(decoder, reference)  # the fp32 runner's model starts from the decoder's state
+            against[FP32_COMPILED] = judge([check_step(reference, fp32_run, inputs)], torch.float32).to_dict()
+        checks[FP32] = against
     restore()
     return checks
 
@@ -394,11 +428,12 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
         log(f"  {name}: ready in {v.start_seconds:.1f} s, {v.compiles} compiles, {v.captures} graph captures, "
             f"{v.graph_memory_gib:.2f} GiB in graph pools {v.note}")
 
+    reference, fp32_run = fp32_yardstick(decoder, batches, settings.variants, log)
     rows = []
     for context in settings.contexts:
         for batch in batches:
             inputs = step_inputs(batch, context, cfg.vocab_size, decoder.device, settings.seed)
-            checks = check_against_eager(variants, decoder, inputs)
+            checks = check_against_eager(variants, decoder, inputs, reference, fp32_run)
             for variant in variants.values():  # warm-up at this shape
                 variant.run(*inputs)
             runs = {name: variant.run for name, variant in variants.items()}
@@ -421,6 +456,34 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
         for name, v in variants.items()
     }
     return result
+
+
+def fp32_yardstick(decoder: Decoder, batches: tuple[int, ...], variants: tuple[str, ...], log: Callable[[str], None]):
+    """The fp32 eager reference of `decoder` (fuse/numerics.py) and, for a bf16 decoder whose fp32
+    copy fits, the first compile_decode variant compiled on that copy (its `run_checked`); None
+    for what does not fit."""
+    try:
+        reference = fp32_reference(decoder)
+    except torch.OutOfMemoryError:
+        gc.collect()
+        torch.cuda.empty_cache()
+        log("the fp32 reference does not fit beside the variants: no errors against fp32")
+        return None, None
+    ours = next((v for v in variants if v in COMPILE_DECODE_VARIANTS), None)
+    if decoder.dtype == torch.float32 or ours is None:
+        return reference, None  # fp32: the variants are the fp32 compiles
+    if isinstance(reference, StreamedReference):
+        log(f"fp32 reference streamed block by block (an fp32 copy does not fit): no {FP32_COMPILED} check")
+        return reference, None
+    log(f"compiling {ours} in fp32 for the {FP32_COMPILED} check ...")
+    try:
+        runner = compile_decode(reference, buckets=batches, progress=False, **COMPILE_DECODE_VARIANTS[ours])
+    except torch.OutOfMemoryError:
+        gc.collect()
+        torch.cuda.empty_cache()
+        log(f"{ours} compiled in fp32 does not fit: no {FP32_COMPILED} check")
+        return reference, None
+    return reference, runner.run_checked
 
 
 def compare_precision(settings: BenchSettings, log: Callable[[str], None] = print, variant: str = "eager-graphs") -> dict:
@@ -535,7 +598,32 @@ def to_markdown(result: dict) -> str:
         cells = [str(row["context"]), str(row["batch"])]
         cells += [f"{row['checks'][n]['max_relative_error']:.3f} / {row['checks'][n]['top1_agreement']:.2f}" for n in checked]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += fp32_markdown(result, [n for n in names if n != "eager"])
     return "\n".join(lines) + "\n"
+
+
+def fp32_markdown(result: dict, names: list[str]) -> list[str]:
+    """The table of errors against the fp32 eager reference, where the run measured them."""
+    rows = [row for row in result["rows"] if FP32 in row["checks"]]
+    if not rows:
+        return []
+    dtype = rows[0]["checks"][FP32]["dtype"]
+    columns = [n for n in names + [FP32_COMPILED] if any(n in row["checks"][FP32] for row in rows)]
+    verdict = lambda v: f"{v['error']:.3f} / {v['typical_error']:.3f} {'pass' if v['passed'] else 'FAIL'}"  # noqa: E731
+    lines = [
+        "", "### Against the fp32 eager reference (one step from the same state)", "",
+        f"Worst row / median row relative error against an fp32 eager run of the same weights, and the yardstick's "
+        f"verdict (fuse/numerics.py: within {NOISE_FACTOR:g}x the eager {dtype} step's own error and the dtype's floor). "
+        f"'{FP32_COMPILED}': the compile_decode variant compiled in fp32, against eager fp32.", "",
+        f"| context | batch | eager {dtype} | " + " | ".join(columns) + " |", "|---|---|---|" + "---|" * len(columns),
+    ]
+    for row in rows:
+        against = row["checks"][FP32]
+        eager = against.get("eager")
+        cells = [str(row["context"]), str(row["batch"]), f"{eager['worst_row']:.3f} / {eager['median_row']:.3f}" if eager else "-"]
+        cells += [verdict(against[n]) if against.get(n) else "-" for n in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(result: dict, path: str) -> None:

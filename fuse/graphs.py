@@ -6,6 +6,7 @@ buckets are unaffected."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -63,13 +64,20 @@ def _build_bucket(size: int, step: StepFn, model, use_graphs: bool, pool, stats:
         step(*inputs)  # compile (or check the eager path) now, not on the first request
     if not use_graphs:
         return Bucket(size, inputs, run=lambda: step(*inputs))
+    reason = None
     try:
         with stats.phase("warm-up and capture", model.device):
             graph, output = capture(lambda: step(*inputs), pool=pool)
     except Exception as error:  # noqa: BLE001 - this bucket runs without a graph; the others are unaffected
+        reason = f"capture failed: {type(error).__name__}: {error}".splitlines()[0][:300]
+    if reason is not None:
+        # Outside the except block, so that the error's traceback, and the tensors its frames
+        # held, are gone: what the failed capture allocated (out of memory, say) goes back to
+        # the device for the other buckets and for this bucket's run without a graph.
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
-        reason = f"capture failed: {type(error).__name__}: {error}".splitlines()[0][:300]
+            gc.collect()
+            torch.cuda.empty_cache()
         log.warning("fuse: bucket %d falls back to running without a CUDA graph (%s)", size, reason)
         try:
             step(*inputs)

@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fuse.launches import CATEGORIES, LaunchReport, count_launches, diff_markdown
-from fuse.numerics import one_step_errors, relative_error
+from fuse.numerics import (
+    StreamedReference, Verdict, check_step, copy_state, fp32_reference, judge, one_step_errors, relative_error,
+)
 from fuse.runner import compile_decode
 from kernels.bench.timing import NOISY_SPREAD, Samples, wall_samples
 from model import Decoder, ModelConfig
@@ -77,6 +79,7 @@ def run_report(settings: ReportSettings) -> dict:
     # Counting and timing repeat one step at the next position (it rewrites the same rows).
     args = eager.check_inputs(tokens, torch.full((settings.batch,), settings.steps), slots)
     one_step = one_step_errors(eager, compiled_model, runner.run_checked, args)
+    against_fp32 = fp32_checks(eager, compiled_model, runner, args)
     # Each count also writes its profiled step's timeline (trace-eager.json, trace-compiled.json).
     eager_launches = count_launches(
         eager.step, *args, label="eager", layers=cfg.n_layers, trace_path=os.path.join(folder, TRACES["eager"])
@@ -111,6 +114,7 @@ def run_report(settings: ReportSettings) -> dict:
         "max_relative_error": max(errors),
         "relative_errors": errors,
         "one_step": one_step,
+        "against_fp32": against_fp32,
         "eager": eager_launches.to_dict(),
         "compiled": compiled_launches.to_dict(),
         "step_ms": {name: t.median for name, t in timings.items()},
@@ -123,6 +127,50 @@ def run_report(settings: ReportSettings) -> dict:
     }
     write_outputs(folder, result, eager_launches, compiled_launches)
     return result
+
+
+def fp32_checks(eager: Decoder, compiled_model: Decoder, runner, args: tuple) -> dict:
+    """One step from the same state against the fp32 eager reference of the same weights
+    (fuse/numerics.py): the eager step in the model's dtype (its rounding noise), the compiled
+    step with the yardstick's verdict, and the step compiled in fp32 against eager fp32 (the
+    compiled model itself when it is fp32; else a runner of the fp32 copy, where it fits)."""
+    reference = fp32_reference(eager)
+    copy_state(eager, compiled_model)
+    compiled = judge([check_step(compiled_model, runner.run_checked, args, reference, eager=eager)], compiled_model.dtype)
+    result = {
+        "dtype": str(compiled_model.dtype).removeprefix("torch."),
+        "eager_worst_row": compiled.noise,
+        "eager_median_row": compiled.typical_noise,
+        "compiled": compiled.to_dict(),
+        "compiled_fp32": None,
+        "compiled_fp32_note": "",
+    }
+    if compiled_model.dtype == torch.float32:
+        result["compiled_fp32"] = compiled.to_dict()
+        result["compiled_fp32_note"] = "the compiled model is fp32"
+    elif isinstance(reference, StreamedReference):
+        result["compiled_fp32_note"] = "skipped: an fp32 copy of the model does not fit beside it"
+    else:
+        fp32_runner = compile_decode(reference, buckets=(len(args[0]),), progress=False)
+        copy_state(compiled_model, reference)
+        result["compiled_fp32"] = judge([check_step(reference, fp32_runner.run_checked, args)], torch.float32).to_dict()
+    return result
+
+
+def fp32_lines(result: dict) -> list[str]:
+    """The fp32-reference checks as text lines (report.md and the console)."""
+    fp32 = result.get("against_fp32")
+    if not fp32:
+        return []
+    verdict = lambda d: Verdict(**d).summary()  # noqa: E731
+    lines = [
+        f"against the fp32 eager reference (one step from the same state): eager {fp32['dtype']} worst row "
+        f"{fp32['eager_worst_row']:.2e}, median row {fp32['eager_median_row']:.2e}",
+        f"compiled {fp32['dtype']}: {verdict(fp32['compiled'])}",
+    ]
+    if fp32["dtype"] != "float32":
+        lines.append("compiled fp32 vs eager fp32: " + (verdict(fp32["compiled_fp32"]) if fp32["compiled_fp32"] else fp32["compiled_fp32_note"]))
+    return lines
 
 
 def timing_warning(timings: dict[str, "Samples"]) -> str | None:
@@ -164,6 +212,7 @@ def summary_markdown(result: dict, eager: LaunchReport, compiled: LaunchReport) 
         f"- compiled vs eager over {s['steps']} steps: max relative logit error {result['max_relative_error']:.2e}",
         f"- one step from identical state: compiled vs eager {result['one_step']['compiled_vs_eager']:.2e}; "
         f"eager vs eager with padding rows (rounding noise) {result['one_step']['eager_padding_noise']:.2e}",
+        *[f"- {line}" for line in fp32_lines(result)],
         f"- step time, median (min-max) of {s['timing_steps']} interleaved repeats on {result['threads']} threads: "
         f"eager {_range(result, 'eager')}, compiled {_range(result, 'compiled')} "
         f"({result['step_ms']['eager'] / result['step_ms']['compiled']:.2f}x)"
@@ -260,4 +309,5 @@ def format_console(result: dict, eager: dict, compiled: dict) -> str:
         f"one step from the same state: compiled vs eager {one['compiled_vs_eager']:.2e}, "
         f"eager with padding rows vs eager (rounding noise) {one['eager_padding_noise']:.2e}"
     )
+    lines += fp32_lines(result)
     return "\n".join(lines)

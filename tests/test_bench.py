@@ -83,6 +83,12 @@ def test_cpu_run_end_to_end(tmp_path):
         # the yardstick ran: eager with padding rows against eager, finite and as small in fp32
         noise = row["checks"][bench.YARDSTICK]
         assert 0 <= noise["max_relative_error"] < 1e-4 and noise["top1_agreement"] == 1.0
+        # against the fp32 eager reference: the decoder is fp32, so eager is the reference's
+        # arithmetic, the fuse variant is the fp32 compile, and the yardstick passes it
+        against = row["checks"][bench.FP32]
+        assert against["eager"] == {"worst_row": 0.0, "median_row": 0.0}
+        assert against["fuse"]["passed"] and against["fuse"]["error"] < 1e-4, against["fuse"]
+        assert bench.FP32_COMPILED not in against
         assert row["fuse"]["ms"] > 0 and row["eager"]["ms"] > 0 and row["floor_ms"] > 0
     assert result["variants"]["fuse"]["compiles"] >= 1 and result["variants"]["eager"]["compiles"] == 0
 
@@ -93,6 +99,9 @@ def test_cpu_run_end_to_end(tmp_path):
     assert f"| 88 | 4 | {result['rows'][1]['eager']['ms']:.2f} | {fuse_ms:.2f} |" in markdown
     assert os.path.getsize(tmp_path / "bench.png") > 1000
     assert f"| context | batch | {bench.YARDSTICK} max rel. error / top-1 agree | fuse max rel. error" in markdown
+    fuse_check = result["rows"][1]["checks"][bench.FP32]["fuse"]
+    assert "| context | batch | eager float32 | fuse |" in markdown
+    assert f"| 88 | 4 | 0.000 / 0.000 | {fuse_check['error']:.3f} / {fuse_check['typical_error']:.3f} pass |" in markdown
 
 
 def test_yardstick_changes_only_the_summation_order(tiny):

@@ -28,6 +28,10 @@ BAD = [
     ("precompile --device cpu --preset tiny --artifact a.zip --compilation flat", "--compilation", "choose from"),
     ("precompile --device cpu --preset tiny --artifact a.zip --inductor-option no_such_setting=1", "--inductor-option", "no_such_setting"),
     ("precompile --device cpu --preset tiny --artifact . ", "--artifact", "is a folder"),
+    ("soak --device cpu --steps 0", "--steps", "positive integer"),
+    ("soak --device cpu --check-every 0", "--check-every", "positive integer"),
+    ("soak --device cpu --max-seq-len 1", "--max-seq-len", "at least 2"),
+    ("soak --preset tiny --device cpu --layers 9", "--layers", "tiny preset has 6 layers"),
 ]
 if not torch.cuda.is_available():
     BAD += [("report --device cuda", "--device", "no CUDA device here"), ("bench", "--device", "no CUDA device here")]

@@ -81,6 +81,13 @@ def test_report_checks_compiled_against_eager_and_counts_real_kernels(report):
     # (a different batch shape, other summation orders) and moves logits by rounding too.
     one = result["one_step"]
     assert one["compiled_vs_eager"] <= 1e-4 and 0 <= one["eager_padding_noise"] <= 1e-4
+    # against the fp32 reference (fuse/numerics.py): the model is fp32, so its eager step is the
+    # reference's arithmetic and the compiled step is the compiled fp32 one; the yardstick passes it
+    fp32 = result["against_fp32"]
+    assert fp32["dtype"] == "float32" and fp32["eager_worst_row"] == 0
+    assert fp32["compiled"]["passed"] and fp32["compiled"]["error"] <= fp32["compiled"]["bound"] == 1e-4
+    assert fp32["compiled_fp32"] == fp32["compiled"]
+    assert "compiled float32: pass: worst row" in (folder / "report.md").read_text()
     eager, compiled = result["eager"], result["compiled"]
     assert eager["counts"]["custom"] == compiled["counts"]["custom"] > 0  # the opaque ops stay as they are
     assert compiled["glue"] * 10 <= eager["glue"]

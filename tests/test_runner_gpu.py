@@ -1,12 +1,13 @@
 """compile_decode on a GPU with the bench preset (V4-Flash widths, 43 layers, 16 experts): every
-bucket captures, random batch sizes replay without recompiling, outputs stay within bf16 noise
-of eager, and memory is flat after warm-up. Prints cold/warm start times. These are marked slow
-(run with -m "gpu and slow"); the tiny-preset fp32 runner test runs with -m gpu."""
+bucket captures, random batch sizes replay without recompiling, outputs pass the accuracy
+yardstick (fuse/numerics.py: against an fp32 eager run of the same weights), memory is flat after
+warm-up, and a warm start loads every graph from the compile caches. These are marked slow (run
+with -m "gpu and slow"); the tiny-preset fp32 runner test runs with -m gpu."""
 from __future__ import annotations
 
+import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -15,22 +16,13 @@ import pytest
 import torch
 
 import fuse
-from fuse.report import one_step_errors, relative_error
+from fuse.numerics import check_step, fp32_reference, judge, relative_error
 from model import Decoder, ModelConfig
 
 pytestmark = [pytest.mark.gpu]
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 STEPS = int(os.environ.get("FUSE_GPU_STEPS", "1000"))
-
-
-def compare_one_step(decoder, runner, tokens, positions, slots) -> tuple[float, float]:
-    """From one cache state: (compiled vs eager, eager vs eager-with-padding-rows) relative errors
-    of the logits. The second is the bf16 noise floor: the same function whose matrix products
-    see more rows, so they run on other kernels with other reduction orders. The runner's
-    decoder is the eager one, so the compiled step is the one that advances the state."""
-    errors = one_step_errors(decoder, decoder, runner, *decoder.check_inputs(tokens, positions, slots))
-    return errors["compiled_vs_eager"], errors["eager_padding_noise"]
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +47,16 @@ def test_every_bucket_captures(bench_runner):
 
 
 @pytest.mark.slow
-def test_random_batches_match_eager_without_recompiles_or_memory_growth(bench_runner):
+def test_random_batches_pass_the_yardstick_without_recompiles_or_memory_growth(bench_runner):
+    """Every 100th step is checked from its state against the fp32 eager reference (streamed
+    block by block: an fp32 copy of 43 layers does not fit beside the model), with the bf16 eager
+    step's own error as the noise; the yardstick judges all checked rows together."""
     decoder, runner, _, _ = bench_runner
+    reference = fp32_reference(decoder)
     rng = random.Random(0)
     vocab = decoder.config.vocab_size
     next_position = [0] * decoder.max_batch
-    compiled_err, noise = [], []
+    checks = []
     memory = None
     for step in range(STEPS):
         size = rng.randint(1, decoder.max_batch)
@@ -71,9 +67,8 @@ def test_random_batches_match_eager_without_recompiles_or_memory_growth(bench_ru
         tokens = torch.tensor([rng.randrange(vocab) for _ in slots])
         positions = torch.tensor([next_position[s] for s in slots])
         if step % 100 == 0:
-            err, floor = compare_one_step(decoder, runner, tokens, positions, torch.tensor(slots))
-            compiled_err.append(err)
-            noise.append(floor)
+            inputs = decoder.check_inputs(tokens, positions, torch.tensor(slots))
+            checks.append(check_step(decoder, runner.run_checked, inputs, reference))
         else:
             runner(tokens, positions, torch.tensor(slots))
         for s in slots:
@@ -84,30 +79,37 @@ def test_random_batches_match_eager_without_recompiles_or_memory_growth(bench_ru
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == memory, "memory grew after warm-up"
     assert runner.stats.recompiles == 0
-    print(f"\ncompiled vs eager, relative error per check: {[f'{e:.3f}' for e in compiled_err]}")
-    print(f"eager vs eager + padding rows (bf16 noise): {[f'{e:.3f}' for e in noise]}")
-    # A random-weight 43-layer model is chaotic in bf16: any change of summation order moves the
-    # logits by tens of percent. So the
-    # compiled step must err no more than such a change does, on average over the checks (the
-    # mean is steadier than the largest of ten); an unrelated answer would sit near sqrt(2).
-    # The exactness of the compiled graph itself is checked in fp32 by tests/test_runner.py.
-    assert min(noise) > 0, "the padded eager step ran the same kernels: the noise floor is uncalibrated"
-    assert statistics.fmean(compiled_err) <= 1.25 * statistics.fmean(noise), (compiled_err, noise)
-    assert max(compiled_err) < 1.0, compiled_err
+    verdict = judge(checks, torch.bfloat16)
+    print(f"\ncompiled bf16 against fp32, worst row per check: {[f'{c.error.max().item():.3f}' for c in checks]}")
+    print(f"eager bf16 against fp32 (the noise): {[f'{c.noise.max().item():.3f}' for c in checks]}")
+    print(verdict.summary())
+    assert min(c.noise.max().item() for c in checks) > 0, "bf16 eager equalled fp32: the noise is uncalibrated"
+    assert verdict.passed, verdict
 
 
 @pytest.mark.slow
-def test_warm_start_is_faster(bench_runner):
-    """A second process with the same compile cache starts from the cache."""
+def test_warm_start_loads_every_graph_from_the_caches(bench_runner):
+    """A second process with the same compile cache compiles nothing: Inductor's FX graph cache
+    and AOTAutograd's cache only hit (by their counters, printed by the warm process), and no
+    custom-op kernel is compiled into Triton's cache again."""
     _, runner, cache_dir, cold = bench_runner
     code = (
-        "import time, torch, fuse\n"
+        "import json, time, torch, fuse\n"
+        "from torch._dynamo.utils import counters\n"
         "from model import Decoder, ModelConfig\n"
         "d = Decoder(ModelConfig.preset('bench'), max_batch=64, max_seq_len=2048, dtype=torch.bfloat16, device='cuda')\n"
         "d.init_random(0)\n"
         f"t = time.perf_counter(); r = fuse.compile_decode(d, buckets={BUCKETS!r}, dynamic_batch=True, cache_dir={cache_dir!r}, progress=False)\n"
         "print(r.describe())\n"
         "print(f'WARM {time.perf_counter() - t:.1f}')\n"
+        "print('COUNTERS ' + json.dumps({\n"
+        "    'fxgraph_cache_hit': counters['inductor']['fxgraph_cache_hit'],\n"
+        "    'fxgraph_cache_miss': counters['inductor']['fxgraph_cache_miss'],\n"
+        "    'fxgraph_cache_bypass': counters['inductor']['fxgraph_cache_bypass'],\n"
+        "    'autograd_cache_hit': counters['aot_autograd']['autograd_cache_hit'],\n"
+        "    'autograd_cache_miss': counters['aot_autograd']['autograd_cache_miss'],\n"
+        "    'autograd_cache_bypass': counters['aot_autograd']['autograd_cache_bypass'],\n"
+        "}))\n"
     )
     del runner
     torch.cuda.empty_cache()
@@ -115,14 +117,16 @@ def test_warm_start_is_faster(bench_runner):
     before = _custom_kernel_cache_files(triton_cache)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=500)
     assert out.returncode == 0, out.stderr[-2000:]
-    warm = float(out.stdout.split("WARM")[-1])
-    print(f"\nwarm start, {len(BUCKETS)} buckets: {warm:.1f} s\n{out.stdout.split('WARM')[0].strip()}")
+    counts = json.loads(out.stdout.split("COUNTERS ")[-1])
+    warm = float(out.stdout.split("WARM")[-1].split()[0])
+    print(f"\ncold start {cold:.1f} s, warm start {warm:.1f} s, {len(BUCKETS)} buckets; warm cache counters {counts}")
     # The custom-op kernels and their autotune choices come from the cold start's Triton cache:
     # the warm start compiles and tunes none of them again.
     compiled_again = sorted(_custom_kernel_cache_files(triton_cache) - before)
     assert not compiled_again, compiled_again[:10]
-    # A warm start near the cold one means the cache missed.
-    assert warm < 0.6 * cold, (warm, cold)
+    misses = {k: v for k, v in counts.items() if not k.endswith("_hit") and v}
+    assert not misses, f"the warm start compiled again: {misses}"
+    assert counts["fxgraph_cache_hit"] + counts["autograd_cache_hit"] > 0, counts
 
 
 def _custom_kernel_cache_files(triton_cache: str) -> set[str]:

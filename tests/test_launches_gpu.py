@@ -1,0 +1,61 @@
+"""Launch accounting on a GPU, op by op: every device kernel a registered custom op launches is
+counted as custom (as gemm for v4::grouped_linear, a matrix product), so that no kernel of
+ours lands in elementwise, copy, reduce or other in a report."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fuse.bench import synthesize_context
+from fuse.launches import count_launches
+from kernels.registry import OPS
+from model import Decoder, ModelConfig
+
+pytestmark = [pytest.mark.gpu]
+
+# The registry's ops, and v4::hc_pre_norm, whose kernels count under v4::hc_post_pre_norm.
+CHECKED_OPS = sorted(set(OPS.values()) | {"v4::hc_pre_norm"})
+
+
+@pytest.fixture(scope="module")
+def op_calls() -> dict[str, tuple]:
+    """One call (op, args, kwargs) of each v4 op, as a decode step of the bench widths makes it
+    (three layers: window, window, ratio 4 with the indexer; bf16 on CUDA, where the boundary and
+    projection kernels take the tensors), at a position with compressed entries to select from;
+    v4::hc_split_sinkhorn, which that step leaves to the boundary kernel, called on its own."""
+    calls: dict[str, tuple] = {}
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func._schema.name.startswith("v4::"):
+                calls.setdefault(func._schema.name, (func, args, kwargs))
+            return func(*args, **kwargs)
+
+    decoder = Decoder(ModelConfig.preset("bench", layers=3), max_batch=4, max_seq_len=256, dtype=torch.bfloat16, device="cuda")
+    decoder.init_random(0)
+    synthesize_context(decoder, seed=1)
+    inputs = [t.cuda() for t in (torch.tensor([3, 5, 7, 11]), torch.full((4,), 200), torch.arange(4))]
+    with torch.no_grad(), Recorder():
+        decoder.step(*inputs)
+    hc = decoder.config.hc_mult
+    mixes = torch.randn(4, (2 + hc) * hc, device="cuda")
+    scale, base = torch.rand(3, device="cuda"), torch.randn((2 + hc) * hc, device="cuda")
+    calls.setdefault("v4::hc_split_sinkhorn", (torch.ops.v4.hc_split_sinkhorn.default, (mixes, scale, base, hc, 20, 1e-6), {}))
+    return calls
+
+
+@pytest.mark.parametrize("op", CHECKED_OPS)
+def test_every_kernel_of_the_op_counts_as_custom(op, op_calls):
+    from kernels import launched_kernels
+
+    assert op in set(launched_kernels().values()) | {"v4::hc_pre_norm"}
+    assert op in op_calls, f"the decode step did not call {op}; calls seen: {sorted(op_calls)}"
+    func, args, kwargs = op_calls[op]
+    report = count_launches(functools.partial(func, **kwargs), *args, label=op)
+    expected = "gemm" if op == "v4::grouped_linear" else "custom"
+    assert report.total > 0, f"{op} launched no kernel"
+    assert report.counts[expected] == report.total, f"{op}: {report.counts}, kernels {report.kernels}"

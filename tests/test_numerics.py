@@ -1,0 +1,138 @@
+"""The accuracy yardstick (fuse/numerics.py): the fp32 reference, and a criterion that flags a small
+error planted in the compiled model, passes the clean run, and tells QAT rounding flips apart
+from a bug."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fuse
+from fuse.numerics import (
+    MIN_ROWS, QAT_FLIP_BOUND, WORST_FLOOR, Check, RoundingFlips, check_step, copy_state, fp32_reference, judge,
+)
+from decoders import TINY_SHAPE
+from model import Decoder, ModelConfig
+
+
+def tiny_inputs(generator: torch.Generator, position: int, slots=(0, 1, 2, 3)) -> tuple[torch.Tensor, ...]:
+    slots = torch.tensor(slots)
+    tokens = torch.randint(0, 512, (len(slots),), generator=generator)
+    return tokens, torch.full((len(slots),), position), slots
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_fp32_reference_has_the_weights_and_state_upcast(stream):
+    model = Decoder(ModelConfig.preset("tiny"), max_batch=3, max_seq_len=32, dtype=torch.bfloat16).init_random(2)
+    generator = torch.Generator().manual_seed(0)
+    for position in range(3):
+        model(*tiny_inputs(generator, position, slots=(0, 2)))
+    reference = fp32_reference(model, stream=stream)
+    assert reference.dtype == torch.float32
+    if stream:  # the blocks hold no weights between steps
+        assert {p.device.type for p in reference.layers.parameters()} == {"meta"}
+    for name, buf in model.named_buffers():
+        assert torch.equal(dict(reference.named_buffers())[name], buf.float()), name
+    full = Decoder(model.config, max_batch=3, max_seq_len=32, dtype=torch.float32)
+    full.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    copy_state(model, full)
+    inputs = tiny_inputs(generator, 3, slots=(2, 0))
+    assert torch.equal(reference.step(*inputs), full.step(*inputs))
+
+
+def test_criterion_widens_for_rare_qat_flips_only_and_needs_rows_for_the_median():
+    row = lambda *values: torch.tensor(values)  # noqa: E731
+    clean = Check(error=row(5e-7, 3e-7), noise=row(0.0, 0.0), top1_agree=2)
+    assert judge([clean], torch.float32).passed
+    flipped = Check(error=row(2e-3, 3e-7), noise=row(0.0, 0.0), top1_agree=2, flips=RoundingFlips(1000, 1, 0))
+    verdict = judge([flipped], torch.float32)
+    assert verdict.passed and verdict.bound == QAT_FLIP_BOUND and verdict.flips == 1
+    # many elements a little apart: a wrong kernel, not a flip
+    many = Check(error=row(2e-3, 3e-7), noise=row(0.0, 0.0), top1_agree=2, flips=RoundingFlips(1000, 400, 0))
+    assert not judge([many], torch.float32).passed
+    beyond = Check(error=row(5e-7, 3e-7), noise=row(0.0, 0.0), top1_agree=2, flips=RoundingFlips(1000, 1, 1))
+    assert "more than one rounding step" in judge([beyond], torch.float32).reason
+    # bf16: one row off by a routing flip passes; every row off by more than twice the noise fails
+    rows = MIN_ROWS
+    noise = torch.full((rows,), 1e-2)
+    one_flip = noise.clone()
+    one_flip[3] = 0.15
+    assert judge([Check(error=one_flip, noise=noise, top1_agree=rows)], torch.bfloat16).passed
+    assert WORST_FLOOR[torch.bfloat16] > 0.15
+    verdict = judge([Check(error=noise * 3, noise=noise, top1_agree=rows)], torch.bfloat16)
+    assert not verdict.passed and "median row" in verdict.reason
+    # below MIN_ROWS rows the median is not judged
+    assert judge([Check(error=noise[:2] * 3, noise=noise[:2], top1_agree=2)], torch.bfloat16).typical_bound is None
+
+
+def test_yardstick_flags_an_error_planted_in_the_compiled_model(tiny_nested):
+    """fp32, QAT on: the compiled runner passes against the fp32 reference of the eager model;
+    one norm weight 1% off in the compiled model's layer 3 fails, by far."""
+    eager, runner, _, _ = tiny_nested
+    model = runner.decoder
+    reference = fp32_reference(eager)
+    saved = {name: buf.clone() for name, buf in model.named_buffers()}
+    weight = model.layers[3].attn.kv_norm.weight
+    try:
+        for planted in (False, True):
+            copy_state(eager, model)
+            if planted:
+                with torch.no_grad():
+                    weight.mul_(1.01)
+            generator = torch.Generator().manual_seed(0)
+            checks = [check_step(model, runner.run_checked, tiny_inputs(generator, p), reference) for p in range(3)]
+            verdict = judge(checks, torch.float32)
+            print(f"planted={planted}: {verdict.summary()}")
+            if planted:
+                assert not verdict.passed and verdict.typical_error > 10 * verdict.typical_bound, verdict
+            else:
+                assert verdict.passed, verdict
+                assert runner.stats.recompiles == 0
+    finally:
+        with torch.no_grad():
+            weight.copy_(eager.layers[3].attn.kv_norm.weight)
+            for name, buf in model.named_buffers():
+                buf.copy_(saved[name])
+
+
+def test_yardstick_flags_a_planted_error_in_bf16():
+    """bf16: the eager step's own rounding is ~1e-2 per row, so a 1% error hides in it; a 10% one
+    (an MoE norm weight of one layer) shows in every row and fails, while the clean compiled run passes."""
+    cfg = ModelConfig.preset("tiny")
+    shape = {**TINY_SHAPE, "dtype": torch.bfloat16}
+    eager = Decoder(cfg, **shape).init_random(21)
+    model = Decoder(cfg, **shape)
+    model.load_state_dict(eager.state_dict())
+    runner = fuse.compile_decode(model, buckets=(4,), progress=False)
+    reference = fp32_reference(eager)
+    weight = model.layers[3].ffn_norm.weight
+    for planted in (False, True):
+        copy_state(eager, model)
+        if planted:
+            with torch.no_grad():
+                weight.mul_(1.1)
+        generator = torch.Generator().manual_seed(0)
+        checks = [check_step(model, runner.run_checked, tiny_inputs(generator, p), reference, eager=eager) for p in range(4)]
+        verdict = judge(checks, torch.bfloat16)
+        print(f"planted={planted}: {verdict.summary()}")
+        if planted:
+            assert not verdict.passed and verdict.typical_error > 2 * verdict.typical_bound, verdict
+        else:
+            assert verdict.passed, verdict
+
+
+def test_qat_rounding_flips_pass_and_are_counted():
+    """fp32 with QAT: one sequence at a time against the batch (the reference) moves values by
+    ~1e-7, which now and then flips one fp8/fp4 rounding of a cache element. The yardstick sees
+    those flips in the caches and passes them; a planted error fails (above)."""
+    model = Decoder(ModelConfig.preset("tiny"), **TINY_SHAPE).init_random(21)
+    reference = fp32_reference(model)
+
+    def one_at_a_time(tokens, positions, slots):
+        return torch.cat([model.step(tokens[i : i + 1], positions[i : i + 1], slots[i : i + 1]) for i in range(len(tokens))])
+
+    generator = torch.Generator().manual_seed(21)
+    checks = [check_step(model, one_at_a_time, tiny_inputs(generator, p), reference) for p in range(14)]
+    assert sum(c.flips.far for c in checks) > 0, "no rounding flip in these steps: pick steps that have one"
+    for check in checks:
+        verdict = judge([check], torch.float32)
+        assert verdict.passed, verdict
