@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
+import statistics
 
 import pytest
 import torch
@@ -12,7 +14,9 @@ from safetensors.torch import save_file
 
 from kernels.blockscale import dequantize_weight, quantize_fp4_weight, quantize_fp8_weight
 from model import Decoder, ModelConfig
+from model.loading import RESIDUAL_BRANCH_OUTPUTS, residual_branch_scale
 from test_model_decode import compare_with_reference, run_schedule
+from v4_reference import V4Reference
 
 OFFICIAL = json.loads((pathlib.Path(__file__).parent / "data" / "official_params.json").read_text())
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1, "int32": 4}
@@ -66,7 +70,9 @@ def test_random_weights_are_quantised_as_the_checkpoints_are():
         again = (quantize_fp8_weight if weight.dtype == torch.float8_e4m3fn else quantize_fp4_weight)(dense)
         assert torch.equal(dequantize_weight(*again), dense), key
         std = dense.std().item() * dense.shape[-1] ** 0.5
-        assert 0.7 < std < 1.4, (key, std)  # N(0, 1/fan_in) before quantisation
+        weight_key = re.sub(r"\.experts\.\d+\.", ".experts.", key[: -len("scale")] + "weight")  # stacked name
+        expected = residual_branch_scale(decoder.config.n_layers) if weight_key.endswith(RESIDUAL_BRANCH_OUTPUTS) else 1.0
+        assert 0.7 < std / expected < 1.4, (key, std)  # N(0, 1/fan_in) before quantisation, the residual outputs smaller
 
 
 def test_a_checkpoint_loads_bit_for_bit_and_a_mismatched_one_is_refused(tmp_path):
@@ -98,12 +104,48 @@ def test_a_checkpoint_loads_bit_for_bit_and_a_mismatched_one_is_refused(tmp_path
         assert all(torch.equal(bits(v), before[k]) for k, v in target.state_dict().items())
 
 
-def test_native_decode_matches_the_official_linear_semantics():
-    """fp32 activations, QAT off, 300 steps: every product on an FP8 / FP4 weight quantises its
-    input as the official linear() does, against the from-scratch reference's own act_quant and
-    dequantisation."""
+def native_schedule(seed: int):
     cfg = native_tiny(qat=False)
-    decoder = Decoder(cfg, max_batch=3, max_seq_len=320, dtype=torch.float32).init_random(seed=11)
+    decoder = Decoder(cfg, max_batch=3, max_seq_len=320, dtype=torch.float32).init_random(seed=seed)
     sequences = [dict(slot=2, start=0, length=300), dict(slot=0, start=20, length=60, skip=7)]
-    run_schedule(decoder, sequences, steps=300, seed=3)
-    compare_with_reference(decoder, sequences, tolerance=1e-3)
+    return decoder, sequences
+
+
+def test_native_decode_reads_the_stored_formats_exactly(monkeypatch):
+    """300 steps with the activations' e4m3 rounding taken out of both sides (the decoder's and the
+    reference's): what is left is the stored FP8 / FP4 weights, their scales and the fused
+    layout, which must agree with the reference's own dequantisation to fp32 rounding."""
+    import kernels.blockscale.ref as blockscale_ref
+    import kernels.moe.ref as moe_ref
+    import v4_reference
+
+    unrounded = lambda x, pow2=True: x.float()  # noqa: E731
+    monkeypatch.setattr(blockscale_ref, "act_quant_dequant", unrounded)
+    monkeypatch.setattr(moe_ref, "act_quant_dequant", unrounded)
+    rounding = v4_reference.fp8_round_trip
+    monkeypatch.setattr(v4_reference, "fp8_round_trip", lambda x, block, pow2: x if block == 128 else rounding(x, block, pow2))
+    decoder, sequences = native_schedule(seed=11)
+    run_schedule(decoder, sequences, steps=310, seed=3)
+    compare_with_reference(decoder, sequences, tolerance=1e-4)
+
+
+def test_native_decode_follows_the_official_linear_semantics():
+    """300 steps with the official act_quant on both sides. Two implementations that differ in
+    summation order by 1e-7 round some activation to the other neighbouring e4m3 value sooner or
+    later; from then on their activations differ by fp8 rounding steps, so they agree to the
+    size of that rounding (a few percent), not to fp32 rounding. Before the first such flip they
+    agree to fp32 rounding; after it, within fp8 noise, with the same top token almost always."""
+    decoder, sequences = native_schedule(seed=11)
+    run_schedule(decoder, sequences, steps=310, seed=3)
+    reference = V4Reference(decoder.config, decoder.state_dict(), torch.float32)
+    errors, agree = [], []
+    for s in sequences:
+        expected = reference.logits(s["tokens"])
+        for position, actual in enumerate(s["logits"]):
+            errors.append(((actual - expected[position]).abs().max() / expected[position].abs().max()).item())
+            agree.append(bool(actual.argmax() == expected[position].argmax()))
+    first = next((i for i, e in enumerate(errors) if e > 1e-4), len(errors))
+    assert first >= 5 and max(errors[:first]) <= 1e-5, errors[: first + 1]  # exact until the first flip
+    # then within fp8 rounding noise: at these widths a median row near 1e-2, rare rows near 0.2
+    assert statistics.median(errors) <= 3e-2 and max(errors) <= 0.3, (statistics.median(errors), max(errors))
+    assert sum(agree) >= 0.9 * len(agree), sum(agree) / len(agree)
