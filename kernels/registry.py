@@ -12,6 +12,7 @@ import pkgutil
 # the same kernels (hc_mix's hc_pre_norm and hc_post_pre_norm, sparse_mla's op with and without a
 # workspace), a profile cannot tell them apart: they count under the op named here.
 OPS = {
+    "blockscale": "v4::blockscale_linear",
     "hc_mix": "v4::hc_post_pre_norm",
     "hc_sinkhorn": "v4::hc_split_sinkhorn",
     "indexer": "v4::indexer_topk",

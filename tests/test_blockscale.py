@@ -1,14 +1,18 @@
 """Block-scaled FP8 / FP4 weights and the official linear() on them (kernels/blockscale/), against
-brute-force versions written here and in tests/v4_reference.py, on fresh random inputs."""
+brute-force versions written here and in tests/v4_reference.py, on fresh random inputs; the
+Triton kernel against the reference (interpreter: small shapes, fp16/fp32 activations; GPU: bf16
+at V4-Flash widths, inside torch.compile and a CUDA graph)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels.blockscale import (
-    FP4_BLOCK, FP8_BLOCK, act_quant, act_quant_dequant, blockscale_linear, blockscale_linear_op, dequantize_fp4_weight,
-    dequantize_fp8_weight, quantize_fp4_weight, quantize_fp8_weight, unpack_fp4,
+    FP4_BLOCK, FP8_BLOCK, act_quant, act_quant_dequant, blockscale_linear, blockscale_linear_op,
+    blockscale_linear_reference, dequantize_fp4_weight, dequantize_fp8_weight, dequantize_weight, quantize_fp4_weight,
+    quantize_fp8_weight, unpack_fp4,
 )
+from kernels.cuda_graph import capture
 from v4_reference import fp4_round_trip, fp8_round_trip, pow2_at_least
 
 
@@ -103,7 +107,7 @@ def test_bad_operands_are_named():
     with pytest.raises(ValueError, match="weight must be float8_e4m3fn or uint8"):
         blockscale_linear(x, w.float(), scale)
     with pytest.raises(ValueError, match="impl must be one of"):
-        blockscale_linear(x, w, scale, impl="triton")
+        blockscale_linear(x, w, scale, impl="cublas")
 
 
 def test_the_custom_op_is_well_formed():
@@ -114,3 +118,184 @@ def test_the_custom_op_is_well_formed():
     torch.library.opcheck(blockscale_linear_op, (torch.randn(3, 256), w, scale, True), test_utils=checks)
     packed, scale4 = quantize_fp4_weight(weight(64, 256, seed=4))
     torch.library.opcheck(blockscale_linear_op, (torch.randn(2, 256), packed, scale4, True), test_utils=checks)
+
+
+# -- the Triton kernel ------------------------------------------------------------------------
+FP32_EPS = 2.0**-24  # unit roundoff
+# One ulp of the output dtype relative to the value: two fp32 sums a hair apart may round to
+# neighbouring outputs.
+OUT_ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+def quantized(fmt: str, w: torch.Tensor, scale_dtype: torch.dtype):
+    return (quantize_fp8_weight if fmt == "fp8" else quantize_fp4_weight)(w, scale_dtype)
+
+
+def assert_matches_reference(y, x, q, scale, pow2, ulps=16):
+    """Both sides sum the same exact products (e4m3 x e4m3 or e2m1 values, scaled) in fp32, in
+    different orders: they differ by a few fp32 roundings of the row's absolute sum, plus one
+    ulp of the output dtype. The absolute sum comes from the same dequantised operands."""
+    ref = blockscale_linear_reference(x, q, scale, pow2)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    abs_sum = act_quant_dequant(x, pow2).abs().double() @ dequantize_weight(q, scale).abs().double().t()
+    bound = ulps * FP32_EPS * abs_sum + OUT_ULP[x.dtype] * ref.double().abs()
+    err = (y.double() - ref.double()).abs()
+    assert (err <= bound).all(), f"max error {err.max().item():.3e}, worst excess {(err - bound).max().item():.3e}"
+
+
+def triton_operands(fmt, scale_dtype, rows, n, k, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    # activations spanning four decades across K (so blocks get different scales), weights whose
+    # rows differ in size (so weight blocks do)
+    x = (torch.randn(rows, k, generator=g) * torch.logspace(-2, 2, k)[torch.randperm(k, generator=g)]).to(dtype)
+    q, scale = quantized(fmt, weight(n, k, seed), scale_dtype)
+    return x, q, scale
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.float32])
+@pytest.mark.parametrize("pow2", [True, False])
+def test_triton_matches_the_reference(fmt, scale_dtype, pow2):
+    """Ragged N (200: neither a multiple of the column tiles nor of 128), K three 128-blocks,
+    B = 1 and 3 (every program quantises its rows), 17 (the pre-pass, two row tiles' worth)."""
+    from kernels.blockscale.triton import blockscale_linear_triton
+
+    for rows, dtype in ((1, torch.float16), (3, torch.float32), (17, torch.float16)):
+        x, q, scale = triton_operands(fmt, scale_dtype, rows, 200, 384, dtype, seed=rows + 10 * pow2)
+        assert_matches_reference(blockscale_linear_triton(x, q, scale, pow2), x, q, scale, pow2)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("split,x_quantized", [(2, False), (3, True), (1, True)])
+def test_triton_split_k_and_the_pre_pass(fmt, split, x_quantized):
+    """Plans the interpreter's 8 SMs would not pick at these sizes: K split 2 or 3 ways (the last
+    program of a tile adds the partials, and leaves the counters at zero for the next launch),
+    activations quantised in-kernel or by the pre-pass, and more rows than one row tile."""
+    from kernels.blockscale.triton import Plan, _split_counters, blockscale_linear_triton, split_plan
+
+    k = 640  # five blocks: splits of 3 + 2 and 2 + 2 + 1
+    plan = split_plan(Plan(block_m=16, block_n=32, split=1, blocks_per_split=5, x_quantized=x_quantized), k, split)
+    assert plan.split == split
+    for rows in (5, 19):
+        x, q, scale = triton_operands(fmt, torch.float8_e8m0fnu, rows, 100, k, torch.float32, seed=split + rows)
+        y = blockscale_linear_triton(x, q, scale, True, plan)
+        assert_matches_reference(y, x, q, scale, True)
+        assert torch.equal(blockscale_linear_triton(x, q, scale, True, plan), y)  # deterministic, counters reset
+    assert not _split_counters(torch.device("cpu"), 16).any()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_triton_per_block_activation_scales_and_a_zero_block(fmt):
+    """Each row's four 128-blocks differ in size by up to 10^6, the weight's inputs the other way
+    round, so every block adds a like share to each output (a wrong activation scale on any block
+    shows); one block of a row is all zeros (its amax takes the 1e-4 floor); fp32 weight scales
+    that are not powers of two."""
+    from kernels.blockscale.triton import blockscale_linear_triton
+
+    g = torch.Generator().manual_seed(5)
+    sizes = torch.tensor([1e3, 1e-3, 1.0, 1e-2]).repeat_interleave(FP8_BLOCK)
+    x = torch.randn(3, 512, generator=g) * sizes
+    x[1, 128:256] = 0.0
+    q, scale = quantized(fmt, weight(72, 512, seed=6) / sizes, torch.float32)
+    scale = scale * (1 + torch.rand(scale.shape, generator=g))
+    w_seen = dequantize_weight(q, scale).double()
+    for pow2 in (True, False):
+        y = blockscale_linear_triton(x, q, scale, pow2)
+        assert_matches_reference(y, x, q, scale, pow2)
+        shares = [act_quant_dequant(x, pow2)[0, b : b + 128].double() @ w_seen[:, b : b + 128].t() for b in range(0, 512, 128)]
+        assert min(share.abs().max() for share in shares) > 1e-2 * y[0].abs().max()
+
+
+@pytest.mark.interpreter
+def test_triton_act_quant_pre_pass_is_bit_exact():
+    """Every e4m3 value and every midpoint between neighbours (ties: to even), e4m3's subnormal
+    range, -0, random values; fp32, fp16 and bf16 activations; power-of-two scales or not."""
+    from kernels.blockscale.triton import act_quant_triton
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    grid = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn).float().sort().values
+    values = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.randn(1000, generator=torch.Generator().manual_seed(1)) * 50])
+    values = torch.cat([values, torch.zeros(-len(values) % 128)]).view(-1, 128)
+    values[:, 0] = 448.0  # scale 1 with pow2: the midpoints stay ties
+    values = values.view(3, -1)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for pow2 in (True, False):
+            got, got_scale = act_quant_triton(values.to(dtype), pow2)
+            want, want_scale = act_quant(values.to(dtype), pow2)
+            assert torch.equal(got_scale, want_scale)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (dtype, pow2)
+
+
+@pytest.mark.interpreter
+def test_triton_through_the_entry_point_keeps_leading_dims():
+    x, q, scale = triton_operands("fp8", torch.float8_e8m0fnu, 6, 40, 256, torch.float32, seed=8)
+    y = blockscale_linear(x.view(2, 3, 256), q, scale, impl="triton")
+    assert y.shape == (2, 3, 40)
+    assert_matches_reference(y.view(6, 40), x, q, scale, True)
+
+
+@pytest.mark.interpreter
+def test_triton_refuses_a_weight_strided_along_its_inputs():
+    q, scale = quantize_fp8_weight(weight(128, 512, seed=3))
+    with pytest.raises(ValueError, match="contiguous along its inputs"):
+        blockscale_linear(torch.randn(2, 256), q[:, ::2], scale[:, ::2], impl="triton")
+
+
+# V4-Flash's FP8 products: wq_a+wkv fused, wq_b, wo_b, shared expert w1 (w3) and w2.
+V4_SHAPES = [(1536, 4096), (32768, 1024), (4096, 8192), (2048, 4096), (4096, 2048)]
+
+
+def gpu_operands(rows, n, k, fmt="fp8", scale_dtype=torch.float8_e8m0fnu, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g, device="cuda") * k**-0.5 * torch.logspace(-1, 1, n, device="cuda")[:, None]
+    q, scale = quantized(fmt, w, scale_dtype)
+    return x, q, scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64])
+@pytest.mark.parametrize("n,k", V4_SHAPES)
+def test_gpu_matches_the_reference_at_v4_widths(rows, n, k):
+    x, q, scale = gpu_operands(rows, n, k, seed=rows + n)
+    assert_matches_reference(blockscale_linear(x, q, scale), x, q, scale, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("rows", [1, 33])
+def test_gpu_fp4_weights_and_fp32_scales(fmt, rows):
+    x, q, scale = gpu_operands(rows, 1000, 2048, fmt, torch.float32, seed=rows)
+    for pow2 in (True, False):
+        assert_matches_reference(blockscale_linear(x, q, scale, pow2), x, q, scale, pow2)
+
+
+@pytest.mark.gpu
+def test_gpu_inside_compile_and_a_cuda_graph():
+    """torch.compile around the op, captured per batch bucket, replayed with fresh activations:
+    the split plans (the fused x projection splits K at every bucket) keep their counters right
+    from replay to replay, and a replay of the same inputs gives the same bits."""
+    n, k = 1536, 4096
+    _, q, scale = gpu_operands(1, n, k, seed=1)
+    step = torch.compile(lambda x: blockscale_linear(x, q, scale) * 2, fullgraph=True)
+    for bucket in (1, 16, 64):
+        x = torch.zeros(bucket, k, dtype=torch.bfloat16, device="cuda")
+        graph, out = capture(lambda: step(x))
+        for seed in (1, 2):
+            fresh = gpu_operands(bucket, n, k, seed=100 * bucket + seed)[0]
+            x.copy_(fresh)
+            graph.replay()
+            first = out.clone()
+            graph.replay()
+            assert torch.equal(out, first), f"bucket {bucket}: replays differ"
+            assert_matches_reference(out / 2, fresh, q, scale, True)
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck():
+    x, q, scale = gpu_operands(8, 256, 512, seed=4)
+    checks = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(blockscale_linear_op, (x, q, scale, True), test_utils=checks)

@@ -1,12 +1,14 @@
 """The official linear() on block-scaled FP8 / FP4 weights as a custom op (semantics:
-kernels/blockscale/ref.py). Every device runs the plain-torch form for now: activations
-quantised, both operands dequantised to fp32, one product."""
+kernels/blockscale/ref.py). CUDA runs the Triton kernel of kernels/blockscale/triton.py
+(activations quantised per 128-block, weight codes times activations in fp16 dots, every scale
+applied in fp32 after them); the CPU runs the plain-torch reference (activations quantised, both
+operands dequantised to fp32, one product). Neither syncs with the host."""
 from __future__ import annotations
 
 import torch
 
 from kernels.blockscale.ref import blockscale_linear_reference, check_blockscale_inputs
-from kernels.impl import check_impl
+from kernels.impl import COMMON_IMPLS, check_impl
 
 
 @torch.library.custom_op("v4::blockscale_linear", mutates_args=())
@@ -19,14 +21,28 @@ def _(x, weight, scale, pow2):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-IMPLS = ("auto", "reference")
+@blockscale_linear_op.register_kernel("cuda")
+def _(x, weight, scale, pow2):
+    if weight.stride(-1) != 1 or not x.is_floating_point():
+        return blockscale_linear_reference(x, weight, scale, pow2)
+    from kernels.blockscale.triton import blockscale_linear_triton  # triton only where the kernel runs
+
+    return blockscale_linear_triton(x, weight, scale, pow2)
+
+
+IMPLS = COMMON_IMPLS
 
 
 def blockscale_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool = True, impl: str = "auto") -> torch.Tensor:
-    """[..., out] in x's dtype (see blockscale_linear_reference). impl: "auto" (the custom op)
-    or "reference"."""
+    """[..., out] in x's dtype (see blockscale_linear_reference). impl: "auto" (the custom op:
+    Triton on CUDA, the reference on CPU), "triton" (the Triton kernel directly, e.g. on a CPU
+    under TRITON_INTERPRET=1; the weight contiguous along its inputs) or "reference"."""
     check_impl("blockscale_linear", impl, IMPLS)
     check_blockscale_inputs(x, weight, scale)
+    if impl == "triton":
+        from kernels.blockscale.triton import blockscale_linear_triton
+
+        return blockscale_linear_triton(x, weight, scale, pow2)
     if impl == "reference":
         return blockscale_linear_reference(x, weight, scale, pow2)
     return blockscale_linear_op(x, weight, scale, pow2)
