@@ -65,16 +65,21 @@ _REDUCE_KERNEL = re.compile(r"reduce|softmax|topk|sort|scan|radix|bitonic|argmax
 _COPY_KERNEL = re.compile(r"copy|CatArray|cat_|index|gather|scatter|fill|embedding|memset|memcpy", re.I)
 
 
+# The custom ops that are matrix products (the projections, dense or block-scaled): gemm, as
+# cuBLAS's are, with the activation quantisation they fuse.
+MATRIX_PRODUCT_OPS = frozenset({"v4::grouped_linear", "v4::blockscale_linear"})
+
+
 def _custom_kernel_names() -> set[str]:
     """Names of the Triton and Gluon kernels behind the opaque custom ops (kernels/), but those of
-    `v4::grouped_linear`, which count as gemm."""
-    return {name for name, op in launched_kernels().items() if op != "v4::grouped_linear"}
+    the matrix products, which count as gemm."""
+    return {name for name, op in launched_kernels().items() if op not in MATRIX_PRODUCT_OPS}
 
 
 @functools.cache
 def _gemm_kernel_names() -> frozenset[str]:
-    """Names of kernels/' own matrix-product kernels (`v4::grouped_linear`): gemm, as cuBLAS's are."""
-    return frozenset(name for name, op in launched_kernels().items() if op == "v4::grouped_linear")
+    """Names of kernels/' own matrix-product kernels (MATRIX_PRODUCT_OPS)."""
+    return frozenset(name for name, op in launched_kernels().items() if op in MATRIX_PRODUCT_OPS)
 
 
 def classify_op(name: str) -> str:
@@ -82,7 +87,7 @@ def classify_op(name: str) -> str:
     if "::" in name:
         namespace, op = name.split("::", 1)
         op = op.split(".")[0]
-        if namespace == "v4" and op == "grouped_linear":
+        if f"{namespace}::{op}" in MATRIX_PRODUCT_OPS:
             return "gemm"  # a matrix product, whoever runs it
         if namespace not in ("aten", "prims"):
             return "custom"

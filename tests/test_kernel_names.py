@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from fuse.launches import _custom_kernel_names, _gemm_kernel_names, classify_kernel  # noqa: E402
+from fuse.launches import MATRIX_PRODUCT_OPS, _custom_kernel_names, _gemm_kernel_names, classify_kernel  # noqa: E402
 from kernels import launched_kernels  # noqa: E402
 from kernels.registry import OPS  # noqa: E402
 
@@ -47,6 +47,6 @@ def test_launch_accounting_counts_them_as_custom_or_gemm():
     custom = _custom_kernel_names()
     for op, names in LAUNCHED.items():
         for name in names:
-            expected = "gemm" if op == "v4::grouped_linear" else "custom"
+            expected = "gemm" if op in MATRIX_PRODUCT_OPS else "custom"
             assert classify_kernel(name, custom) == expected, (name, op)
-    assert _gemm_kernel_names() == frozenset(n for n, op in launched_kernels().items() if op == "v4::grouped_linear")
+    assert _gemm_kernel_names() == frozenset(n for n, op in launched_kernels().items() if op in MATRIX_PRODUCT_OPS)

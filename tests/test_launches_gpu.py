@@ -1,5 +1,5 @@
 """Launch accounting on a GPU, op by op: every device kernel a registered custom op launches is
-counted as custom (as gemm for v4::grouped_linear, a matrix product), so that no kernel of
+counted as custom (as gemm for the matrix products, fuse.launches.MATRIX_PRODUCT_OPS), so that no kernel of
 ours lands in elementwise, copy, reduce or other in a report."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fuse.bench import synthesize_context
-from fuse.launches import count_launches
+from fuse.launches import MATRIX_PRODUCT_OPS, count_launches
 from kernels.registry import OPS
 from model import Decoder, ModelConfig
 
@@ -24,7 +24,7 @@ CHECKED_OPS = sorted(set(OPS.values()) | {"v4::hc_pre_norm"})
 def op_calls() -> dict[str, tuple]:
     """One call (op, args, kwargs) of each v4 op, as a decode step of the bench widths makes it
     (three layers: window, window, ratio 4 with the indexer; bf16 on CUDA, where the boundary and
-    projection kernels take the tensors), at a position with compressed entries to select from;
+    projection kernels take the tensors; bf16 weights, then FP8 linears and FP4 experts), at a position with compressed entries to select from;
     v4::hc_split_sinkhorn, which that step leaves to the boundary kernel, called on its own."""
     calls: dict[str, tuple] = {}
 
@@ -35,12 +35,16 @@ def op_calls() -> dict[str, tuple]:
                 calls.setdefault(func._schema.name, (func, args, kwargs))
             return func(*args, **kwargs)
 
-    decoder = Decoder(ModelConfig.preset("bench", layers=3), max_batch=4, max_seq_len=256, dtype=torch.bfloat16, device="cuda")
-    decoder.init_random(0)
-    synthesize_context(decoder, seed=1)
     inputs = [t.cuda() for t in (torch.tensor([3, 5, 7, 11]), torch.full((4,), 200), torch.arange(4))]
-    with torch.no_grad(), Recorder():
-        decoder.step(*inputs)
+    bench = ModelConfig.preset("bench", layers=3)
+    # bf16 weights, then the checkpoint's formats (FP8 linears, FP4 experts) for the block-scaled ops
+    for cfg in (bench, bench.replace(dtype="fp8", expert_dtype="fp4")):
+        decoder = Decoder(cfg, max_batch=4, max_seq_len=256, dtype=torch.bfloat16, device="cuda")
+        decoder.init_random(0)
+        synthesize_context(decoder, seed=1)
+        with torch.no_grad(), Recorder():
+            decoder.step(*inputs)
+        del decoder
     hc = decoder.config.hc_mult
     mixes = torch.randn(4, (2 + hc) * hc, device="cuda")
     scale, base = torch.rand(3, device="cuda"), torch.randn((2 + hc) * hc, device="cuda")
@@ -56,6 +60,6 @@ def test_every_kernel_of_the_op_counts_as_custom(op, op_calls):
     assert op in op_calls, f"the decode step did not call {op}; calls seen: {sorted(op_calls)}"
     func, args, kwargs = op_calls[op]
     report = count_launches(functools.partial(func, **kwargs), *args, label=op)
-    expected = "gemm" if op == "v4::grouped_linear" else "custom"
+    expected = "gemm" if op in MATRIX_PRODUCT_OPS else "custom"
     assert report.total > 0, f"{op} launched no kernel"
     assert report.counts[expected] == report.total, f"{op}: {report.counts}, kernels {report.kernels}"
