@@ -347,6 +347,7 @@ def _scaled_down_kernel(
 def quantize_activations(x: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """act_quant of x [B, D] (D a multiple of 128) by the kernel: (e4m3 values as fp16 [B, D],
     fp32 scales [B, D/128]), equal to kernels/blockscale/ref.py's act_quant."""
+    x = x.contiguous()  # the kernel reads each row's blocks at unit stride
     batch, dim = x.shape
     blocks = dim // FP8_BLOCK
     q = torch.empty((batch, dim), dtype=torch.float16, device=x.device)
