@@ -1,16 +1,19 @@
 """moe_experts: the Triton grouped GEMM against the plain-torch reference on fresh random inputs,
 under every expert-load pattern (random, all tokens on one expert, experts without tokens, B=1,
-more pairs per expert than a block holds).
+more pairs per expert than a block holds); the block-scaled (FP4 / FP8) experts' grouped GEMV
+likewise, its act_quant bit for bit.
 
 CPU tests run the Triton kernels in the interpreter (TRITON_INTERPRET=1, fp32/fp16, small
 widths). GPU tests run them compiled at V4-Flash widths in bf16, replayed in a CUDA graph with
-new routing, under the sync debug mode, and through opcheck."""
+new routing, under the sync debug mode, inside torch.compile, and through opcheck."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+import kernels.moe.scaled as moe_scaled
 import kernels.moe.triton as moe_triton
+from kernels.blockscale.ref import act_quant, quantize_fp4_weight, quantize_fp8_weight
 from kernels.moe import moe_experts, moe_experts_reference
 from kernels.cuda_graph import capture
 
@@ -224,6 +227,180 @@ def test_bad_input_raises():
 
 
 # ---------------------------------------------------------------------------------------------
+# Block-scaled experts (FP4 / FP8): CPU, interpreter
+# ---------------------------------------------------------------------------------------------
+
+SCALED = dict(dim=256, inter=128, num_experts=16)  # two activation blocks in, one out of w1/w3
+E8M0 = torch.float8_e8m0fnu
+QUANTIZE = {"fp4": quantize_fp4_weight, "fp8": quantize_fp8_weight}
+
+
+def scaled_experts(fmt, scale_dtype, num_experts, dim, inter, device, seed):
+    """w1, w2, w3 in `fmt` as the checkpoints store them, and their scales (w1, w2, w3)."""
+    dense = expert_weights(num_experts, dim, inter, torch.float32, device, seed)
+    (w1, s1), (w2, s2), (w3, s3) = (QUANTIZE[fmt](w, scale_dtype) for w in dense)
+    return w1, w2, w3, (s1, s2, s3)
+
+
+# Tolerances of the block-scaled experts, as a share of the output scale, per token. Products of
+# e4m3 activations and e2m1 / e4m3 weights are exact in fp32, and act_quant is computed bit for
+# bit (test_scaled_act_quant_is_exact), so a token agrees with the reference up to the order of
+# the fp32 sums (fp32 x) or one rounding of each pick's output to x's dtype that order decided
+# (fp16 x: 2^-11 of a pick's output): SUM_TOL. Rarely the sum order moves an intermediate (a
+# gate/up value, or h before act_quant) across a rounding midpoint, and h's act_quant then
+# picks the other neighbouring e4m3 value: one element of one token's h off by one e4m3 step
+# (at most 1/8 of it). One element's share of a token's output at these widths is about
+# 1/sqrt(picks * inter) ~ 5%, so a step moves the output by < 1%: FLIP_TOL allows a few. Such a
+# flip touches one token; most tokens must stay within SUM_TOL.
+SUM_TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+FLIP_TOL = 3e-2
+
+
+def assert_scaled_close(out, ref, dtype):
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    per_token = ((out - ref).abs().amax(1) / ref.abs().max()).tolist()
+    assert max(per_token) <= FLIP_TOL, f"per-token max errors {per_token} (limit {FLIP_TOL:.0e})"
+    exact = sum(err <= SUM_TOL[dtype] for err in per_token)
+    assert 2 * exact >= len(per_token), f"per-token max errors {per_token}: most should be within {SUM_TOL[dtype]:.0e}"
+
+
+def routed_ids(pattern, batch, picks, num_experts, seed, device="cpu"):
+    """Routing over experts 0..E-2: expert E-1 is the shared one, which the model never routes to
+    (the reference's dense path merges a token's two pairs on one expert before act_quant)."""
+    return routing(pattern, batch, picks, num_experts - 1, device, seed)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("pow2", [True, False])
+def test_scaled_act_quant_is_exact(dtype, pow2):
+    """The kernel's act_quant is the reference's bit for bit: values at e4m3 rounding midpoints
+    (ties to even, into the next binade), subnormal e4m3 values, a block below the amax floor."""
+    g = torch.Generator().manual_seed(1 if pow2 else 2)
+    x = torch.randn(3, 512, generator=g) * torch.logspace(-3, 3, 512)
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)].sort().values
+    x[0, :128] = ((grid[1:129] + grid[:128]) / 2) * (x[0, :128].sign() + (x[0, :128] == 0))  # midpoints
+    x[0, 127] = 448.0  # with a pow2 scale of 1: every midpoint is one
+    x[1, 128:256] = torch.randn(128, generator=g) * 1e-6  # amax below the 1e-4 floor
+    x = x.to(dtype)
+    values, scales = moe_scaled.quantize_activations(x, pow2)
+    ref_values, ref_scales = act_quant(x, pow2)
+    assert values.dtype == torch.float16 and scales.dtype == torch.float32
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(values.float(), ref_values.float())
+    assert (values != 0).float().mean() > 0.9
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(
+    "fmt,scale_dtype,batch,dtype,shared",
+    [
+        ("fp4", E8M0, 5, torch.float32, 15),
+        ("fp4", E8M0, 1, torch.float16, -1),
+        ("fp4", torch.float32, 5, torch.float16, 15),
+        ("fp4", torch.float32, 1, torch.float32, 15),
+        ("fp8", E8M0, 5, torch.float16, 15),
+        ("fp8", torch.float32, 5, torch.float32, -1),
+    ],
+)
+def test_scaled_matches_reference(fmt, scale_dtype, batch, dtype, shared):
+    picks, num_experts = 3, SCALED["num_experts"]
+    w1, w2, w3, scales = scaled_experts(fmt, scale_dtype, num_experts, SCALED["dim"], SCALED["inter"], "cpu", seed=200 + batch)
+    ids, weights = routed_ids("random", batch, picks, num_experts, seed=201 + batch)
+    x = torch.randn(batch, SCALED["dim"], generator=torch.Generator().manual_seed(202 + batch)).to(dtype)
+    out = moe_experts(x, ids, weights, w1, w2, w3, LIMIT, impl="triton", shared_expert=shared, scales=scales)
+    ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared, scales)
+    assert_scaled_close(out, ref, dtype)
+    if shared >= 0:
+        without = moe_experts(x, ids, weights, w1, w2, w3, LIMIT, impl="triton", scales=scales)
+        assert (out - without).abs().max() > 0.1 * out.abs().max(), "the shared expert added nothing"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(
+    "batch,pattern,shared,dtype",
+    [
+        (20, "one_hot_expert", -1, torch.float32),  # 20 pairs on one expert: the 32-row tile
+        (40, "random", 15, torch.float16),  # the shared expert's 40 pairs: the 64-row tile
+        (70, "random", 15, torch.float32),  # 70 pairs: two segments of the shared expert
+    ],
+)
+def test_scaled_experts_picked_by_many_tokens(batch, pattern, shared, dtype):
+    """An expert several tokens picked: all of its pairs in one program's row tile (up to 64),
+    beyond that in several segments; the same sums as the reference."""
+    picks, num_experts = 3, SCALED["num_experts"]
+    w1, w2, w3, scales = scaled_experts("fp4", E8M0, num_experts, SCALED["dim"], SCALED["inter"], "cpu", seed=210 + batch)
+    ids, weights = routed_ids(pattern, batch, picks, num_experts, seed=211 + batch)
+    x = torch.randn(batch, SCALED["dim"], generator=torch.Generator().manual_seed(212 + batch)).to(dtype)
+    out = moe_experts(x, ids, weights, w1, w2, w3, LIMIT, impl="triton", shared_expert=shared, scales=scales)
+    ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared, scales)
+    assert_scaled_close(out, ref, dtype)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_scaled_unselected_experts_are_never_read(fmt):
+    """NaN scales on every expert nobody picked (nor the shared one) leave the output unchanged."""
+    num_experts = SCALED["num_experts"]
+    w1, w2, w3, scales = scaled_experts(fmt, torch.float32, num_experts, SCALED["dim"], SCALED["inter"], "cpu", seed=220)
+    ids, weights = routing("some_experts_idle", 4, 3, num_experts, "cpu", seed=221)
+    x = torch.randn(4, SCALED["dim"], generator=torch.Generator().manual_seed(222))
+    ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, scales=scales)
+    idle = torch.ones(num_experts, dtype=torch.bool)
+    idle[ids.unique()] = False
+    assert idle.any()
+    for s in scales:
+        s[idle] = float("nan")
+    out = moe_experts(x, ids, weights, w1, w2, w3, LIMIT, impl="triton", scales=scales)
+    assert_scaled_close(out, ref, torch.float32)
+
+
+@pytest.mark.interpreter
+def test_scaled_clamp_and_no_clamp():
+    w1, w2, w3, scales = scaled_experts("fp4", E8M0, 8, SCALED["dim"], SCALED["inter"], "cpu", seed=230)
+    ids, weights = routing("random", 3, 2, 8, "cpu", seed=231)
+    x = torch.randn(3, SCALED["dim"], generator=torch.Generator().manual_seed(232)) * 3
+    outs = {}
+    for limit in (0.3, 0.0):
+        outs[limit] = moe_experts(x, ids, weights, w1, w2, w3, limit, impl="triton", scales=scales, pow2=False)
+        assert_scaled_close(outs[limit], moe_experts_reference(x, ids, weights, w1, w2, w3, limit, scales=scales, pow2=False), torch.float32)
+    assert (outs[0.3] - outs[0.0]).abs().max() > 0.1 * outs[0.0].abs().max(), "the clamp had no effect"
+
+
+def test_scaled_bad_input_raises():
+    w1, w2, w3, scales = scaled_experts("fp4", E8M0, 4, 128, 128, "cpu", seed=240)
+    ids, weights = routing("random", 2, 2, 4, "cpu", seed=241)
+    x = torch.randn(2, 128)
+    with pytest.raises(ValueError, match="w1 and w3 must share a format"):
+        moe_scaled.moe_experts_scaled_triton(x, ids, weights, w1, w2, w3, (scales[0], scales[1], scales[2].float()), LIMIT)
+    with pytest.raises(ValueError, match="expert_ids must be integer"):
+        moe_scaled.moe_experts_scaled_triton(x, ids.float(), weights, w1, w2, w3, scales, LIMIT)
+    with pytest.raises(ValueError, match="x must be one of"):
+        moe_scaled.moe_experts_scaled_triton(x.double(), ids, weights, w1, w2, w3, scales, LIMIT)
+    with pytest.raises(ValueError, match="w2 must be contiguous"):
+        moe_scaled.moe_experts_scaled_triton(x, ids, weights, w1, w2.transpose(1, 2).contiguous().transpose(1, 2), w3, scales, LIMIT)
+    with pytest.raises(ValueError, match="shared_expert must be"):
+        moe_scaled.moe_experts_scaled_triton(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert=4)
+    with pytest.raises(ValueError, match="w2's scale"):
+        moe_experts(x, ids, weights, w1, w2, w3, LIMIT, impl="triton", scales=(scales[0], scales[1][:, None], scales[2]))
+
+
+# opcheck's schema test cannot take fp8 arguments (it multiplies them).
+SCALED_OPCHECKS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+
+
+def test_scaled_opcheck_cpu():
+    ids, weights = routing("random", 3, 2, 3, "cpu", seed=251)
+    x = torch.randn(3, 128)
+    for fmt, shared in (("fp4", -1), ("fp8", 3)):
+        w1, w2, w3, scales = scaled_experts(fmt, E8M0, 4, 128, 128, "cpu", seed=250)
+        args = (x, ids, weights, w1, w2, w3, *scales, LIMIT, shared, True)
+        torch.library.opcheck(torch.ops.v4.moe_experts_scaled.default, args, test_utils=SCALED_OPCHECKS)
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: compiled, V4-Flash widths, bf16
 # ---------------------------------------------------------------------------------------------
 
@@ -300,3 +477,81 @@ def test_gate_up_tiles_fit_the_shared_memory_they_are_planned_for(shared_memory_
         assert tiles.num_stages * stage <= smem, (shared_memory_kib, batch, tiles)
         assert (tiles.down_block_n, tiles.down_block_k) == (narrow.down_block_n, narrow.down_block_k)
         assert (tiles.up_block_n > narrow.up_block_n) == (shared_memory_kib == 227), (shared_memory_kib, batch, tiles)
+
+
+# Block-scaled experts at V4-Flash widths: 32 routed experts and the shared one stacked last.
+SCALED_FLASH = dict(dim=4096, inter=2048, num_experts=33, picks=6)
+
+
+@pytest.fixture(scope="module", params=[("fp4", E8M0), ("fp8", E8M0), ("fp4", torch.float32)], ids=["fp4", "fp8", "fp4-fp32-scales"])
+def flash_scaled(request):
+    fmt, scale_dtype = request.param
+    c = SCALED_FLASH
+    return scaled_experts(fmt, scale_dtype, c["num_experts"], c["dim"], c["inter"], "cuda", seed=300)
+
+
+def scaled_flash_inputs(batch, seed, pattern="random"):
+    c = SCALED_FLASH
+    ids, weights = routed_ids(pattern, batch, c["picks"], c["num_experts"], seed, "cuda")
+    x = torch.randn(batch, c["dim"], device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).to(torch.bfloat16)
+    return x, ids, weights
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,pattern", [(1, "random"), (16, "random"), (64, "random"), (64, "one_hot_expert")])
+def test_scaled_flash_widths_bf16(flash_scaled, batch, pattern):
+    w1, w2, w3, scales = flash_scaled
+    shared = SCALED_FLASH["num_experts"] - 1
+    x, ids, weights = scaled_flash_inputs(batch, 310 + batch, pattern)
+    for shared_expert in (-1, shared):
+        out = moe_experts(x, ids, weights, w1, w2, w3, LIMIT, shared_expert=shared_expert, scales=scales)
+        ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared_expert, scales)
+        assert_scaled_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_scaled_inside_torch_compile(flash_scaled):
+    """The custom op traced by Dynamo (its fake implementation) and run by Inductor's wrapper."""
+    w1, w2, w3, scales = flash_scaled
+    shared = SCALED_FLASH["num_experts"] - 1
+    x, ids, weights = scaled_flash_inputs(16, 320)
+
+    @torch.compile(fullgraph=True)
+    def step(x, ids, weights):
+        return moe_experts(x * 2, ids, weights, w1, w2, w3, LIMIT, shared_expert=shared, scales=scales) + 1
+
+    ref = moe_experts_reference(x * 2, ids, weights, w1, w2, w3, LIMIT, shared, scales) + 1
+    assert_scaled_close(step(x, ids, weights) - 1, ref - 1, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_scaled_cuda_graph_replay_with_new_routing(flash_scaled):
+    w1, w2, w3, scales = flash_scaled
+    shared = SCALED_FLASH["num_experts"] - 1
+    batch = 24
+    x, ids, weights = scaled_flash_inputs(batch, 330)
+    graph, out = capture(lambda: moe_experts(x, ids, weights, w1, w2, w3, LIMIT, shared_expert=shared, scales=scales))
+    for seed, pattern in ((331, "one_hot_expert"), (332, "some_experts_idle"), (333, "random")):
+        new_x, new_ids, new_weights = scaled_flash_inputs(batch, seed, pattern)
+        x.copy_(new_x)
+        ids.copy_(new_ids)
+        weights.copy_(new_weights)
+        graph.replay()
+        ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared, scales)
+        assert_scaled_close(out.clone(), ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_scaled_no_host_sync_and_opcheck_cuda(flash_scaled):
+    w1, w2, w3, scales = flash_scaled
+    shared = SCALED_FLASH["num_experts"] - 1
+    x, ids, weights = scaled_flash_inputs(8, 340)
+    moe_experts(x, ids, weights, w1, w2, w3, LIMIT, shared_expert=shared, scales=scales)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe_experts(x, ids, weights, w1, w2, w3, LIMIT, shared_expert=shared, scales=scales)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    args = (x, ids, weights, w1, w2, w3, *scales, LIMIT, shared, True)
+    torch.library.opcheck(torch.ops.v4.moe_experts_scaled.default, args, test_utils=SCALED_OPCHECKS)

@@ -5,7 +5,12 @@ expert as every token's seventh pair (as the model runs it).
 
 Bandwidth counts the expert weights a batch must read: 3 * I * D * 2 bytes per distinct selected
 expert. Every variant (including each tile shape of the sweep) is checked against the reference
-before it is timed."""
+before it is timed.
+
+A second table times the block-scaled experts as V4-Flash stores them (`scaled_table`): 256 FP4
+experts with ue8m0 scales, top-6, and the shared expert in FP8 run after them as the model runs it
+when the formats differ (three block-scaled products), beside the same experts dequantised to
+bf16 through the dense Triton kernel."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +20,8 @@ from triton.runtime.errors import OutOfResources
 
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import graph_time_us, median_time_us
+from kernels.blockscale.op import blockscale_linear
+from kernels.blockscale.ref import FP4_BLOCK, dequantize_fp4_weight, quantize_fp4_weight, quantize_fp8_weight
 from kernels.moe import moe_experts, swiglu
 from kernels.moe.triton import MoeTiles, choose_tiles, moe_experts_triton
 from kernels.triton_util import shared_memory_per_block
@@ -171,6 +178,8 @@ def run(copy_gbs: float) -> str:
         us, name, tiles = min(timed, key=lambda t: t[0])
         best.append(f"- B={batch}: best `{name}` {us:.1f} us: {tiles}")
     sweep_table = markdown_table(["tiles"] + [f"B={b} graph us" for b in BATCHES], sweep_rows)
+    del weight_sets
+    torch.cuda.empty_cache()
     return (
         f"## Routed experts (D={DIM}, I={INTER}, {EXPERTS} experts, top-{PICKS}, bf16)\n\n"
         "Every path matched the plain-torch reference (max error <= 2% of the output scale) before timing. "
@@ -179,5 +188,120 @@ def run(copy_gbs: float) -> str:
         "token's seventh pair on one expert (`shared_expert`), as the model runs its shared expert.\n\n"
         f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n\n"
         "### Tile sweep (each checked against the reference)\n\n"
-        f"{sweep_table}\n\n" + "\n".join(best) + "\n"
+        f"{sweep_table}\n\n" + "\n".join(best) + "\n\n" + scaled_table(copy_gbs)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Block-scaled experts as V4-Flash stores them
+# ---------------------------------------------------------------------------------------------
+
+SCALED_EXPERTS = 256
+SCALED_BATCHES = (1, 16, 64)
+SCALED_ROUTINGS = 4  # routing sets rotated through, so that consecutive calls read other experts
+SCALED_TARGET = 0.70  # of copy bandwidth, at every batch
+SCALE_BYTES = 1  # ue8m0
+
+
+def fp4_expert_bytes() -> int:
+    """One expert's packed FP4 weights and their scales (w1, w2, w3)."""
+    return 3 * (INTER * DIM // 2 + INTER * DIM // FP4_BLOCK * SCALE_BYTES)
+
+
+def make_scaled_experts() -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """256 FP4 experts (packed w1, w2, w3 and their ue8m0 scales, quantised from random weights a
+    few experts at a time), the same experts dequantised to bf16, and the FP8 shared expert
+    (w1, w2, w3, then their 128 x 128 block scales)."""
+    shapes = {"w1": (INTER, DIM), "w2": (DIM, INTER), "w3": (INTER, DIM)}
+    packed = {n: torch.empty(SCALED_EXPERTS, o, i // 2, dtype=torch.uint8, device="cuda") for n, (o, i) in shapes.items()}
+    scales = {n: torch.empty(SCALED_EXPERTS, o, i // FP4_BLOCK, dtype=torch.float8_e8m0fnu, device="cuda") for n, (o, i) in shapes.items()}
+    dense = {n: torch.empty(SCALED_EXPERTS, o, i, dtype=torch.bfloat16, device="cuda") for n, (o, i) in shapes.items()}
+    chunk = 16
+    for first in range(0, SCALED_EXPERTS, chunk):
+        rows = slice(first, first + chunk)
+        for name, (out, inp) in shapes.items():
+            w = torch.randn(chunk, out, inp, device="cuda") * inp**-0.5
+            packed[name][rows], scales[name][rows] = quantize_fp4_weight(w)
+            dense[name][rows] = dequantize_fp4_weight(packed[name][rows], scales[name][rows]).to(torch.bfloat16)
+    shared = [quantize_fp8_weight(torch.randn(o, i, device="cuda") * i**-0.5) for o, i in shapes.values()]
+    fp4 = (packed["w1"], packed["w2"], packed["w3"], (scales["w1"], scales["w2"], scales["w3"]))
+    shared_fp8 = (*(w for w, _ in shared), *(s for _, s in shared))
+    return fp4, (dense["w1"], dense["w2"], dense["w3"]), shared_fp8
+
+
+def shared_expert_fp8(x, w1, w2, w3, s1, s2, s3):
+    """The shared expert as model/moe.py runs it when its format (FP8) is not the routed experts'."""
+    h = swiglu(blockscale_linear(x, w1, s1), blockscale_linear(x, w3, s3), LIMIT)
+    return blockscale_linear(h.to(x.dtype), w2, s2)
+
+
+def scaled_routing_sets(batch: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    sets = []
+    for _ in range(SCALED_ROUTINGS):
+        x = torch.randn(batch, DIM, device="cuda").to(torch.bfloat16)
+        ids = torch.rand(batch, SCALED_EXPERTS, device="cuda").argsort(1)[:, :PICKS]
+        weights = torch.rand(batch, PICKS, device="cuda") + 0.1
+        sets.append((x, ids, weights / weights.sum(1, keepdim=True) * 1.5))
+    return sets
+
+
+def scaled_table(copy_gbs: float) -> str:
+    """FP4 experts through the block-scaled Triton kernel against the same experts dequantised to
+    bf16 through the dense one; GB/s counts the bytes each must move: the distinct picked
+    experts' weights (and scales), x, and the fp32 output."""
+    fp4, dense, shared = make_scaled_experts()
+    w1, w2, w3, scales = fp4
+    d1, d2, d3 = dense
+
+    def fp4_path(x, ids, weights, impl="auto"):
+        return moe_experts(x, ids, weights, w1, w2, w3, LIMIT, impl=impl, scales=scales)
+
+    def model_path(x, ids, weights):  # routed FP4 experts, then the FP8 shared expert, as model/moe.py
+        return fp4_path(x, ids, weights) + shared_expert_fp8(x, *shared).float()
+
+    def dense_path(x, ids, weights, impl="auto"):
+        return moe_experts(x, ids, weights, d1, d2, d3, LIMIT, impl=impl)
+
+    shared_bytes = sum(t.numel() * t.element_size() for t in shared)
+    rows, verdicts = [], []
+    for batch in SCALED_BATCHES:
+        sets = scaled_routing_sets(batch)
+        check(fp4_path, sets[0], fp4_path(*sets[0], impl="reference"), f"scaled B={batch} FP4")
+        check(dense_path, sets[0], dense_path(*sets[0], impl="reference"), f"scaled B={batch} bf16 dequantised")
+        experts = sum(distinct_experts(ids) for _, ids, _ in sets) / len(sets)
+        io_bytes = batch * DIM * (2 + 4)  # x in bf16, the fp32 output
+        fp4_bytes = experts * fp4_expert_bytes() + io_bytes
+        bf16_bytes = experts * 3 * INTER * DIM * 2 + io_bytes
+        fp4_us = graph_time_us(fp4_path, sets)
+        model_us = graph_time_us(model_path, sets)
+        dense_us = graph_time_us(dense_path, sets)
+        fp4_gbs = fp4_bytes / (fp4_us * 1e-6) / 1e9
+        model_gbs = (fp4_bytes + shared_bytes) / (model_us * 1e-6) / 1e9
+        dense_gbs = bf16_bytes / (dense_us * 1e-6) / 1e9
+        rows.append([
+            batch, f"{experts:.1f}", f"{fp4_bytes / 1e6:.0f}", f"{fp4_us:.1f}", f"{fp4_gbs:.0f}", f"{100 * fp4_gbs / copy_gbs:.0f}%",
+            f"{model_us:.1f}", f"{100 * model_gbs / copy_gbs:.0f}%",
+            f"{bf16_bytes / 1e6:.0f}", f"{dense_us:.1f}", f"{dense_gbs:.0f}", f"{100 * dense_gbs / copy_gbs:.0f}%",
+            f"{fp4_us / dense_us:.2f}",
+        ])
+        print(f"moe scaled B={batch}: FP4 {fp4_us:.1f} us ({fp4_gbs:.0f} GB/s), bf16 {dense_us:.1f} us", flush=True)
+        met = "meets" if fp4_gbs >= SCALED_TARGET * copy_gbs else "MISSES"
+        verdicts.append(f"B={batch}: FP4 at {100 * fp4_gbs / copy_gbs:.0f}% of copy bandwidth (target {SCALED_TARGET:.0%}: {met})")
+        del sets
+    del fp4, dense, shared
+    torch.cuda.empty_cache()
+    table = markdown_table(
+        ["B", "experts read", "FP4 MB", "FP4 graph us", "FP4 GB/s", "FP4 % copy",
+         "+ FP8 shared (model) graph us", "+ shared % copy",
+         "bf16 MB", "bf16 dequantised graph us", "bf16 GB/s", "bf16 % copy", "FP4 / bf16 time"],
+        rows,
+    )
+    return (
+        f"## Block-scaled routed experts (D={DIM}, I={INTER}, {SCALED_EXPERTS} FP4 experts, ue8m0 scales, top-{PICKS}, bf16 x)\n\n"
+        "Both paths matched their references (max error <= 2% of the output scale) before timing. One CUDA graph per "
+        f"routing set, {SCALED_ROUTINGS} sets rotated. MB and GB/s count what each must move: the distinct picked experts' "
+        "weights (FP4: packed codes and scales), x and the fp32 output. '+ FP8 shared (model)': the routed experts, then "
+        "the shared expert in FP8 through three `blockscale_linear` products, as model/moe.py runs it when the formats "
+        "differ (its bytes added). 'bf16 dequantised': the same experts dequantised to bf16 through the dense Triton kernel.\n\n"
+        f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
     )

@@ -1,8 +1,9 @@
 """Routed experts as a custom op (semantics: kernels/moe/ref.py).
 
 `torch.ops.v4.moe_experts` runs the plain-torch reference on CPU and the Triton grouped GEMM of
-kernels/moe/triton.py on CUDA; neither syncs with the host. Block-scaled (FP8 / FP4) experts run
-the reference on every device for now.
+kernels/moe/triton.py on CUDA; `torch.ops.v4.moe_experts_scaled` (FP8 / FP4 experts with their
+block scales) the reference on CPU and the grouped GEMV of kernels/moe/scaled.py on CUDA. None of
+them syncs with the host.
 """
 from __future__ import annotations
 
@@ -63,6 +64,14 @@ def _(x, expert_ids, expert_weights, w1, w2, w3, w1_scale, w2_scale, w3_scale, s
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
+@moe_experts_scaled_op.register_kernel("cuda")
+def _(x, expert_ids, expert_weights, w1, w2, w3, w1_scale, w2_scale, w3_scale, swiglu_limit, shared_expert, pow2):
+    from kernels.moe.scaled import moe_experts_scaled_triton  # triton only where the kernel runs
+
+    scales = (w1_scale, w2_scale, w3_scale)
+    return moe_experts_scaled_triton(x, expert_ids, expert_weights, w1, w2, w3, scales, swiglu_limit, shared_expert, pow2)
+
+
 IMPLS = COMMON_IMPLS
 
 
@@ -77,12 +86,14 @@ def moe_experts(
     check_impl("moe_experts", impl, IMPLS)
     check_moe_inputs(x, expert_ids, expert_weights, w1, w2, w3, shared_expert, scales)
     if scales is not None:
+        limit, shared, pow2 = float(swiglu_limit), int(shared_expert), bool(pow2)
         if impl == "triton":
-            raise ValueError("moe_experts: the Triton path takes dense experts; block-scaled ones run impl='auto' or 'reference'")
-        args = (x, expert_ids, expert_weights, w1, w2, w3, *scales, float(swiglu_limit), int(shared_expert), bool(pow2))
+            from kernels.moe.scaled import moe_experts_scaled_triton
+
+            return moe_experts_scaled_triton(x, expert_ids, expert_weights, w1, w2, w3, tuple(scales), limit, shared, pow2)
         if impl == "reference":
-            return moe_experts_reference(x, expert_ids, expert_weights, w1, w2, w3, float(swiglu_limit), int(shared_expert), scales, pow2)
-        return moe_experts_scaled_op(*args)
+            return moe_experts_reference(x, expert_ids, expert_weights, w1, w2, w3, limit, shared, scales, pow2)
+        return moe_experts_scaled_op(x, expert_ids, expert_weights, w1, w2, w3, *scales, limit, shared, pow2)
     args = (x, expert_ids, expert_weights, w1, w2, w3, float(swiglu_limit), int(shared_expert))
     if impl == "triton":
         from kernels.moe.triton import moe_experts_triton

@@ -403,10 +403,6 @@ def _moe_combine_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-
-
-
-
 def moe_experts_triton(
     x: torch.Tensor,
     expert_ids: torch.Tensor,
@@ -472,12 +468,20 @@ def moe_experts_triton(
         EVEN_K=inter % tiles.down_block_k == 0, DOT_PRECISION=precision,
         **launch,
     )
+    return combine_pairs(y, ids, out, num_experts, pairs_per_token)
+
+
+def combine_pairs(y: torch.Tensor, expert_ids: torch.Tensor, out: torch.Tensor, num_experts: int, pairs_per_token: int) -> torch.Tensor:
+    """out[b] = the fp32 sum of y's rows b*pairs_per_token ... in pick order (the shared expert's
+    pair last), pairs with an expert id outside [0, E) left out. y [P, D]; expert_ids [B, k]
+    contiguous; out [B, D] fp32, written and returned."""
+    batch, dim = out.shape
     combine_n = min(1024, triton.next_power_of_2(dim))
     _moe_combine_kernel[(batch, triton.cdiv(dim, combine_n))](
-        y, ids, out,
+        y, expert_ids, out,
         dim, num_experts,
         y.stride(0), out.stride(0),
-        PICKS=picks, PAIRS_PER_TOKEN=pairs_per_token, BLOCK_N=combine_n,
+        PICKS=expert_ids.shape[1], PAIRS_PER_TOKEN=pairs_per_token, BLOCK_N=combine_n,
         num_warps=4,
     )
     return out

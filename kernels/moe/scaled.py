@@ -1,0 +1,438 @@
+"""Triton routed experts on block-scaled weights (semantics: kernels/moe/ref.py with `scales`): FP4
+(e2m1 codes packed two per byte, one scale per 32 inputs) or FP8 (e4m3, one scale per 128 x 128
+block), scales ue8m0 or fp32. A grouped GEMV at decode batches, CUDA-graph safe (no host sync,
+no data-dependent shape).
+
+Pipeline, all on the device:
+
+1. act_quant(x): e4m3 values (held as fp16, exactly) and one fp32 scale per 128 inputs, once per
+   token, shared by all of its picks.
+2. Route: the pairs of kernels/moe/triton.py's route_pairs, in segments of SEGMENT_ROWS rows: at
+   decode every expert's pairs fit one segment, so one program per (expert, N tile) reads that
+   strip of the expert's weights once, however many tokens picked it.
+3. Gate/up: per (segment, 128 columns of the intermediate), both products over the model width,
+   rounded to x's dtype, the clamped SwiGLU times the routing weight in fp32, rounded again, then
+   act_quant of that: the tile is one activation block wide, so the epilogue holds whole blocks.
+   Stored per pair: e4m3 values as fp16 and one scale per 128.
+4. Down: per (segment, N tile of the model width), the product over the intermediate, rounded to
+   x's dtype, stored per pair.
+5. Combine: kernels/moe/triton.py's combine_pairs (fp32, pick order).
+
+The products multiply the e4m3 activations with the weights' codes in registers (FP4: e2m1
+codes turned into fp16 by bit arithmetic; FP8: e4m3 converted to fp16): both are exact in fp16 and
+their products exact in fp32. Each weight scale group (32 inputs for FP4, 128 for FP8) is one
+fp16 dot with fp32 accumulation, scaled in fp32 by its weight scale; each 128-input step by the
+activations' scale. Results differ from the reference by summation order only, and by what that
+does to the roundings the semantics prescribe. The row tile of a segment is chosen at run time
+from its pair count (16, 32 or 64 rows), so an expert with one token does not pay 64 rows of
+matrix work.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
+from kernels.moe.ref import check_shared_expert
+from kernels.moe.triton import PROGRAMS_PER_SM, _widest_tile, combine_pairs, route_pairs
+from kernels.triton_util import num_sms
+
+# Rows of a routing segment: every expert with at most this many pairs is one segment, read once.
+SEGMENT_ROWS = 64
+# The gate/up N tile: one activation block, so that its epilogue quantises whole blocks of h.
+UP_BLOCK_N = FP8_BLOCK
+# act_quant of x: activation blocks per program (a row of V4-Flash's 4096 in four programs).
+QUANT_BLOCKS = 8
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Device-side constants (Triton reads module globals only as constexprs): activation blocks and
+# FP8 weight blocks are 128 wide, FP4 scale groups 32; e2m1 codes placed into fp16 bits
+# (magnitude at bits 9..11, sign at 15) read as 2^-14 times their value.
+ACT_BLOCK = tl.constexpr(FP8_BLOCK)
+FP4_GROUP = tl.constexpr(FP4_BLOCK)
+FP4_CODE_SCALE = tl.constexpr(2.0**14)
+
+
+@dataclass(frozen=True)
+class ScaledTiles:
+    """Launch shape of the down product (the gate/up tile is fixed: UP_BLOCK_N)."""
+
+    down_block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@functools.lru_cache(maxsize=None)
+def choose_scaled_tiles(num_pairs: int, num_experts: int, dim: int, num_sms: int) -> ScaledTiles:
+    """The down N tile: the widest of 128, 64, 32 that still gives every SM PROGRAMS_PER_SM programs,
+    because at decode few experts are picked and each must be split across many SMs."""
+    active = max(1, min(num_pairs, num_experts))
+    return ScaledTiles(down_block_n=_widest_tile(dim, active, num_sms, (128, 64, 32), PROGRAMS_PER_SM))
+
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pow2_ceil(s):
+    """2 ** ceil(log2(s)) for positive normal fp32 s, from the bits (as kernels/blockscale/ref.py)."""
+    bits = s.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    has_mantissa = ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return ((exponent + has_mantissa) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _act_quant_rows(v, POW2: tl.constexpr):
+    """v [R, 128] fp32, one activation block per row -> (e4m3 values as fp16 [R, 128], fp32 scales
+    [R]): act_quant of kernels/blockscale/ref.py, bit for bit (amax floored at 1e-4, the scale
+    amax / 448, rounded up to a power of two with POW2, values divided correctly rounded)."""
+    amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)
+    scale = amax * (1.0 / 448.0)
+    if POW2:
+        scale = _pow2_ceil(scale)
+    q = tl.div_rn(v, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    return _round_to_e4m3(q).to(tl.float16), scale
+
+
+@triton.jit
+def _round_to_e4m3(q):
+    """fp32 q, |q| <= 448 -> the nearest e4m3 value (ties to even) as fp32, by arithmetic: the
+    same on a GPU and in Triton's interpreter, whose fp8 conversion does not carry a rounded-up
+    mantissa into the exponent. The e4m3 grid step is 2^(e-3) at exponent e >= -6, 2^-9 below;
+    q / step is exact, and adding and subtracting 1.5 * 2^23 rounds it to an integer, ties to even."""
+    exponent = tl.maximum((q.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)  # biased, floored at 2^-6
+    step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
+    inverse = ((254 - (exponent - 3)) << 23).to(tl.float32, bitcast=True)
+    return ((q * inverse + 12582912.0) - 12582912.0) * step
+
+
+@triton.jit
+def _scale_value(s, E8M0: tl.constexpr):
+    """Weight scales as fp32: ue8m0 (loaded as its byte, the biased exponent) or fp32 as it is."""
+    if E8M0:
+        bits = s.to(tl.int32) << 23
+        return tl.where(s == 0, 5.877471754111438e-39, bits.to(tl.float32, bitcast=True))  # byte 0: 2^-127
+    return s
+
+
+@triton.jit
+def _fp4_group(w_ptr, offs_n, k, stride_wn, stride_wk):
+    """Codes of inputs k .. k+31 of weight rows offs_n -> fp16 [32, BLOCK_N], each 2^-14 times its
+    e2m1 value (exponent bits 00..11 and the mantissa bit read as fp16 bits 10..9, exact)."""
+    j = k // 2 + tl.arange(0, 16)
+    packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + j[None, :] * stride_wk)
+    codes = tl.interleave(packed & 0xF, packed >> 4).to(tl.uint16)  # [N, 32], low nibble first
+    bits = ((codes & 0x7) << 9) | ((codes & 0x8) << 12)
+    return tl.trans(bits.to(tl.float16, bitcast=True))
+
+
+@triton.jit
+def _scaled_product(
+    a_ptr, a_scale_ptr, a_row, row_ok, stride_am, stride_as,
+    w_ptr, s_ptr, offs_n, stride_wn, stride_wk, stride_sn, stride_sk,
+    k_size,
+    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """[BLOCK_M, BLOCK_N] fp32: rows a_row of the quantised activations (e4m3 values as fp16,
+    [rows, K], one scale per 128) times weight rows offs_n (w_ptr, s_ptr at the expert),
+    dequantised on the fly: per weight scale group one fp16 dot, scaled by the weight scales;
+    per 128 inputs the sum of its groups scaled by the activation scales."""
+    GROUP: tl.constexpr = FP4_GROUP if W_FP4 else ACT_BLOCK
+    a_rows = a_ptr + a_row[:, None].to(tl.int64) * stride_am
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, k_size, ACT_BLOCK):
+        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for g in tl.static_range(ACT_BLOCK // GROUP):
+            kg = k + g * GROUP
+            a = tl.load(a_rows + kg + tl.arange(0, GROUP)[None, :], mask=row_ok[:, None], other=0.0)
+            if W_FP4:
+                w = _fp4_group(w_ptr, offs_n, kg, stride_wn, stride_wk)
+                s = tl.load(s_ptr + offs_n * stride_sn + (kg // FP4_GROUP) * stride_sk)
+                s = _scale_value(s, S_E8M0) * FP4_CODE_SCALE
+            else:
+                offs_k = kg + tl.arange(0, GROUP)
+                w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk)
+                w = tl.trans(w.to(tl.float16))
+                s = tl.load(s_ptr + (offs_n // ACT_BLOCK) * stride_sn + (kg // ACT_BLOCK) * stride_sk)
+                s = _scale_value(s, S_E8M0)
+            part += tl.dot(a, w) * s[None, :]
+        a_scale = tl.load(a_scale_ptr + a_row * stride_as + k // ACT_BLOCK, mask=row_ok, other=0.0)
+        acc += part * a_scale[:, None]
+    return acc
+
+
+@triton.jit
+def _segment_rows(sorted_pair_ptr, segment, rows, SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The real-row mask of the first BLOCK_M rows of a segment and their pair indices."""
+    row_ok = tl.arange(0, BLOCK_M) < rows
+    pair = tl.load(sorted_pair_ptr + segment * SEGMENT + tl.arange(0, BLOCK_M), mask=row_ok, other=0)
+    return row_ok, pair
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scaled_act_quant_kernel(
+    x_ptr, q_ptr, s_ptr,
+    blocks_per_row, stride_xm,
+    POW2: tl.constexpr, BLOCKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    ok = block < blocks_per_row
+    cols = block[:, None] * ACT_BLOCK + tl.arange(0, ACT_BLOCK)[None, :]
+    v = tl.load(x_ptr + row * stride_xm + cols, mask=ok[:, None], other=0.0).to(tl.float32)
+    q, scale = _act_quant_rows(v, POW2)
+    tl.store(q_ptr + row * blocks_per_row * ACT_BLOCK + cols, q, mask=ok[:, None])
+    tl.store(s_ptr + row * blocks_per_row + block, scale, mask=ok)
+
+
+@triton.jit
+def _gate_up_tile(
+    x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr, sorted_pair_ptr,
+    segment, rows, tile_n, dim, inter, swiglu_limit,
+    stride_w1n, stride_w1k, stride_s1n, stride_s1k,
+    stride_w3n, stride_w3k, stride_s3n, stride_s3k,
+    PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr, POW2: tl.constexpr,
+    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    BLOCK_N: tl.constexpr = ACT_BLOCK
+    row_ok, pair = _segment_rows(sorted_pair_ptr, segment, rows, SEGMENT, BLOCK_M)
+    token = pair // PAIRS_PER_TOKEN
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    blocks_in = dim // ACT_BLOCK
+    gate = _scaled_product(
+        xq_ptr, xs_ptr, token, row_ok, dim, blocks_in,
+        w1_ptr, s1_ptr, offs_n, stride_w1n, stride_w1k, stride_s1n, stride_s1k,
+        dim, W_FP4, S_E8M0, BLOCK_M, BLOCK_N,
+    )
+    up = _scaled_product(
+        xq_ptr, xs_ptr, token, row_ok, dim, blocks_in,
+        w3_ptr, s3_ptr, offs_n, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
+        dim, W_FP4, S_E8M0, BLOCK_M, BLOCK_N,
+    )
+
+    # As the reference: products rounded to x's dtype, SwiGLU and weighting in fp32, rounded.
+    act_dtype = x_ptr.dtype.element_ty
+    gate = gate.to(act_dtype).to(tl.float32)
+    up = up.to(act_dtype).to(tl.float32)
+    if HAS_LIMIT:
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        gate = tl.minimum(gate, swiglu_limit)
+    pick = pair % PAIRS_PER_TOKEN  # the shared expert's pair (pick PICKS) weighs 1
+    route_w = tl.load(route_w_ptr + token * PICKS + pick, mask=row_ok & (pick < PICKS), other=1.0)
+    h = (gate * tl.sigmoid(gate) * up * route_w[:, None]).to(act_dtype).to(tl.float32)
+    hq, hs = _act_quant_rows(h, POW2)  # the tile is one whole activation block of each row
+    pair = pair.to(tl.int64)
+    tl.store(hq_ptr + pair[:, None] * inter + offs_n[None, :], hq, mask=row_ok[:, None])
+    tl.store(hs_ptr + pair * (inter // ACT_BLOCK) + tile_n, hs, mask=row_ok)
+
+
+@triton.jit
+def _scaled_gate_up_kernel(
+    x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr,
+    sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
+    dim, inter, swiglu_limit,
+    stride_w1e, stride_w1n, stride_w1k, stride_s1e, stride_s1n, stride_s1k,
+    stride_w3e, stride_w3n, stride_w3k, stride_s3e, stride_s3n, stride_s3k,
+    PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr, POW2: tl.constexpr,
+    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, SEGMENT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_n = inter // ACT_BLOCK
+    segment = pid // tiles_n
+    tile_n = pid % tiles_n
+    expert = tl.load(block_expert_ptr + segment)
+    if expert < 0:  # an unused segment: no weight is read
+        return
+    rows = tl.load(block_rows_ptr + segment)
+    expert = expert.to(tl.int64)
+    w1_ptr += expert * stride_w1e
+    s1_ptr += expert * stride_s1e
+    w3_ptr += expert * stride_w3e
+    s3_ptr += expert * stride_s3e
+    # The row tile fits the segment's pairs: matrix work for the rows there are, weights read once.
+    if rows <= 16:
+        _gate_up_tile(
+            x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr, sorted_pair_ptr,
+            segment, rows, tile_n, dim, inter, swiglu_limit,
+            stride_w1n, stride_w1k, stride_s1n, stride_s1k, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
+            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, SEGMENT, 16,
+        )
+    elif rows <= 32:
+        _gate_up_tile(
+            x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr, sorted_pair_ptr,
+            segment, rows, tile_n, dim, inter, swiglu_limit,
+            stride_w1n, stride_w1k, stride_s1n, stride_s1k, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
+            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, SEGMENT, 32,
+        )
+    else:
+        _gate_up_tile(
+            x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr, sorted_pair_ptr,
+            segment, rows, tile_n, dim, inter, swiglu_limit,
+            stride_w1n, stride_w1k, stride_s1n, stride_s1k, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
+            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, SEGMENT, SEGMENT,
+        )
+
+
+@triton.jit
+def _down_tile(
+    hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr,
+    segment, rows, tile_n, inter,
+    stride_wn, stride_wk, stride_sn, stride_sk, stride_ym,
+    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    row_ok, pair = _segment_rows(sorted_pair_ptr, segment, rows, SEGMENT, BLOCK_M)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _scaled_product(
+        hq_ptr, hs_ptr, pair, row_ok, inter, inter // ACT_BLOCK,
+        w2_ptr, s2_ptr, offs_n, stride_wn, stride_wk, stride_sn, stride_sk,
+        inter, W_FP4, S_E8M0, BLOCK_M, BLOCK_N,
+    )
+    y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _scaled_down_kernel(
+    hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr,
+    sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
+    dim, inter,
+    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ym,
+    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_n = dim // BLOCK_N
+    segment = pid // tiles_n
+    tile_n = pid % tiles_n
+    expert = tl.load(block_expert_ptr + segment)
+    if expert < 0:
+        return
+    rows = tl.load(block_rows_ptr + segment)
+    expert = expert.to(tl.int64)
+    w2_ptr += expert * stride_we
+    s2_ptr += expert * stride_se
+    if rows <= 16:
+        _down_tile(
+            hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr, segment, rows, tile_n, inter,
+            stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, W_FP4, S_E8M0, SEGMENT, BLOCK_N, 16,
+        )
+    elif rows <= 32:
+        _down_tile(
+            hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr, segment, rows, tile_n, inter,
+            stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, W_FP4, S_E8M0, SEGMENT, BLOCK_N, 32,
+        )
+    else:
+        _down_tile(
+            hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr, segment, rows, tile_n, inter,
+            stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, W_FP4, S_E8M0, SEGMENT, BLOCK_N, SEGMENT,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def quantize_activations(x: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """act_quant of x [B, D] (D a multiple of 128) by the kernel: (e4m3 values as fp16 [B, D],
+    fp32 scales [B, D/128]), equal to kernels/blockscale/ref.py's act_quant."""
+    x = x.contiguous()  # the kernel reads each row's blocks at unit stride
+    batch, dim = x.shape
+    blocks = dim // FP8_BLOCK
+    q = torch.empty((batch, dim), dtype=torch.float16, device=x.device)
+    s = torch.empty((batch, blocks), dtype=torch.float32, device=x.device)
+    if batch:
+        _scaled_act_quant_kernel[(batch, triton.cdiv(blocks, QUANT_BLOCKS))](
+            x, q, s, blocks, x.stride(0), POW2=pow2, BLOCKS=QUANT_BLOCKS, num_warps=4,
+        )
+    return q, s
+
+
+def _kernel_scale(scale: torch.Tensor) -> torch.Tensor:
+    """ue8m0 scales as their bytes (Triton has no e8m0 type); fp32 ones as they are."""
+    return scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
+
+
+def _check_formats(x, expert_ids, w1, w2, w3, scales) -> None:
+    if x.dtype not in ACT_DTYPES:
+        raise ValueError(f"moe_experts: x must be one of {ACT_DTYPES}, got {x.dtype}")
+    if expert_ids.dtype.is_floating_point:
+        raise ValueError(f"moe_experts: expert_ids must be integer, got {expert_ids.dtype}")
+    if w1.dtype != w3.dtype or scales[0].dtype != scales[2].dtype:
+        raise ValueError(
+            f"moe_experts: w1 and w3 must share a format, got {w1.dtype} / {w3.dtype} with scales {scales[0].dtype} / {scales[2].dtype}"
+        )
+    for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
+        if w.stride(-1) != 1:
+            raise ValueError(f"moe_experts: {name} must be contiguous along its inputs")
+
+
+def moe_experts_scaled_triton(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    swiglu_limit: float,
+    shared_expert: int = -1,
+    pow2: bool = True,
+    tiles: ScaledTiles | None = None,
+) -> torch.Tensor:
+    """Weighted sum of each token's block-scaled experts, [B, D] fp32 (arguments as
+    moe_experts_reference with `scales`; shapes checked by check_moe_inputs). Expert ids outside
+    [0, E) contribute nothing. `tiles` overrides choose_scaled_tiles (tuning and tests)."""
+    _check_formats(x, expert_ids, w1, w2, w3, scales)
+    check_shared_expert(shared_expert, w1.shape[0])
+    batch, dim = x.shape
+    picks = expert_ids.shape[1]
+    pairs_per_token = picks + (shared_expert >= 0)
+    num_experts, inter = w1.shape[:2]
+    out = torch.empty((batch, dim), dtype=torch.float32, device=x.device)
+    if batch == 0 or pairs_per_token == 0:
+        return out.zero_()
+    num_pairs = batch * pairs_per_token
+    if tiles is None:
+        tiles = choose_scaled_tiles(num_pairs, num_experts, dim, num_sms(x.device))
+
+    ids = expert_ids.contiguous()
+    route_w = expert_weights.reshape(-1).to(torch.float32).contiguous()
+    xq, xs = quantize_activations(x, pow2)
+    segments = route_pairs(ids, num_experts, SEGMENT_ROWS, "auto", shared_expert)
+    hq = torch.empty((num_pairs, inter), dtype=torch.float16, device=x.device)
+    hs = torch.empty((num_pairs, inter // FP8_BLOCK), dtype=torch.float32, device=x.device)
+    y = torch.empty((num_pairs, dim), dtype=x.dtype, device=x.device)
+    s1, s2, s3 = (_kernel_scale(s) for s in scales)
+    up_fp4, down_fp4 = w1.dtype == torch.uint8, w2.dtype == torch.uint8
+    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+    _scaled_gate_up_kernel[(segments.num_blocks * (inter // UP_BLOCK_N),)](
+        x, xq, xs, w1, s1, w3, s3, route_w, hq, hs,
+        segments.sorted_pair, segments.block_expert, segments.block_rows,
+        dim, inter, float(swiglu_limit),
+        *w1.stride(), *s1.stride(), *w3.stride(), *s3.stride(),
+        PICKS=picks, PAIRS_PER_TOKEN=pairs_per_token, HAS_LIMIT=swiglu_limit > 0, POW2=pow2,
+        W_FP4=up_fp4, S_E8M0=s1.dtype == torch.uint8, SEGMENT=SEGMENT_ROWS,
+        **launch,
+    )
+    _scaled_down_kernel[(segments.num_blocks * (dim // tiles.down_block_n),)](
+        hq, hs, w2, s2, y,
+        segments.sorted_pair, segments.block_expert, segments.block_rows,
+        dim, inter,
+        *w2.stride(), *s2.stride(), y.stride(0),
+        W_FP4=down_fp4, S_E8M0=s2.dtype == torch.uint8, SEGMENT=SEGMENT_ROWS, BLOCK_N=tiles.down_block_n,
+        **launch,
+    )
+    return combine_pairs(y, ids, out, num_experts, pairs_per_token)
