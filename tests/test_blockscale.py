@@ -1,17 +1,22 @@
 """Block-scaled FP8 / FP4 weights and the official linear() on them (kernels/blockscale/), against
 brute-force versions written here and in tests/v4_reference.py, on fresh random inputs; the
-Triton kernel against the reference (interpreter: small shapes, fp16/fp32 activations; GPU: bf16
-at V4-Flash widths, inside torch.compile and a CUDA graph)."""
+shared Triton helpers of the formats and the act_quant pre-pass (also the block-scaled experts')
+bit for bit against torch's casts and the reference; the Triton kernel against the reference
+(interpreter: small shapes, fp16/fp32 activations; GPU: bf16 at V4-Flash widths, inside
+torch.compile and a CUDA graph)."""
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels.blockscale import (
     FP4_BLOCK, FP8_BLOCK, act_quant, act_quant_dequant, blockscale_linear, blockscale_linear_op,
     blockscale_linear_reference, dequantize_fp4_weight, dequantize_fp8_weight, dequantize_weight, quantize_fp4_weight,
     quantize_fp8_weight, unpack_fp4,
 )
+from kernels.blockscale.device import round_to_e4m3, unpack_e2m1, weight_scale_to_fp32
 from kernels.cuda_graph import capture
 from v4_reference import fp4_round_trip, fp8_round_trip, pow2_at_least
 
@@ -209,24 +214,89 @@ def test_triton_per_block_activation_scales_and_a_zero_block(fmt):
         assert min(share.abs().max() for share in shares) > 1e-2 * y[0].abs().max()
 
 
-@pytest.mark.interpreter
-def test_triton_act_quant_pre_pass_is_bit_exact():
-    """Every e4m3 value and every midpoint between neighbours (ties: to even), e4m3's subnormal
-    range, -0, random values; fp32, fp16 and bf16 activations; power-of-two scales or not."""
-    from kernels.blockscale.triton import act_quant_triton
-
+def e4m3_values() -> torch.Tensor:
+    """Every finite e4m3 value (both zeros), ascending, as fp32."""
     codes = torch.arange(256, dtype=torch.uint8)
-    grid = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn).float().sort().values
-    values = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.randn(1000, generator=torch.Generator().manual_seed(1)) * 50])
+    return codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn).float().sort().values
+
+
+@triton.jit
+def _round_probe(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    tl.store(out_ptr + offs, round_to_e4m3(tl.load(v_ptr + offs, mask=ok)), mask=ok)
+
+
+@triton.jit
+def _decode_probe(bytes_ptr, e2m1_ptr, ue8m0_ptr, fp4_scale_ptr):
+    """All 256 bytes: as two e2m1 codes each, as ue8m0 scales, as ue8m0 scales of FP4 weights."""
+    packed = tl.load(bytes_ptr + tl.arange(0, 256)[None, :])
+    tl.store(e2m1_ptr + tl.arange(0, 512)[None, :], unpack_e2m1(packed))
+    tl.store(ue8m0_ptr + tl.arange(0, 256)[None, :], weight_scale_to_fp32(packed, True, False))
+    tl.store(fp4_scale_ptr + tl.arange(0, 256)[None, :], weight_scale_to_fp32(packed, True, True))
+
+
+@pytest.mark.interpreter
+def test_e4m3_rounding_is_bit_exact():
+    """round_to_e4m3 (the shared helper) against torch's cast: every e4m3 value of either sign,
+    every midpoint between neighbours (ties: to even, into the next binade, in the subnormals),
+    the fp32 neighbours of each midpoint, fp32 subnormals; -0 and negatives that round to zero
+    keep their sign."""
+    grid = e4m3_values()
+    mids = (grid[1:] + grid[:-1]) / 2
+    v = torch.cat([
+        grid, mids, torch.nextafter(mids, torch.tensor(-1e3)), torch.nextafter(mids, torch.tensor(1e3)),
+        torch.tensor([1e-40, -1e-40, 2.0**-149, -(2.0**-149)]),
+    ])
+    out = torch.empty_like(v)
+    _round_probe[(triton.cdiv(len(v), 256),)](v, out, len(v), BLOCK=256)
+    want = v.to(torch.float8_e4m3fn).float()
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.interpreter
+def test_e2m1_and_ue8m0_decoding():
+    """Every byte: its two e2m1 codes (low nibble first) decode to 2^-14 times unpack_fp4's values;
+    as a ue8m0 scale to torch's float8_e8m0fnu value (byte 0: 2^-127, 255: NaN), times 2^14 for
+    FP4 weights."""
+    packed = torch.arange(256, dtype=torch.uint8)
+    e2m1 = torch.empty(512, dtype=torch.float16)
+    ue8m0, fp4_scale = torch.empty(256), torch.empty(256)
+    _decode_probe[(1,)](packed, e2m1, ue8m0, fp4_scale)
+    assert torch.equal(e2m1.float().view(torch.int32), (unpack_fp4(packed.view(1, 256))[0] * 2.0**-14).view(torch.int32))
+    want = packed.view(torch.float8_e8m0fnu).float()
+    assert torch.equal(ue8m0[:-1].view(torch.int32), want[:-1].view(torch.int32)) and ue8m0[0].item() == 2.0**-127
+    assert ue8m0[-1].isnan() and want[-1].isnan()
+    assert torch.equal(fp4_scale[:-1], want[:-1] * 2.0**14) and fp4_scale[-1].isnan()  # inf from 2^114 on
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("pow2", [True, False])
+def test_act_quant_pre_pass_is_bit_exact(pow2):
+    """The shared pre-pass (the linear's from 17 rows, the experts' once per token) is
+    ref.act_quant bit for bit: every e4m3 value and every midpoint between neighbours (ties: to
+    even), e4m3's subnormal range, -0, random values over six decades, a block below the 1e-4
+    amax floor; fp32, fp16 and bf16 activations; power-of-two scales or not; rows contiguous,
+    strided, or not contiguous along K."""
+    from kernels.blockscale.act_quant_pass import act_quant_triton
+
+    g = torch.Generator().manual_seed(1)
+    grid = e4m3_values()
+    values = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.randn(1000, generator=g) * 50])
     values = torch.cat([values, torch.zeros(-len(values) % 128)]).view(-1, 128)
     values[:, 0] = 448.0  # scale 1 with pow2: the midpoints stay ties
-    values = values.view(3, -1)
+    wide = torch.randn(2, 512, generator=g) * torch.logspace(-3, 3, 512)
+    wide[1, 128:256] = torch.randn(128, generator=g) * 1e-6  # amax below the 1e-4 floor
+    x = torch.cat([values.view(-1, 512), wide])
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for pow2 in (True, False):
-            got, got_scale = act_quant_triton(values.to(dtype), pow2)
-            want, want_scale = act_quant(values.to(dtype), pow2)
+        rows = x.to(dtype)
+        want, want_scale = act_quant(rows, pow2)
+        assert (want[-2:].float() != 0).float().mean() > 0.9
+        for layout in (rows, torch.cat([rows, rows], 1)[:, :512], rows.t().contiguous().t()):
+            got, got_scale = act_quant_triton(layout, pow2)
+            assert got.dtype == torch.float8_e4m3fn and got_scale.dtype == torch.float32
             assert torch.equal(got_scale, want_scale)
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (dtype, pow2)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (dtype, layout.stride())
 
 
 @pytest.mark.interpreter

@@ -7,28 +7,25 @@ weight byte once with all SMs busy:
 - Program (n, s, m) owns BLOCK_N output columns of one tile of BLOCK_M rows and the s-th of
   SPLIT equal runs of K's 128-blocks. N tiles alone give every SM a program for wide weights;
   narrow ones (few N tiles) split K as well (`plan_launch`).
-- Per 128-block of K: the rows' activation scale (amax floored at 1e-4, / 448, rounded up to a
-  power of two with `pow2`, as act_quant's bits) and the activations rounded to e4m3 (to nearest,
-  ties to even, after clamping to +-448); then, per weight-scale group of that block (the whole
-  block for FP8, four groups of 32 for FP4), the raw weight codes times the rounded activations
-  in one fp16 `tl.dot` with fp32 accumulation, times the weight scales of each column. The block
-  sum times the rows' activation scales is added to the fp32 accumulator.
-- fp16 operands hold e4m3 and e2m1 values exactly and their products are exact in fp32, and every
-  scale is applied in fp32 after the dot, so the result differs from the reference (operands
-  dequantised to fp32, one product) in summation order only, whatever the scale values. The same
-  dtype runs under TRITON_INTERPRET=1, whose bf16 dot is wrong.
-- Activations are rounded by `_round_to_e4m3` from the fp32 bits (the interpreter's fp32-to-e4m3
-  cast neither rounds ties to even nor keeps e4m3's subnormals), so both run the same arithmetic;
-  exact e4m3 values convert exactly in both, which is all the kernels cast.
+- Per 128-block of K: the rows' activation scale and e4m3 values (act_quant's, bit for bit: the
+  shared arithmetic of kernels/blockscale/device.py); then, per weight-scale group of that block
+  (the whole block for FP8, four groups of 32 for FP4), the weight codes times those values in one
+  fp16 `tl.dot` with fp32 accumulation, times the weight scales of each column. The block sum
+  times the rows' activation scales is added to the fp32 accumulator.
+- fp16 operands hold e4m3 values and e2m1 values (2^-14 times them, the 2^14 folded into the
+  weight scales) exactly, their products are exact in fp32, and every scale is applied in fp32
+  after the dot, so the result differs from the reference (operands
+  dequantised to fp32, one product) in summation order only. The same dtype runs under
+  TRITON_INTERPRET=1, whose bf16 dot is wrong.
 - Split K: each program writes its fp32 partial tile to a scratch buffer and counts its arrival;
   the last program of a tile sums the partials in split order (deterministic whichever program
   arrives last), writes the output and sets the counter back to zero for the next launch (no
   memset per call; `_split_counters`). Nothing syncs with the host and every allocation depends
   on shapes only, so a call can be captured in a CUDA graph.
 
-Activations are quantised once in a pre-pass kernel (`_blockscale_act_quant_kernel`: e4m3 values
-and fp32 scales, 1 byte a value) from more than IN_KERNEL_QUANT_MAX_ROWS rows, and by every
-program otherwise (`plan_launch` says why).
+Activations are quantised once by the act_quant pre-pass (kernels/blockscale/act_quant_pass.py:
+e4m3 values and fp32 scales, 1 byte a value) from more than IN_KERNEL_QUANT_MAX_ROWS rows, and by
+every program otherwise (`plan_launch` says why).
 """
 from __future__ import annotations
 
@@ -38,108 +35,24 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.blockscale.act_quant_pass import act_quant_triton
+from kernels.blockscale.device import act_scale, quantize_e4m3, unpack_e2m1, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.triton_util import interpreting, num_sms
 
 
 @triton.jit
-def _pow2_ceil(s):
-    """2 ** ceil(log2(s)) for positive normal fp32 s, from the bits (ref.pow2_ceil)."""
-    bits = s.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) & 0xFF
-    has_mantissa = ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return ((exponent + has_mantissa) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _act_scale(amax, POW2: tl.constexpr):
-    """act_quant's scale of a block from its fp32 amax: fp32(1e-4) floor, times fp32(1 / 448)."""
-    scale = tl.maximum(amax, 1e-4) * (1.0 / 448.0)
-    if POW2:
-        scale = _pow2_ceil(scale)
-    return scale
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """fp32 v in [-448, 448] -> the nearest e4m3 value (ties to even), still fp32. Normals
-    (|v| >= 2^-6) keep 3 mantissa bits: adding 0x7FFFF plus the lowest kept bit to the bits and
-    clearing the 20 dropped ones rounds to nearest even (a carry moves the exponent up). Below,
-    e4m3's subnormals are the multiples of 2^-9: the fp32 ulp of 2^14 is 2^-9, so one rounded
-    add of 2^14 rounds there and subtracting it back is exact."""
-    mag = tl.abs(v)
-    bits = mag.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    subnormal = (mag + 16384.0) - 16384.0
-    rounded = tl.where(mag < 0.015625, subnormal, normal)
-    return tl.where(v.to(tl.int32, bitcast=True) < 0, -rounded, rounded)  # the sign bit: -0 stays -0
-
-
-@triton.jit
-def _quantize(x, scale, POW2: tl.constexpr):
-    """x / scale clamped to +-448 and rounded to e4m3 (fp32). A power-of-two scale divides exactly
-    as a product with its inverse; any other takes the IEEE division, as the reference's."""
-    if POW2:
-        y = x * tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    else:
-        y = tl.math.div_rn(x, scale)
-    return _round_to_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
-
-
-@triton.jit
-def _e2m1_to_fp16(code):
-    """4-bit e2m1 codes (int32, sign in bit 3) -> fp16, from the bits: exponent e (2 bits) and
-    mantissa m (1 bit) are 2^(e-1) * (1 + m/2) for e > 0 (fp16 exponent field e + 14) and m / 2
-    for e = 0."""
-    e = (code >> 1) & 3
-    m = code & 1
-    bits = tl.where(e > 0, ((e + 14) << 10) | (m << 9), m * (14 << 10)) | ((code & 8) << 12)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
 def _weight_codes(w_ptr, cols, col_ok, k, stride_wn, SUB_K: tl.constexpr, FP4: tl.constexpr):
     """Columns `cols` x inputs [k, k + SUB_K) of the weight as fp16 values without their scales
-    (exact: e4m3 and e2m1 are subsets of fp16). FP4 rows hold two codes a byte, low nibble first."""
+    (exact: e4m3 and e2m1 are subsets of fp16; e2m1 as 2^-14 times its values, which the FP4
+    scales undo). FP4 rows hold two codes a byte, low nibble first."""
     starts = cols.to(tl.int64)[:, None] * stride_wn
     if FP4:
         packed = tl.load(w_ptr + starts + (k // 2 + tl.arange(0, SUB_K // 2))[None, :], mask=col_ok[:, None], other=0)
-        packed = packed.to(tl.int32)
-        pairs = tl.join(_e2m1_to_fp16(packed & 0xF), _e2m1_to_fp16(packed >> 4))
-        return tl.reshape(pairs, (cols.shape[0], SUB_K))
+        return unpack_e2m1(packed)
     else:
         codes = tl.load(w_ptr + starts + (k + tl.arange(0, SUB_K))[None, :], mask=col_ok[:, None], other=0.0)
         return codes.to(tl.float16)
-
-
-@triton.jit
-def _load_scale(ptrs, mask, SCALE_E8M0: tl.constexpr):
-    """Weight scales as fp32: ue8m0 bytes are 2^(byte - 127), the fp32 with that exponent field
-    (byte 0 is 2^-127, an fp32 subnormal; 255 is NaN)."""
-    if SCALE_E8M0:
-        biased = tl.load(ptrs, mask=mask, other=127).to(tl.int32)
-        bits = tl.where(biased == 0, 0x400000, tl.where(biased == 255, 0x7FC00000, biased << 23))
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return tl.load(ptrs, mask=mask, other=1.0)
-
-
-@triton.jit
-def _blockscale_act_quant_kernel(
-    x_ptr, xq_ptr, xs_ptr,
-    K_BLOCKS, stride_xm,
-    POW2: tl.constexpr, BLOCKS: tl.constexpr,
-):
-    """act_quant of BLOCKS 128-blocks of one row: e4m3 values [M, K] and fp32 scales [M, K_BLOCKS]."""
-    row = tl.program_id(0).to(tl.int64)
-    blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-    ok = blocks < K_BLOCKS
-    ks = blocks[:, None] * 128 + tl.arange(0, 128)[None, :]
-    x = tl.load(x_ptr + row * stride_xm + ks, mask=ok[:, None], other=0.0).to(tl.float32)
-    scale = _act_scale(tl.max(tl.abs(x), axis=1), POW2)
-    values = _quantize(x, scale[:, None], POW2)
-    tl.store(xq_ptr + row * K_BLOCKS * 128 + ks, values.to(tl.float8e4nv), mask=ok[:, None])
-    tl.store(xs_ptr + row * K_BLOCKS + blocks, scale, mask=ok)
 
 
 @triton.jit
@@ -172,7 +85,7 @@ def _blockscale_linear_kernel(
             x_block = tl.load(
                 x_ptr + rows[None, :] * stride_xm + (k0 + tl.arange(0, 128))[:, None], mask=row_ok[None, :], other=0.0
             ).to(tl.float32)
-            x_scale = _act_scale(tl.max(tl.abs(x_block), axis=0), POW2)
+            x_scale = act_scale(tl.max(tl.abs(x_block), axis=0), POW2)
         block_sum = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for part in tl.static_range(128 // SUB_K):
             k = k0 + part * SUB_K
@@ -185,9 +98,10 @@ def _blockscale_linear_kernel(
                     x_part = tl.load(
                         x_ptr + rows[None, :] * stride_xm + (k + sub)[:, None], mask=row_ok[None, :], other=0.0
                     ).to(tl.float32)
-                xq = _quantize(x_part, x_scale[None, :], POW2)
+                xq = quantize_e4m3(x_part, x_scale[None, :], POW2)
             w = _weight_codes(w_ptr, cols, col_ok, k, stride_wn, SUB_K, FP4)
-            w_scale = _load_scale(s_ptr + (cols // SCALE_ROWS) * stride_sn + (k // SUB_K) * stride_sk, col_ok, SCALE_E8M0)
+            w_scale = tl.load(s_ptr + (cols // SCALE_ROWS) * stride_sn + (k // SUB_K) * stride_sk, mask=col_ok, other=0)
+            w_scale = weight_scale_to_fp32(w_scale, SCALE_E8M0, FP4)
             block_sum += tl.dot(w, xq.to(tl.float16)) * w_scale[:, None]
         acc += block_sum * x_scale[None, :]
 
@@ -219,7 +133,6 @@ IN_KERNEL_QUANT_MAX_ROWS = 16
 MAX_BLOCK_M = 64
 # A split takes at least this many 128-blocks of K, so its pipeline is full most of the time.
 MIN_BLOCKS_PER_SPLIT = 4
-ACT_QUANT_BLOCKS = 8  # 128-blocks per pre-pass program
 COUNTER_SLOTS = 4096
 
 
@@ -276,19 +189,6 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     if counters is None or tiles > counters.numel():
         return torch.zeros(tiles, dtype=torch.int32, device=device)
     return counters
-
-
-def act_quant_triton(rows: torch.Tensor, pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pre-pass: rows [M, K] (K a multiple of 128, contiguous along K) -> (e4m3 values [M, K],
-    fp32 scales [M, K / 128]), bit for bit ref.act_quant's."""
-    m, k = rows.shape
-    k_blocks = k // FP8_BLOCK
-    values = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=rows.device)
-    scales = torch.empty((m, k_blocks), dtype=torch.float32, device=rows.device)
-    if m:
-        grid = (m, triton.cdiv(k_blocks, ACT_QUANT_BLOCKS))
-        _blockscale_act_quant_kernel[grid](rows, values, scales, k_blocks, rows.stride(0), POW2=pow2, BLOCKS=ACT_QUANT_BLOCKS)
-    return values, scales
 
 
 def blockscale_linear_triton(

@@ -1,0 +1,47 @@
+"""The act_quant pre-pass on the device (semantics: kernels/blockscale/ref.py's act_quant): rows
+of activations -> e4m3 values (1 byte a value) and one fp32 scale per 128, bit for bit the
+reference's. The block-scaled linear runs it from more than a few rows, the block-scaled experts
+once per token; both read the e4m3 values back, so the rounding runs once per value and every
+reader moves 1 byte a value."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.blockscale.device import act_quant_rows
+from kernels.blockscale.ref import FP8_BLOCK
+
+BLOCKS_PER_PROGRAM = 8  # 128-blocks a program quantises (a row of V4-Flash's 4096 in four programs)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, values_ptr, scales_ptr,
+    K_BLOCKS, stride_xm,
+    POW2: tl.constexpr, BLOCKS: tl.constexpr,
+):
+    """act_quant of BLOCKS 128-blocks of one row: e4m3 values [M, K] and fp32 scales [M, K_BLOCKS]."""
+    row = tl.program_id(0).to(tl.int64)
+    blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    ok = blocks < K_BLOCKS
+    ks = blocks[:, None] * 128 + tl.arange(0, 128)[None, :]
+    x = tl.load(x_ptr + row * stride_xm + ks, mask=ok[:, None], other=0.0).to(tl.float32)
+    values, scale = act_quant_rows(x, POW2)
+    tl.store(values_ptr + row * K_BLOCKS * 128 + ks, values.to(tl.float8e4nv), mask=ok[:, None])
+    tl.store(scales_ptr + row * K_BLOCKS + blocks, scale, mask=ok)
+
+
+def act_quant_triton(rows: torch.Tensor, pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [M, K] (K a multiple of 128, any strides: copied only where K is not contiguous) ->
+    (e4m3 values [M, K], fp32 scales [M, K / 128]), bit for bit ref.act_quant's."""
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()  # the kernel reads each row's blocks at unit stride
+    m, k = rows.shape
+    k_blocks = k // FP8_BLOCK
+    values = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=rows.device)
+    scales = torch.empty((m, k_blocks), dtype=torch.float32, device=rows.device)
+    if m:
+        grid = (m, triton.cdiv(k_blocks, BLOCKS_PER_PROGRAM))
+        _act_quant_kernel[grid](rows, values, scales, k_blocks, rows.stride(0), POW2=pow2, BLOCKS=BLOCKS_PER_PROGRAM)
+    return values, scales
