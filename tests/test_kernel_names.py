@@ -17,15 +17,16 @@ LAUNCHED = {
     "v4::sparse_mla_decode": {"_simt_kernel", "_head_batched_kernel", "_combine_kernel", "_sparse_mla_wgmma_kernel"},
     "v4::indexer_topk": {"_indexer_score_kernel", "_indexer_select_kernel"},
     # The block-scaled experts (v4::moe_experts_scaled) share the routing and combine kernels and
-    # count under v4::moe_experts with them (kernels/registry.py: one op per package).
+    # count under v4::moe_experts with them (kernels/registry.py: one op per package); their
+    # act_quant pre-pass is the block-scaled linear's and counts under it.
     "v4::moe_experts": {
         "_route_pairs_kernel", "_gate_up_kernel", "_down_kernel", "_moe_combine_kernel",
-        "_scaled_act_quant_kernel", "_scaled_gate_up_kernel", "_scaled_down_kernel",
+        "_scaled_gate_up_kernel", "_scaled_down_kernel",
     },
     "v4::hc_split_sinkhorn": {"_hc_split_sinkhorn_kernel"},
     "v4::hc_post_pre_norm": {"_hc_mix_slices_kernel", "_hc_mix_finish_kernel"},
     "v4::grouped_linear": {"_linear_kernel", "_gemv_kernel"},
-    "v4::blockscale_linear": {"_blockscale_act_quant_kernel", "_blockscale_linear_kernel"},
+    "v4::blockscale_linear": {"_act_quant_kernel", "_blockscale_linear_kernel"},
 }
 
 

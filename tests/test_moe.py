@@ -1,7 +1,8 @@
 """moe_experts: the Triton grouped GEMM against the plain-torch reference on fresh random inputs,
 under every expert-load pattern (random, all tokens on one expert, experts without tokens, B=1,
 more pairs per expert than a block holds); the block-scaled (FP4 / FP8) experts' grouped GEMV
-likewise, its act_quant bit for bit.
+likewise (its act_quant, the block-scaled linear's pre-pass, is tested bit for bit in
+tests/test_blockscale.py).
 
 CPU tests run the Triton kernels in the interpreter (TRITON_INTERPRET=1, fp32/fp16, small
 widths). GPU tests run them compiled at V4-Flash widths in bf16, replayed in a CUDA graph with
@@ -13,7 +14,7 @@ import torch
 
 import kernels.moe.scaled as moe_scaled
 import kernels.moe.triton as moe_triton
-from kernels.blockscale.ref import act_quant, quantize_fp4_weight, quantize_fp8_weight
+from kernels.blockscale.ref import quantize_fp4_weight, quantize_fp8_weight
 from kernels.moe import moe_experts, moe_experts_reference
 from kernels.cuda_graph import capture
 
@@ -244,7 +245,7 @@ def scaled_experts(fmt, scale_dtype, num_experts, dim, inter, device, seed):
 
 # Tolerances of the block-scaled experts, as a share of the output scale, per token. Products of
 # e4m3 activations and e2m1 / e4m3 weights are exact in fp32, and act_quant is computed bit for
-# bit (test_scaled_act_quant_is_exact), so a token agrees with the reference up to the order of
+# bit (the shared pre-pass and helpers: tests/test_blockscale.py), so a token agrees with the reference up to the order of
 # the fp32 sums (fp32 x) or one rounding of each pick's output to x's dtype that order decided
 # (fp16 x: 2^-11 of a pick's output): SUM_TOL. Rarely the sum order moves an intermediate (a
 # gate/up value, or h before act_quant) across a rounding midpoint, and h's act_quant then
@@ -269,28 +270,6 @@ def routed_ids(pattern, batch, picks, num_experts, seed, device="cpu"):
     """Routing over experts 0..E-2: expert E-1 is the shared one, which the model never routes to
     (the reference's dense path merges a token's two pairs on one expert before act_quant)."""
     return routing(pattern, batch, picks, num_experts - 1, device, seed)
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("pow2", [True, False])
-def test_scaled_act_quant_is_exact(dtype, pow2):
-    """The kernel's act_quant is the reference's bit for bit: values at e4m3 rounding midpoints
-    (ties to even, into the next binade), subnormal e4m3 values, a block below the amax floor."""
-    g = torch.Generator().manual_seed(1 if pow2 else 2)
-    x = torch.randn(3, 512, generator=g) * torch.logspace(-3, 3, 512)
-    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    grid = grid[torch.isfinite(grid)].sort().values
-    x[0, :128] = ((grid[1:129] + grid[:128]) / 2) * (x[0, :128].sign() + (x[0, :128] == 0))  # midpoints
-    x[0, 127] = 448.0  # with a pow2 scale of 1: every midpoint is one
-    x[1, 128:256] = torch.randn(128, generator=g) * 1e-6  # amax below the 1e-4 floor
-    x = x.to(dtype)
-    values, scales = moe_scaled.quantize_activations(x, pow2)
-    ref_values, ref_scales = act_quant(x, pow2)
-    assert values.dtype == torch.float16 and scales.dtype == torch.float32
-    assert torch.equal(scales, ref_scales)
-    assert torch.equal(values.float(), ref_values.float())
-    assert (values != 0).float().mean() > 0.9
 
 
 @pytest.mark.interpreter

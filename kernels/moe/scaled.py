@@ -5,27 +5,29 @@ no data-dependent shape).
 
 Pipeline, all on the device:
 
-1. act_quant(x): e4m3 values (held as fp16, exactly) and one fp32 scale per 128 inputs, once per
-   token, shared by all of its picks.
+1. act_quant(x): the shared pre-pass of kernels/blockscale/act_quant_pass.py (e4m3 values and one
+   fp32 scale per 128 inputs), once per token, shared by all of its picks.
 2. Route: the pairs of kernels/moe/triton.py's route_pairs, in segments of SEGMENT_ROWS rows: at
    decode every expert's pairs fit one segment, so one program per (expert, N tile) reads that
    strip of the expert's weights once, however many tokens picked it.
 3. Gate/up: per (segment, 128 columns of the intermediate), both products over the model width,
    rounded to x's dtype, the clamped SwiGLU times the routing weight in fp32, rounded again, then
    act_quant of that: the tile is one activation block wide, so the epilogue holds whole blocks.
-   Stored per pair: e4m3 values as fp16 and one scale per 128.
+   Stored per pair: e4m3 values and one scale per 128.
 4. Down: per (segment, N tile of the model width), the product over the intermediate, rounded to
    x's dtype, stored per pair.
 5. Combine: kernels/moe/triton.py's combine_pairs (fp32, pick order).
 
-The products multiply the e4m3 activations with the weights' codes in registers (FP4: e2m1
-codes turned into fp16 by bit arithmetic; FP8: e4m3 converted to fp16): both are exact in fp16 and
-their products exact in fp32. Each weight scale group (32 inputs for FP4, 128 for FP8) is one
-fp16 dot with fp32 accumulation, scaled in fp32 by its weight scale; each 128-input step by the
-activations' scale. Results differ from the reference by summation order only, and by what that
-does to the roundings the semantics prescribe. The row tile of a segment is chosen at run time
-from its pair count (16, 32 or 64 rows), so an expert with one token does not pay 64 rows of
-matrix work.
+The products multiply the e4m3 activations (converted to fp16 on load) with the weights' codes
+in registers (FP4: e2m1 codes as fp16, 2^-14 times their values, the 2^14 folded into the weight
+scales; FP8: e4m3 converted to fp16): both are exact in fp16 and their products exact in fp32.
+Each weight scale group (32 inputs for FP4, 128 for FP8) is one fp16 dot with fp32 accumulation,
+scaled in fp32 by its weight scale; each 128-input step by the activations' scale. act_quant,
+the e4m3 rounding and the e2m1 and scale decoding are the shared arithmetic of
+kernels/blockscale/device.py. Results differ from the reference by summation order only, and by
+what that does to the roundings the semantics prescribe. The row tile of a segment is chosen at
+run time from its pair count (16, 32 or 64 rows), so an expert with one token does not pay 64
+rows of matrix work.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.blockscale.act_quant_pass import act_quant_triton
+from kernels.blockscale.device import act_quant_rows, unpack_e2m1, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.moe.ref import check_shared_expert
 from kernels.moe.triton import PROGRAMS_PER_SM, _widest_tile, combine_pairs, route_pairs
@@ -45,15 +49,11 @@ from kernels.triton_util import num_sms
 SEGMENT_ROWS = 64
 # The gate/up N tile: one activation block, so that its epilogue quantises whole blocks of h.
 UP_BLOCK_N = FP8_BLOCK
-# act_quant of x: activation blocks per program (a row of V4-Flash's 4096 in four programs).
-QUANT_BLOCKS = 8
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Device-side constants (Triton reads module globals only as constexprs): activation blocks and
-# FP8 weight blocks are 128 wide, FP4 scale groups 32; e2m1 codes placed into fp16 bits
-# (magnitude at bits 9..11, sign at 15) read as 2^-14 times their value.
+# FP8 weight blocks are 128 wide, FP4 scale groups 32.
 ACT_BLOCK = tl.constexpr(FP8_BLOCK)
 FP4_GROUP = tl.constexpr(FP4_BLOCK)
-FP4_CODE_SCALE = tl.constexpr(2.0**14)
 
 
 @dataclass(frozen=True)
@@ -79,71 +79,16 @@ def choose_scaled_tiles(num_pairs: int, num_experts: int, dim: int, num_sms: int
 
 
 @triton.jit
-def _pow2_ceil(s):
-    """2 ** ceil(log2(s)) for positive normal fp32 s, from the bits (as kernels/blockscale/ref.py)."""
-    bits = s.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) & 0xFF
-    has_mantissa = ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return ((exponent + has_mantissa) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _act_quant_rows(v, POW2: tl.constexpr):
-    """v [R, 128] fp32, one activation block per row -> (e4m3 values as fp16 [R, 128], fp32 scales
-    [R]): act_quant of kernels/blockscale/ref.py, bit for bit (amax floored at 1e-4, the scale
-    amax / 448, rounded up to a power of two with POW2, values divided correctly rounded)."""
-    amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)
-    scale = amax * (1.0 / 448.0)
-    if POW2:
-        scale = _pow2_ceil(scale)
-    q = tl.div_rn(v, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    return _round_to_e4m3(q).to(tl.float16), scale
-
-
-@triton.jit
-def _round_to_e4m3(q):
-    """fp32 q, |q| <= 448 -> the nearest e4m3 value (ties to even) as fp32, by arithmetic: the
-    same on a GPU and in Triton's interpreter, whose fp8 conversion does not carry a rounded-up
-    mantissa into the exponent. The e4m3 grid step is 2^(e-3) at exponent e >= -6, 2^-9 below;
-    q / step is exact, and adding and subtracting 1.5 * 2^23 rounds it to an integer, ties to even."""
-    exponent = tl.maximum((q.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)  # biased, floored at 2^-6
-    step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
-    inverse = ((254 - (exponent - 3)) << 23).to(tl.float32, bitcast=True)
-    return ((q * inverse + 12582912.0) - 12582912.0) * step
-
-
-@triton.jit
-def _scale_value(s, E8M0: tl.constexpr):
-    """Weight scales as fp32: ue8m0 (loaded as its byte, the biased exponent) or fp32 as it is."""
-    if E8M0:
-        bits = s.to(tl.int32) << 23
-        return tl.where(s == 0, 5.877471754111438e-39, bits.to(tl.float32, bitcast=True))  # byte 0: 2^-127
-    return s
-
-
-@triton.jit
-def _fp4_group(w_ptr, offs_n, k, stride_wn, stride_wk):
-    """Codes of inputs k .. k+31 of weight rows offs_n -> fp16 [32, BLOCK_N], each 2^-14 times its
-    e2m1 value (exponent bits 00..11 and the mantissa bit read as fp16 bits 10..9, exact)."""
-    j = k // 2 + tl.arange(0, 16)
-    packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + j[None, :] * stride_wk)
-    codes = tl.interleave(packed & 0xF, packed >> 4).to(tl.uint16)  # [N, 32], low nibble first
-    bits = ((codes & 0x7) << 9) | ((codes & 0x8) << 12)
-    return tl.trans(bits.to(tl.float16, bitcast=True))
-
-
-@triton.jit
 def _scaled_product(
     a_ptr, a_scale_ptr, a_row, row_ok, stride_am, stride_as,
     w_ptr, s_ptr, offs_n, stride_wn, stride_wk, stride_sn, stride_sk,
     k_size,
     W_FP4: tl.constexpr, S_E8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """[BLOCK_M, BLOCK_N] fp32: rows a_row of the quantised activations (e4m3 values as fp16,
-    [rows, K], one scale per 128) times weight rows offs_n (w_ptr, s_ptr at the expert),
-    dequantised on the fly: per weight scale group one fp16 dot, scaled by the weight scales;
-    per 128 inputs the sum of its groups scaled by the activation scales."""
+    """[BLOCK_M, BLOCK_N] fp32: rows a_row of the quantised activations (e4m3 values [rows, K],
+    converted to fp16 on load, and one scale per 128) times weight rows offs_n (w_ptr, s_ptr at
+    the expert), dequantised on the fly: per weight scale group one fp16 dot, scaled by the weight
+    scales; per 128 inputs the sum of its groups scaled by the activation scales."""
     GROUP: tl.constexpr = FP4_GROUP if W_FP4 else ACT_BLOCK
     a_rows = a_ptr + a_row[:, None].to(tl.int64) * stride_am
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -153,16 +98,16 @@ def _scaled_product(
             kg = k + g * GROUP
             a = tl.load(a_rows + kg + tl.arange(0, GROUP)[None, :], mask=row_ok[:, None], other=0.0)
             if W_FP4:
-                w = _fp4_group(w_ptr, offs_n, kg, stride_wn, stride_wk)
+                j = kg // 2 + tl.arange(0, GROUP // 2)
+                packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + j[None, :] * stride_wk)
+                w = tl.trans(unpack_e2m1(packed))
                 s = tl.load(s_ptr + offs_n * stride_sn + (kg // FP4_GROUP) * stride_sk)
-                s = _scale_value(s, S_E8M0) * FP4_CODE_SCALE
             else:
                 offs_k = kg + tl.arange(0, GROUP)
                 w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk)
                 w = tl.trans(w.to(tl.float16))
                 s = tl.load(s_ptr + (offs_n // ACT_BLOCK) * stride_sn + (kg // ACT_BLOCK) * stride_sk)
-                s = _scale_value(s, S_E8M0)
-            part += tl.dot(a, w) * s[None, :]
+            part += tl.dot(a.to(tl.float16), w) * weight_scale_to_fp32(s, S_E8M0, W_FP4)[None, :]
         a_scale = tl.load(a_scale_ptr + a_row * stride_as + k // ACT_BLOCK, mask=row_ok, other=0.0)
         acc += part * a_scale[:, None]
     return acc
@@ -179,22 +124,6 @@ def _segment_rows(sorted_pair_ptr, segment, rows, SEGMENT: tl.constexpr, BLOCK_M
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _scaled_act_quant_kernel(
-    x_ptr, q_ptr, s_ptr,
-    blocks_per_row, stride_xm,
-    POW2: tl.constexpr, BLOCKS: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-    ok = block < blocks_per_row
-    cols = block[:, None] * ACT_BLOCK + tl.arange(0, ACT_BLOCK)[None, :]
-    v = tl.load(x_ptr + row * stride_xm + cols, mask=ok[:, None], other=0.0).to(tl.float32)
-    q, scale = _act_quant_rows(v, POW2)
-    tl.store(q_ptr + row * blocks_per_row * ACT_BLOCK + cols, q, mask=ok[:, None])
-    tl.store(s_ptr + row * blocks_per_row + block, scale, mask=ok)
 
 
 @triton.jit
@@ -232,9 +161,9 @@ def _gate_up_tile(
     pick = pair % PAIRS_PER_TOKEN  # the shared expert's pair (pick PICKS) weighs 1
     route_w = tl.load(route_w_ptr + token * PICKS + pick, mask=row_ok & (pick < PICKS), other=1.0)
     h = (gate * tl.sigmoid(gate) * up * route_w[:, None]).to(act_dtype).to(tl.float32)
-    hq, hs = _act_quant_rows(h, POW2)  # the tile is one whole activation block of each row
+    hq, hs = act_quant_rows(h, POW2)  # the tile is one whole activation block of each row
     pair = pair.to(tl.int64)
-    tl.store(hq_ptr + pair[:, None] * inter + offs_n[None, :], hq, mask=row_ok[:, None])
+    tl.store(hq_ptr + pair[:, None] * inter + offs_n[None, :], hq.to(tl.float8e4nv), mask=row_ok[:, None])
     tl.store(hs_ptr + pair * (inter // ACT_BLOCK) + tile_n, hs, mask=row_ok)
 
 
@@ -344,21 +273,6 @@ def _scaled_down_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def quantize_activations(x: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """act_quant of x [B, D] (D a multiple of 128) by the kernel: (e4m3 values as fp16 [B, D],
-    fp32 scales [B, D/128]), equal to kernels/blockscale/ref.py's act_quant."""
-    x = x.contiguous()  # the kernel reads each row's blocks at unit stride
-    batch, dim = x.shape
-    blocks = dim // FP8_BLOCK
-    q = torch.empty((batch, dim), dtype=torch.float16, device=x.device)
-    s = torch.empty((batch, blocks), dtype=torch.float32, device=x.device)
-    if batch:
-        _scaled_act_quant_kernel[(batch, triton.cdiv(blocks, QUANT_BLOCKS))](
-            x, q, s, blocks, x.stride(0), POW2=pow2, BLOCKS=QUANT_BLOCKS, num_warps=4,
-        )
-    return q, s
-
-
 def _kernel_scale(scale: torch.Tensor) -> torch.Tensor:
     """ue8m0 scales as their bytes (Triton has no e8m0 type); fp32 ones as they are."""
     return scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
@@ -409,9 +323,9 @@ def moe_experts_scaled_triton(
 
     ids = expert_ids.contiguous()
     route_w = expert_weights.reshape(-1).to(torch.float32).contiguous()
-    xq, xs = quantize_activations(x, pow2)
+    xq, xs = act_quant_triton(x, pow2)
     segments = route_pairs(ids, num_experts, SEGMENT_ROWS, "auto", shared_expert)
-    hq = torch.empty((num_pairs, inter), dtype=torch.float16, device=x.device)
+    hq = torch.empty((num_pairs, inter), dtype=torch.float8_e4m3fn, device=x.device)
     hs = torch.empty((num_pairs, inter // FP8_BLOCK), dtype=torch.float32, device=x.device)
     y = torch.empty((num_pairs, dim), dtype=x.dtype, device=x.device)
     s1, s2, s3 = (_kernel_scale(s) for s in scales)
