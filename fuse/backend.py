@@ -27,12 +27,15 @@ from fuse.passes import SkinnyProducts
 
 
 def compile_backend(
-    options: CompileOptions, device: torch.device, on_graph: Callable[[torch.fx.GraphModule], None] | None = None
+    options: CompileOptions, device: torch.device, on_graph: Callable[[torch.fx.GraphModule], None] | None = None,
+    after_compile: Callable[[], None] | None = None,
 ) -> Callable:
     """Inductor with the options' mode and config patches; `backend.config_patches` says what
     the step compiles with. `on_graph(graph)` sees each graph Dynamo captured before Inductor
     compiles it (the code dump reads the model modules of its nodes there); it must not change
-    the graph, and the compile and its cache keys are the same with it or without."""
+    the graph, and the compile and its cache keys are the same with it or without.
+    `after_compile()` runs after each graph compiled, before it first runs (a model split across
+    ranks agrees there that every rank compiled, fuse/step.py)."""
     config: dict[str, object] = dict(torch._inductor.list_mode_options(options.mode)) if options.mode else {}
     # The runner captures its own graphs, whatever the mode says.
     config["triton.cudagraphs"] = False
@@ -48,7 +51,10 @@ def compile_backend(
         if on_graph is not None:
             on_graph(graph)
         with cpp_origin_comments():
-            return compile_fx(graph, example_inputs, config_patches=dict(config))
+            compiled = compile_fx(graph, example_inputs, config_patches=dict(config))
+        if after_compile is not None:
+            after_compile()
+        return compiled
 
     backend.config_patches = config
     return backend
