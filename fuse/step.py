@@ -75,6 +75,25 @@ def agreed_call(model: DecodeModel, phase: str, fn: Callable[[], object]):
         raise outcome  # unwrapped from what the compiler wrapped it in
 
 
+def _compiling_in_turn(ranks) -> tuple[Callable[[], None] | None, Callable[[], None] | None]:
+    """(before, after) each graph's compile, for a model split across ranks (else no hooks).
+
+    The ranks compile each graph in turn, rank 0 first: world_size agreements per graph, rank r
+    compiling between the r-th and the (r+1)-th. The ranks' graphs are the same graph (what
+    differs between ranks is in their buffers), so every rank after the first loads the first
+    one's output from Inductor's cache instead of compiling it again. No rank runs a graph,
+    and so its collectives, before every rank compiled it; a rank whose compile fails agrees
+    with its error in agreed_call, in its turn, and every rank raises it."""
+    if ranks is None:
+        return None, None
+
+    def turns(first: int, stop: int) -> None:
+        for turn in range(first, stop):
+            ranks.agree(f"compiling the decode step (rank {turn}'s turn)")
+
+    return (lambda: turns(0, ranks.rank)), (lambda: turns(ranks.rank, ranks.world_size))
+
+
 def check_decode_model(obj) -> None:
     """Raise ValueError unless `obj` has what DecodeModel lists."""
     missing = [name for name in ("step", "layers", "logits", "check_inputs", "recurrent_state", "pad_slot", "max_batch", "device")
@@ -123,11 +142,7 @@ def build_step(
     if not options.compile:
         return CompiledStep(model.step, ())
     compilation = compilation_for(model, options)
-    ranks = split_ranks(model)
-    # Split across ranks: a graph runs the step's collectives, so the ranks first agree that
-    # every one of them compiled it (a rank whose compile failed agrees in agreed_call).
-    after_compile = None if ranks is None else lambda: ranks.agree("compiling the decode step")
-    backend = compile_backend(options, model.device, on_graph, after_compile)
+    backend = compile_backend(options, model.device, on_graph, *_compiling_in_turn(split_ranks(model)))
     dynamic = None if options.dynamic_batch else False
     compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=backend)  # noqa: E731
     symbolic = options.dynamic_batch

@@ -210,7 +210,9 @@ class Embedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, device=None, parallel: Parallel = ONE_PROCESS):
         super().__init__()
         self.parallel = parallel
-        self.first = parallel.first(vocab_size)
+        if parallel.world_size > 1:
+            # A buffer rather than a number in the code: every rank traces the same graph (fuse/step.py).
+            self.register_buffer("first", torch.tensor(parallel.first(vocab_size), device=device), persistent=False)
         rows = parallel.local(vocab_size)
         self.weight = nn.Parameter(torch.empty(rows, dim, dtype=dtype, device=device), requires_grad=False)
 

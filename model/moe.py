@@ -214,6 +214,10 @@ class MoE(nn.Module):
             shapes = {"w1": (dim, inter), "w2": (inter, dim), "w3": (dim, inter)}
             linears = {name: Linear(*shape, dtype, device, fmt=cfg.linear_format, **stored) for name, shape in shapes.items()}
         self.shared_experts = SharedExpert(self.experts, cfg.swiglu_limit, linears)
+        if parallel.world_size > 1:
+            # The first expert held, as a buffer rather than a number in the code: every rank
+            # traces the same graph (fuse/step.py).
+            self.register_buffer("experts_first", torch.tensor(self.experts.first, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, tokens)
@@ -231,7 +235,7 @@ class MoE(nn.Module):
         """The experts split across ranks: this rank's picks (the others' become no expert, -1
         with weight 0, which the kernel skips), the ranks' fp32 sums added, then the shared
         expert's output, which every rank computes: the official order of the sum."""
-        local = ids - self.experts.first
+        local = ids - self.experts_first
         mine = (local >= 0) & (local < self.experts.n_routed)
         routed = self.experts(x, torch.where(mine, local, -1), torch.where(mine, weights, 0.0), self.swiglu_limit, with_shared=False)
         y = all_reduce(routed, self.parallel) + self.shared_experts(x).float()
