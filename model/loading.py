@@ -118,8 +118,8 @@ def _scale_part(key: str, part: Part | None, parallel: Parallel) -> tuple[Part |
     if part is None:
         return None, None
     if (part.stop - part.start) % FP8_BLOCK:
-        return None, (f"{key}: split across {parallel.world_size} ranks along dim {part.dim}, {part.stop - part.start} rows each, "
-                      f"which does not fall on the checkpoint's {FP8_BLOCK}-row scale blocks")
+        return None, (f"{key}: split across {parallel.world_size} ranks along dim {part.dim} into parts of {part.stop - part.start}, "
+                      f"which do not fall on the checkpoint's {FP8_BLOCK}-wide scale blocks")
     return Part(part.dim, part.start // FP8_BLOCK, part.stop // FP8_BLOCK), None
 
 

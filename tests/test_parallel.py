@@ -97,6 +97,23 @@ def test_what_does_not_divide_is_named():
         Parallel(2, 0)
 
 
+def test_a_split_off_the_scale_blocks_is_named_before_anything_is_read():
+    """A dense model split across 4 ranks, from an FP8 checkpoint: each rank's 64 inputs of
+    wo_b are half a 128-wide scale block, so the scales cannot dequantise its part alone (the
+    checking half of load_official, which every rank runs before the ranks agree)."""
+    from model.loading import _Entry, _plan_load
+
+    fp8 = ModelConfig.preset("tiny-fp8", layers=1)
+    checkpoint = Decoder(fp8, dtype=torch.bfloat16, **SHAPE).init_random(seed=1).state_dict()
+    entries = {k: _Entry(v, lambda part: pytest.fail("read before the checkpoint was checked")) for k, v in checkpoint.items()}
+    dense = Decoder(fp8.replace(dtype="bf16", expert_dtype=None), dtype=torch.bfloat16, parallel=layout(4, 1), **SHAPE)
+    with pytest.raises(ValueError, match=r"off their scale blocks .*layers\.0\.attn\.wo_b\.weight: split across 4 ranks along dim 1 into parts of 64,"):
+        _plan_load(dense, entries, dense.parallel)
+    # two ranks: 128 inputs each, whole blocks
+    dense = Decoder(fp8.replace(dtype="bf16", expert_dtype=None), dtype=torch.bfloat16, parallel=layout(2, 1), **SHAPE)
+    assert len(_plan_load(dense, entries, dense.parallel)) == len(dense.state_dict())
+
+
 def test_one_process_layout_is_the_unsplit_model():
     """parallel=Parallel() is the default: the same weights and the same logits, bit for bit."""
     cfg = ModelConfig.preset("tiny")
