@@ -25,8 +25,13 @@ SHAPE = dict(max_batch=4, max_seq_len=64)
 def launch(world_size: int, out: pathlib.Path, checks: list[str], timeout: float) -> tuple[int, str, list[dict]]:
     """torchrun with `world_size` ranks running the worker's `checks`: (exit status, output,
     each rank's report). A launch past `timeout` is killed with all its ranks and fails."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-               str(WORKER), str(out), *checks]
+    status, output = torchrun(world_size, [str(WORKER), str(out), *checks], timeout)
+    reports = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+    return status, output, reports
+
+
+def torchrun(world_size: int, arguments: list[str], timeout: float) -> tuple[int, str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}", *arguments]
     path = os.pathsep.join(filter(None, [str(WORKER.parents[1]), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}  # this checkout's packages first
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
@@ -36,8 +41,7 @@ def launch(world_size: int, out: pathlib.Path, checks: list[str], timeout: float
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
         output, _ = proc.communicate()
         pytest.fail(f"torchrun with {world_size} ranks ran past {timeout} s (a hang?):\n{output[-3000:]}")
-    reports = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
-    return proc.returncode, output, reports
+    return proc.returncode, output
 
 
 # -- the layout, in one process -------------------------------------------------------------
@@ -155,6 +159,24 @@ def test_a_rank_that_cannot_load_or_compile_stops_every_rank_with_its_error(tmp_
         assert report["corrupt weights unchanged"]
         assert report["compile failing rank"] == 1, report
         assert "failed on rank 1 of 2" in report["compile error"] and "graph_break" in report["compile error"], report
+
+
+def test_fuse_report_under_torchrun(tmp_path):
+    """`fuse report` on two ranks: rank 0 writes one report with both ranks' kernel counts,
+    time in collectives and floor; the split step checked against eager and fp32 passes."""
+    out = tmp_path / "report"
+    status, output = torchrun(2, ["-m", "fuse", "report", "--preset", "tiny", "--layers", "2", "--no-inspect",
+                                  "--steps", "2", "--timing-steps", "1", "--out", str(out)], timeout=300)
+    assert status == 0, output[-4000:]
+    assert output.count("wrote report.json") == 1  # rank 0 only
+    result = json.loads((out / "report.json").read_text())
+    assert result["world_size"] == 2 and [r["rank"] for r in result["ranks"]] == [0, 1]
+    for rank in result["ranks"]:
+        # per layer: the attention's and the experts' all-reduce; the embedding's, the head's all-gather
+        assert rank["launches"]["compiled"]["collectives"] >= 2 * 2 + 2 and rank["launches"]["compiled"]["collective_us"] > 0
+        assert rank["floor_bytes"]["weights"] > 0 and rank["floor_ms"] > 0
+    assert result["max_relative_error"] <= 1e-5 and result["against_fp32"]["compiled"]["passed"]
+    assert "## Per rank" in (out / "report.md").read_text()
 
 
 @pytest.mark.gpu
