@@ -222,6 +222,8 @@ def _report(args) -> int:
         layers=args.layers,
     )
     result = run_report(settings)
+    if result.get("ranks") is None:
+        return 0  # under torchrun: rank 0 writes and prints
     if args.results:
         from fuse.report import results_markdown
         from kernels.bench.results import write_section

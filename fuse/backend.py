@@ -27,12 +27,15 @@ from fuse.passes import SkinnyProducts
 
 
 def compile_backend(
-    options: CompileOptions, device: torch.device, on_graph: Callable[[torch.fx.GraphModule], None] | None = None
+    options: CompileOptions, device: torch.device, on_graph: Callable[[torch.fx.GraphModule], None] | None = None,
+    before_compile: Callable[[], None] | None = None, after_compile: Callable[[], None] | None = None,
 ) -> Callable:
     """Inductor with the options' mode and config patches; `backend.config_patches` says what
     the step compiles with. `on_graph(graph)` sees each graph Dynamo captured before Inductor
     compiles it (the code dump reads the model modules of its nodes there); it must not change
-    the graph, and the compile and its cache keys are the same with it or without."""
+    the graph, and the compile and its cache keys are the same with it or without.
+    `before_compile()` and `after_compile()` run around each graph's compile, before it first
+    runs (the ranks of a split model compile in turn there, fuse/step.py)."""
     config: dict[str, object] = dict(torch._inductor.list_mode_options(options.mode)) if options.mode else {}
     # The runner captures its own graphs, whatever the mode says.
     config["triton.cudagraphs"] = False
@@ -47,8 +50,13 @@ def compile_backend(
     def backend(graph: torch.fx.GraphModule, example_inputs):
         if on_graph is not None:
             on_graph(graph)
+        if before_compile is not None:
+            before_compile()
         with cpp_origin_comments():
-            return compile_fx(graph, example_inputs, config_patches=dict(config))
+            compiled = compile_fx(graph, example_inputs, config_patches=dict(config))
+        if after_compile is not None:
+            after_compile()
+        return compiled
 
     backend.config_patches = config
     return backend

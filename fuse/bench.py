@@ -102,17 +102,23 @@ def expected_experts(n_experts: int, topk: int, batch: int) -> float:
 def floor_bytes(decoder: Decoder, batch: int, context: int) -> dict[str, float]:
     """Bytes one decode step must read at least: every weight it uses (routed experts: the expected
     distinct ones; embedding and hash table: the batch's rows), the KV rows sparse attention
-    attends, and the indexer cache rows it scores. Compressor states and activations (small) are left out."""
+    attends, and the indexer cache rows it scores. Compressor states and activations (small) are left out.
+    Split across ranks (docs/parallel.md): what this rank must read, its share of the experts
+    and of the vocabulary included."""
     cfg = decoder.config
+    parallel = getattr(decoder, "parallel", None)
+    share = 1 / parallel.world_size if parallel is not None else 1.0  # of the experts and the vocabulary
     weights = 0.0
     for name, p in decoder.named_parameters():
         nbytes = p.numel() * p.element_size()
         if ".experts." in name and name.rsplit(".", 1)[-1] in ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"):
             # routed experts (and the shared one where it is stacked with them), weights and scales
-            shared_rows = p.shape[0] - cfg.n_routed_experts
-            touched = expected_experts(cfg.n_routed_experts, cfg.n_activated_experts, batch) + shared_rows
+            shared_rows = p.shape[0] - round(cfg.n_routed_experts * share)
+            touched = expected_experts(cfg.n_routed_experts, cfg.n_activated_experts, batch) * share + shared_rows
             weights += nbytes / p.shape[0] * touched
-        elif name == "embed.weight" or name.endswith("tid2eid"):
+        elif name == "embed.weight":
+            weights += nbytes / p.shape[0] * batch * share  # the batch's rows that fall in this rank's part
+        elif name.endswith("tid2eid"):
             weights += nbytes / p.shape[0] * batch
         else:
             weights += nbytes

@@ -2,7 +2,9 @@
 
 Every compile, Triton JIT and autotune happens in a bucket's first call, outside any capture. A
 bucket whose capture fails runs without a graph (compiled, else eager) and says why; the other
-buckets are unaffected."""
+buckets are unaffected. A model split across ranks instead stops on every rank with the error of
+a rank whose compile or capture failed (its ranks must run the same collectives in the same
+order: fuse/step.py's agreed_call)."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +19,7 @@ import torch._dynamo
 
 from fuse.padding import Inputs, padding_rows
 from fuse.stats import RunnerStats
-from fuse.step import StepFn, decode_mode
+from fuse.step import StepFn, agreed_call, decode_mode, split_ranks
 from kernels.cuda_graph import capture
 
 log = logging.getLogger("fuse")
@@ -61,9 +63,22 @@ def build_buckets(
 def _build_bucket(size: int, step: StepFn, model, use_graphs: bool, pool, stats: RunnerStats, eager: StepFn, first_call) -> Bucket:
     inputs = padding_rows(model, size)
     with stats.phase("first calls", model.device), first_call(size):
-        step(*inputs)  # compile (or check the eager path) now, not on the first request
+        # compile (or check the eager path) now, not on the first request
+        agreed_call(model, f"the first call (compile) of bucket {size}", lambda: step(*inputs))
     if not use_graphs:
         return Bucket(size, inputs, run=lambda: step(*inputs))
+    ranks = split_ranks(model)
+    if ranks is not None:
+        # Split across ranks: the graph holds the step's collectives; every rank captures, or
+        # every rank stops with the error of one that could not (no rank falls back alone).
+        # Another thread (the communicator's watchdog) may query the device during the capture.
+        with stats.phase("warm-up and capture", model.device):
+            graph, output = agreed_call(
+                model, f"the capture of bucket {size}", lambda: capture(lambda: step(*inputs), pool=pool, capture_error_mode="thread_local")
+            )
+        ranks.agree(f"the capture of bucket {size}")
+        stats.captured.append(size)
+        return Bucket(size, inputs, run=_replay(graph, output), graph=graph)
     reason = None
     try:
         with stats.phase("warm-up and capture", model.device):
@@ -87,12 +102,15 @@ def _build_bucket(size: int, step: StepFn, model, use_graphs: bool, pool, stats:
             stats.fallbacks[size] = reason + f"; compiled run failed too ({type(second).__name__}); runs eager"
             return Bucket(size, inputs, run=lambda: eager(*inputs))
     stats.captured.append(size)
+    return Bucket(size, inputs, run=_replay(graph, output), graph=graph)
 
+
+def _replay(graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> Callable[[], torch.Tensor]:
     def replay() -> torch.Tensor:
         graph.replay()
         return output
 
-    return Bucket(size, inputs, run=replay, graph=graph)
+    return replay
 
 
 def _recompile_limit(limit: int):

@@ -63,6 +63,10 @@ _COPY_TOKENS = {
 _GEMM_KERNEL = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|sm90_|splitKreduce", re.I)
 _REDUCE_KERNEL = re.compile(r"reduce|softmax|topk|sort|scan|radix|bitonic|argmax|norm", re.I)
 _COPY_KERNEL = re.compile(r"copy|CatArray|cat_|index|gather|scatter|fill|embedding|memset|memcpy", re.I)
+# Collectives of a model split across ranks: torch.distributed's ops (`_c10d_functional::all_reduce`,
+# `c10d::allreduce_`, gloo's) and NCCL's device kernels. Counted as "other" (neither a custom op
+# nor glue), and their time summed apart (LaunchReport.collective_time_us).
+_COLLECTIVE = re.compile(r"c10d|nccl|gloo", re.I)
 
 
 # The custom ops that are matrix products (the projections, dense or block-scaled): gemm, as
@@ -84,6 +88,8 @@ def _gemm_kernel_names() -> frozenset[str]:
 
 def classify_op(name: str) -> str:
     """Category of a profiler op (`aten::mul`, `v4::moe_experts`) or kernel name."""
+    if _COLLECTIVE.search(name):
+        return "other"
     if "::" in name:
         namespace, op = name.split("::", 1)
         op = op.split(".")[0]
@@ -106,6 +112,8 @@ def classify_kernel(name: str, custom: Iterable[str] = ()) -> str:
     ops (`triton_red_fused_add_sum_3`, `cpp_fused_mul_sin_0`): any reduction makes it reduce,
     only data-movement ops make it copy."""
     base = name.rsplit("_cpp_fused_", 1)[-1] if "cpp_fused_" in name else name
+    if _COLLECTIVE.search(name):
+        return "other"  # "ncclDevKernel_AllReduce...": no reduction of the step's own
     if name in _gemm_kernel_names():
         return "gemm"
     if name in custom or any(name.startswith(c) for c in custom if c):
@@ -174,12 +182,22 @@ class LaunchReport:
             out.append((c, count, count / self.layers if self.layers else None, t / total_time if total_time else None))
         return out
 
+    def collective_time_us(self) -> float:
+        """Time per call in collectives (a model split across ranks): device time of NCCL's
+        kernels on CUDA; on the CPU the CPU time of the collective ops, waits included."""
+        return sum(us for name, us in self.kernel_time_us.items() if _COLLECTIVE.search(name))
+
+    def collectives(self) -> float:
+        """Collective ops (CPU) or kernels (CUDA) per call."""
+        return sum(n for name, n in self.kernels.items() if _COLLECTIVE.search(name))
+
     def to_dict(self) -> dict:
         return {
             "label": self.label, "device": self.device, "calls": self.calls, "layers": self.layers,
             "counts": self.counts, "glue": self.glue, "total": self.total, "time_us": self.time_us,
             "glue_time_share": self.glue_time_share(), "kernels": self.kernels,
             "kernel_time_us": self.kernel_time_us, "origins": self.origins,
+            "collectives": self.collectives(), "collective_time_us": self.collective_time_us(),
         }
 
     def top_kernels_markdown(self, count: int = 15) -> str:

@@ -114,7 +114,7 @@ def fp32_reference(decoder: Decoder, stream: bool | None = None) -> Decoder:
     else:
         reference = Decoder(
             decoder.config, decoder.max_batch, decoder.max_seq_len, dtype=torch.float32, device=decoder.device,
-            check_device_values=decoder.check_device_values,
+            check_device_values=decoder.check_device_values, parallel=getattr(decoder, "parallel", None),
         )
         reference.load_state_dict(decoder.state_dict())
     copy_state(decoder, reference)
@@ -144,7 +144,7 @@ class StreamedReference(Decoder):
     def __init__(self, source: Decoder):
         super().__init__(
             source.config, source.max_batch, source.max_seq_len, dtype=torch.float32, device="meta",
-            check_device_values=source.check_device_values,
+            check_device_values=source.check_device_values, parallel=getattr(source, "parallel", None),
         )
         self._source = (source,)  # a tuple: not a submodule of the reference
         device = source.device

@@ -1,6 +1,11 @@
 """`fuse report`: build a decoder, compile it, check compiled against eager, count kernels per
 decode step by category (eager vs compiled), time both, and write the results (JSON, markdown,
-a PNG chart and, where depyf works, the dump of the generated code) into one folder."""
+a PNG chart and, where depyf works, the dump of the generated code) into one folder.
+
+Under torchrun the decoder is split across the ranks it started (docs/parallel.md): every rank
+runs the report on its part, and rank 0 writes it (its own kernels, trace and dump) with what
+every rank measured: kernels per step, time in collectives, step time against the bytes the
+rank must read."""
 from __future__ import annotations
 
 import datetime
@@ -16,6 +21,7 @@ from fuse.launches import CATEGORIES, LaunchReport, count_launches, diff_markdow
 from fuse.numerics import (
     StreamedReference, Verdict, check_step, copy_state, fp32_reference, judge, one_step_errors, relative_error,
 )
+from fuse.ranks import gather_to_first, launched_ranks
 from fuse.runner import compile_decode
 from kernels.bench.timing import NOISY_SPREAD, Samples, wall_samples
 from model import Decoder, ModelConfig
@@ -46,16 +52,22 @@ class ReportSettings:
 
 
 def run_report(settings: ReportSettings) -> dict:
+    """The report's result; written to the folder by rank 0 (of one process: by it)."""
+    parallel, device = launched_ranks(settings.device)
+    writes = parallel.rank == 0
     cfg = ModelConfig.preset(settings.preset, layers=settings.layers)
     folder = settings.folder()
-    os.makedirs(folder, exist_ok=True)
-    shape = dict(max_batch=settings.batch, max_seq_len=max(64, settings.steps + 8), dtype=settings.dtype, device=settings.device)
-    eager = Decoder(cfg, **shape).init_random(settings.seed)
-    compiled_model = Decoder(cfg, **shape)
+    if writes:
+        os.makedirs(folder, exist_ok=True)
+    shape = dict(max_batch=settings.batch, max_seq_len=max(64, settings.steps + 8), dtype=settings.dtype, device=device)
+    eager = Decoder(cfg, parallel=parallel, **shape).init_random(settings.seed)
+    compiled_model = Decoder(cfg, parallel=parallel, **shape)
     compiled_model.load_state_dict(eager.state_dict())
 
     dump_dir, inspection = None, "skipped: --no-inspect"
-    if settings.inspect:
+    if not writes:
+        inspection = "rank 0's"
+    elif settings.inspect:
         if importlib.util.find_spec("depyf") is None:
             inspection = "skipped: depyf is not installed"
         else:
@@ -81,12 +93,9 @@ def run_report(settings: ReportSettings) -> dict:
     one_step = one_step_errors(eager, compiled_model, runner.run_checked, args)
     against_fp32 = fp32_checks(eager, compiled_model, runner, args)
     # Each count also writes its profiled step's timeline (trace-eager.json, trace-compiled.json).
-    eager_launches = count_launches(
-        eager.step, *args, label="eager", layers=cfg.n_layers, trace_path=os.path.join(folder, TRACES["eager"])
-    )
-    compiled_launches = count_launches(
-        runner.run_checked, *args, label="compiled", layers=cfg.n_layers, trace_path=os.path.join(folder, TRACES["compiled"])
-    )
+    trace = lambda name: os.path.join(folder, TRACES[name]) if writes else None  # noqa: E731
+    eager_launches = count_launches(eager.step, *args, label="eager", layers=cfg.n_layers, trace_path=trace("eager"))
+    compiled_launches = count_launches(runner.run_checked, *args, label="compiled", layers=cfg.n_layers, trace_path=trace("compiled"))
     index_entries = None
     if runner.inspection is not None:
         # Replayed graphs hide which op launched a library kernel; a direct call shows it.
@@ -124,9 +133,53 @@ def run_report(settings: ReportSettings) -> dict:
         "inspect": inspection,
         "index_entries": index_entries,
         "traces": dict(TRACES),
+        "world_size": parallel.world_size,
     }
-    write_outputs(folder, result, eager_launches, compiled_launches)
+    result["ranks"] = gather_to_first(parallel, rank_summary(eager, args, eager_launches, compiled_launches, result, parallel.rank))
+    if writes:
+        write_outputs(folder, result, eager_launches, compiled_launches)
     return result
+
+
+def rank_summary(decoder: Decoder, args: tuple, eager: LaunchReport, compiled: LaunchReport, result: dict, rank: int) -> dict:
+    """What one rank measured: its kernels per step, the time in collectives, its step time
+    against the floor of the bytes its step must read (its part of the weights and the caches
+    it reads, over the copy bandwidth measured here)."""
+    from fuse.bench import copy_bandwidth_gbs, floor_bytes
+
+    context = int(args[1].max()) + 1
+    floor = floor_bytes(decoder, len(args[0]), context)
+    floor_ms = floor["total"] / (copy_bandwidth_gbs(decoder.device) * 1e9) * 1e3
+    launches = {
+        report.label: {"total": report.total, "glue": report.glue, "collectives": report.collectives(),
+                       "collective_us": report.collective_time_us()}
+        for report in (eager, compiled)
+    }
+    return {"rank": rank, "device": str(decoder.device), "launches": launches, "step_ms": dict(result["step_ms"]),
+            "floor_bytes": floor, "floor_ms": floor_ms}
+
+
+def ranks_markdown(result: dict) -> list[str]:
+    """The per-rank table of a report split across ranks (none for one process)."""
+    if result.get("world_size", 1) == 1:
+        return []
+    lines = [
+        "## Per rank", "",
+        "Kernels per step, collectives and the time in them (device time on CUDA, the collective ops' CPU time "
+        "on the CPU, waits included), and the step time against the rank's floor: the bytes its step must read "
+        "(its part of the weights, the caches it reads) over the copy bandwidth.", "",
+        "| rank | eager kernels | compiled kernels | compiled collectives | eager ms in collectives | compiled ms in collectives "
+        "| compiled step ms | floor ms | compiled / floor |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["ranks"]:
+        e, c = r["launches"]["eager"], r["launches"]["compiled"]
+        step = r["step_ms"]["compiled"]
+        lines.append(
+            f"| {r['rank']} | {e['total']:g} | {c['total']:g} | {c['collectives']:g} | {e['collective_us'] / 1e3:.3f} "
+            f"| {c['collective_us'] / 1e3:.3f} | {step:.2f} | {r['floor_ms']:.3f} | {step / r['floor_ms']:.1f}x |"
+        )
+    return lines + [""]
 
 
 def fp32_checks(eager: Decoder, compiled_model: Decoder, runner, args: tuple) -> dict:
@@ -207,7 +260,9 @@ def summary_markdown(result: dict, eager: LaunchReport, compiled: LaunchReport) 
         "",
         f"`python -m fuse report --preset {s['preset']} --device {s['device']} --batch {s['batch']}"
         + (f" --layers {s['layers']}" if s.get("layers") else "") + "`, "
-        f"torch {result['torch']}, {result['date']}, {s['dtype']}, batch {s['batch']}, {result['layers']} layers.",
+        f"torch {result['torch']}, {result['date']}, {s['dtype']}, batch {s['batch']}, {result['layers']} layers"
+        + (f", split across {result['world_size']} ranks (torchrun; rank 0's numbers below the per-rank table)."
+           if result.get("world_size", 1) > 1 else "."),
         "",
         f"- compiled vs eager over {s['steps']} steps: max relative logit error {result['max_relative_error']:.2e}",
         f"- one step from identical state: compiled vs eager {result['one_step']['compiled_vs_eager']:.2e}; "
@@ -220,6 +275,7 @@ def summary_markdown(result: dict, eager: LaunchReport, compiled: LaunchReport) 
         f"- glue kernels per step: eager {eager.glue:g}, compiled {compiled.glue:g}",
         f"- compile + warm-up: {result['compile_seconds']:.1f} s",
         "",
+        *ranks_markdown(result),
         "## Kernels per decode step",
         "",
         diff_markdown(eager, compiled),

@@ -29,7 +29,10 @@ class DecodeModel(Protocol):
     - `logits(streams)`: the head.
     - `check_inputs(tokens, positions, slots)`: raises ValueError naming bad input, returns the
       inputs on `device`; `recurrent_state()`: the buffers a repeated step reads back.
-    - `pad_slot`: a cache slot padding rows may write; `max_batch`: the real slots."""
+    - `pad_slot`: a cache slot padding rows may write; `max_batch`: the real slots.
+    - optionally `parallel` (model.parallel.Parallel): a model split across the ranks of a
+      torch.distributed group, whose step runs collectives; with more than one rank the ranks
+      agree on the outcome of each compile and capture (`split_ranks`)."""
 
     layers: Sequence[torch.nn.Module]
     pad_slot: int
@@ -45,6 +48,50 @@ class DecodeModel(Protocol):
     def check_inputs(self, tokens, positions, slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def recurrent_state(self) -> dict[str, torch.Tensor]: ...
+
+
+def split_ranks(model: DecodeModel):
+    """The model's rank layout where it is split across more than one rank, else None. Its
+    `agree(phase, error)` is called by every rank after a phase that may fail on some rank only
+    (and raises the first failing rank's error on every rank); `agreed_error(error)` finds such
+    an outcome in an error's chain."""
+    parallel = getattr(model, "parallel", None)
+    return parallel if parallel is not None and parallel.world_size > 1 else None
+
+
+def agreed_call(model: DecodeModel, phase: str, fn: Callable[[], object]):
+    """fn(), where a model split across ranks has every rank raise the error of a rank whose
+    fn() failed (that rank agrees with the others' next agreement, e.g. after their compile),
+    so that no rank is left waiting in the step's collectives for it."""
+    ranks = split_ranks(model)
+    if ranks is None:
+        return fn()
+    try:
+        return fn()
+    except Exception as error:
+        outcome = ranks.agreed_error(error)
+        if outcome is None:
+            ranks.agree(phase, error)  # raises on every rank
+        raise outcome  # unwrapped from what the compiler wrapped it in
+
+
+def _compiling_in_turn(ranks) -> tuple[Callable[[], None] | None, Callable[[], None] | None]:
+    """(before, after) each graph's compile, for a model split across ranks (else no hooks).
+
+    The ranks compile each graph in turn, rank 0 first: world_size agreements per graph, rank r
+    compiling between the r-th and the (r+1)-th. The ranks' graphs are the same graph (what
+    differs between ranks is in their buffers), so every rank after the first loads the first
+    one's output from Inductor's cache instead of compiling it again. No rank runs a graph,
+    and so its collectives, before every rank compiled it; a rank whose compile fails agrees
+    with its error in agreed_call, in its turn, and every rank raises it."""
+    if ranks is None:
+        return None, None
+
+    def turns(first: int, stop: int) -> None:
+        for turn in range(first, stop):
+            ranks.agree(f"compiling the decode step (rank {turn}'s turn)")
+
+    return (lambda: turns(0, ranks.rank)), (lambda: turns(ranks.rank, ranks.world_size))
 
 
 def check_decode_model(obj) -> None:
@@ -95,7 +142,7 @@ def build_step(
     if not options.compile:
         return CompiledStep(model.step, ())
     compilation = compilation_for(model, options)
-    backend = compile_backend(options, model.device, on_graph)
+    backend = compile_backend(options, model.device, on_graph, *_compiling_in_turn(split_ranks(model)))
     dynamic = None if options.dynamic_batch else False
     compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=backend)  # noqa: E731
     symbolic = options.dynamic_batch

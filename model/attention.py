@@ -8,16 +8,25 @@ an entry is (re)written every step and becomes visible only once complete.
 
 Projections that read the same input run as one GEMM (FusedLinear): the attention input feeds
 wq_a, wkv, the compressors' wkv/wgate and the indexer's weights_proj; the normed low-rank query
-feeds wq_b and the indexer's wq_b. Each projection keeps its official name as a LinearView."""
+feeds wq_b and the indexer's wq_b. Each projection keeps its official name as a LinearView.
+
+Split across ranks (model/parallel.py), a rank holds a contiguous share of the heads, their rows
+of wq_b and attn_sink, the groups those heads form (their rows of wo_a, their columns of wo_b)
+and a share of the index heads (their rows of the indexer's wq_b and weights_proj); the
+low-rank query, the KV head, the norms and the compressors are whole on every rank. The
+output projection's partial sums and the index scores are summed over the ranks (one all-reduce
+each)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 import kernels
+from kernels.indexer import indexer_scores_reference, topk_visible_reference
 from model.config import ModelConfig
 from model.formats import scale_dtype_of
 from model.layers import DecodeStep, FusedLinear, Linear, LinearView, RMSNorm, fp32_param, product_dtype
+from model.parallel import ONE_PROCESS, Parallel, all_reduce
 from model.quant import fp4_qdq, fp8_qdq, hadamard_rotate
 from model.rope import apply_rope
 
@@ -98,14 +107,17 @@ class Indexer(nn.Module):
     Its projections (wq_b of the low-rank query, weights_proj and the compressor's of the
     attention input) are run by the attention, fused with the attention's own."""
 
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_seq_len: int, dtype: torch.dtype, device=None):
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_seq_len: int, dtype: torch.dtype, device=None,
+                 parallel: Parallel = ONE_PROCESS):
         super().__init__()
-        self.n_heads = cfg.index_n_heads
+        self.parallel = parallel
+        self.n_heads = cfg.index_n_heads  # the scores' scale counts every rank's heads
+        self.n_local_heads = parallel.local(cfg.index_n_heads)
         self.head_dim = cfg.index_head_dim
         self.topk = cfg.index_topk
         self.qat = cfg.qat
-        self.wq_b = LinearView(cfg.q_lora_rank, self.n_heads * self.head_dim)
-        self.weights_proj = LinearView(cfg.dim, self.n_heads)
+        self.wq_b = LinearView(cfg.q_lora_rank, self.n_local_heads * self.head_dim)
+        self.weights_proj = LinearView(cfg.dim, self.n_local_heads)
         self.compressor = Compressor(cfg, 4, self.head_dim, True, num_slots, device)
         capacity = compressed_capacity(max_seq_len, 4)
         self.register_buffer(
@@ -125,24 +137,32 @@ class Indexer(nn.Module):
         visible. Takes the products of its projections: q = wq_b(qr), weights = weights_proj(x),
         and its compressor's wkv(x), wgate(x)."""
         self.compressor(compressor_kv, compressor_score, step, self.kv_cache, 0, hadamard)
-        q = q.unflatten(-1, (self.n_heads, self.head_dim))
+        q = q.unflatten(-1, (self.n_local_heads, self.head_dim))
         q = hadamard_rotate(apply_rope(q, step.rope_compress), hadamard)
         if self.qat:
             q = fp4_qdq(q, 32)
         weights = weights * (self.head_dim**-0.5 * self.n_heads**-0.5)
         visible = (step.positions + 1) // 4
-        return kernels.indexer_topk(q, weights, self.kv_cache, step.slots, visible, self.topk)
+        if self.parallel.world_size == 1:
+            return kernels.indexer_topk(q, weights, self.kv_cache, step.slots, visible, self.topk)
+        # Split heads: each rank scores with its own heads, the top-k is taken of the sum.
+        scores = all_reduce(indexer_scores_reference(q, weights, self.kv_cache, step.slots), self.parallel)
+        return topk_visible_reference(scores, visible, self.topk)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ratio: int, num_slots: int, max_seq_len: int, dtype: torch.dtype, device=None):
+    def __init__(
+        self, cfg: ModelConfig, ratio: int, num_slots: int, max_seq_len: int, dtype: torch.dtype, device=None,
+        parallel: Parallel = ONE_PROCESS,
+    ):
         super().__init__()
+        self.parallel = parallel
         self.ratio = ratio
-        self.n_heads = cfg.n_heads
+        self.n_heads = parallel.local(cfg.n_heads)  # this rank's heads
         self.head_dim = cfg.head_dim
         self.rope_dim = cfg.rope_head_dim
         self.window = cfg.window_size
-        self.n_groups = cfg.o_groups
+        self.n_groups = parallel.local(cfg.o_groups)  # the groups this rank's heads form
         self.o_lora_rank = cfg.o_lora_rank
         self.eps = cfg.norm_eps
         self.qat = cfg.qat
@@ -154,7 +174,7 @@ class Attention(nn.Module):
         self.wq_b = LinearView(cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.wkv = LinearView(cfg.dim, self.head_dim)
         self.kv_norm = RMSNorm(self.head_dim, cfg.norm_eps, device)
-        self.wo_a = Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank, dtype, device)
+        self.wo_a = Linear(cfg.n_heads * self.head_dim // cfg.o_groups, self.n_groups * self.o_lora_rank, dtype, device)
         self.wo_b = Linear(
             self.n_groups * self.o_lora_rank, cfg.dim, dtype, device,
             fmt=cfg.linear_format, scale_dtype=scale_dtype_of(cfg.scale_dtype), pow2=cfg.pow2_scales,
@@ -163,7 +183,7 @@ class Attention(nn.Module):
         if ratio:
             self.compressor = Compressor(cfg, ratio, self.head_dim, False, num_slots, device)
         if ratio == 4:
-            self.indexer = Indexer(cfg, num_slots, max_seq_len, dtype, device)
+            self.indexer = Indexer(cfg, num_slots, max_seq_len, dtype, device, parallel)
         rows = self.window + self.n_compressed
         self.register_buffer(
             "kv_cache", torch.zeros(num_slots, rows, self.head_dim, dtype=dtype, device=device), persistent=False
@@ -245,5 +265,8 @@ class Attention(nn.Module):
         # Grouped low-rank output: each group of heads has its own [o_lora_rank, heads*head_dim/groups] map.
         o = o.reshape(batch, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        return self.wo_b(kernels.grouped_linear(o, wo_a).flatten(1))
+        out = self.wo_b(kernels.grouped_linear(o, wo_a).flatten(1))
+        if self.parallel.world_size == 1:
+            return out
+        return all_reduce(out.float(), self.parallel).to(out.dtype)  # the ranks' partial sums, added in fp32
 

@@ -175,7 +175,7 @@ class ModelConfig:
                 q_lora_rank=64,
                 head_dim=96,
                 rope_head_dim=32,
-                o_groups=2,
+                o_groups=4,  # splits across 1, 2 or 4 ranks (model/parallel.py)
                 o_lora_rank=32,
                 window_size=16,
                 compress_ratios=(0, 0, 4, 128, 4, 128),

@@ -1,5 +1,7 @@
 """The V4 decode step: embed, hc_mult residual copies through every block, hc head, final norm,
-fp32 logits. One new token per sequence; sequences in a batch may be at different positions."""
+fp32 logits. One new token per sequence; sequences in a batch may be at different positions.
+Split across ranks (`parallel`, model/parallel.py), every rank runs the same step on the same
+inputs with its share of the weights and returns the same logits."""
 from __future__ import annotations
 
 import os
@@ -13,18 +15,22 @@ from model.config import ModelConfig
 from model.hyper import hc_head, hc_post, hc_post_pre_norm, hc_pre_norm
 from model.layers import DecodeStep, Embedding, Linear, RMSNorm, fp32_linear, fp32_param, product_dtype
 from model.moe import MoE
+from model.parallel import ONE_PROCESS, Parallel, all_gather_last
 from model.quant import hadamard_matrix
 from model.rope import rope_frequencies, rope_table
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, num_slots: int, max_seq_len: int, dtype, device=None):
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, num_slots: int, max_seq_len: int, dtype, device=None,
+        parallel: Parallel = ONE_PROCESS,
+    ):
         super().__init__()
         self.sinkhorn_iters = cfg.hc_sinkhorn_iters
         self.hc_eps = cfg.hc_eps
         self.norm_eps = cfg.norm_eps
-        self.attn = Attention(cfg, cfg.layer_ratios[layer_id], num_slots, max_seq_len, dtype, device)
-        self.ffn = MoE(cfg, layer_id, dtype, device)
+        self.attn = Attention(cfg, cfg.layer_ratios[layer_id], num_slots, max_seq_len, dtype, device, parallel)
+        self.ffn = MoE(cfg, layer_id, dtype, device, parallel)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
         mixes, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
@@ -54,7 +60,11 @@ class Decoder(nn.Module):
     `decoder(tokens, positions, slots)` takes three int64 tensors of shape [B] and returns fp32
     logits [B, vocab]. Position 0 on a slot starts a new sequence there. Inputs are checked
     before anything is written (see `check_inputs`); `step` is the same computation unchecked,
-    for callers that validated already (and for torch.compile)."""
+    for callers that validated already (and for torch.compile).
+
+    `parallel` (model.parallel.Parallel) splits the model across the ranks of a torch.distributed
+    group as the official inference does: each rank holds its share and runs every step with
+    the same inputs; the default is one process, the whole model."""
 
     def __init__(
         self,
@@ -64,6 +74,7 @@ class Decoder(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
         check_device_values: bool = True,
+        parallel: Parallel | None = None,
     ):
         super().__init__()
         if max_batch < 1 or max_seq_len < 1:
@@ -71,6 +82,9 @@ class Decoder(nn.Module):
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
         cfg = config
+        parallel = parallel or ONE_PROCESS
+        parallel.check(cfg)
+        self.parallel = parallel
         self.config = cfg
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
@@ -79,11 +93,11 @@ class Decoder(nn.Module):
         # Values of inputs already on an accelerator can only be checked after a device sync.
         self.check_device_values = check_device_values
         num_slots = max_batch + 1
-        self.embed = Embedding(cfg.vocab_size, cfg.dim, dtype, device)
-        self.layers = nn.ModuleList(Block(cfg, i, num_slots, max_seq_len, dtype, device) for i in range(cfg.n_layers))
+        self.embed = Embedding(cfg.vocab_size, cfg.dim, dtype, device, parallel)
+        self.layers = nn.ModuleList(Block(cfg, i, num_slots, max_seq_len, dtype, device, parallel) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
         head_dtype = product_dtype(cfg.fp32_products, dtype)
-        self.head = Linear(cfg.dim, cfg.vocab_size, head_dtype, device)
+        self.head = Linear(cfg.dim, parallel.local(cfg.vocab_size), head_dtype, device)  # this rank's vocabulary
         hc_head_fn = torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.dim, dtype=head_dtype, device=device)
         self.hc_head_fn = nn.Parameter(hc_head_fn, requires_grad=False)
         self.hc_head_base = fp32_param(cfg.hc_mult, device=device)
@@ -131,7 +145,7 @@ class Decoder(nn.Module):
         """The head: hc head, final norm and the LM head, streams [B, hc, D] -> fp32 [B, vocab]."""
         cfg = self.config
         x = hc_head(streams, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.hc_eps, cfg.norm_eps)
-        return fp32_linear(self.norm(x), self.head.weight)
+        return all_gather_last(fp32_linear(self.norm(x), self.head.weight), self.parallel)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():
@@ -191,7 +205,8 @@ class Decoder(nn.Module):
     # -- weights ------------------------------------------------------------------------------
     def load_official(self, source: str | os.PathLike | Mapping[str, torch.Tensor]) -> None:
         """Load weights named and shaped as the official inference code names them (see
-        model.loading.load_official_weights)."""
+        model.loading.load_official_weights); split across ranks, each rank reads its parts only.
+        Collective where split: every rank calls it, and if one fails every rank raises its error."""
         from model.loading import load_official_weights
 
         load_official_weights(self, source)
@@ -199,7 +214,8 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def init_random(self, seed: int = 0) -> "Decoder":
         """Reproducible random weights (for a given seed and device) with activations of sane
-        scale, so that logits are neither degenerate nor huge."""
+        scale, so that logits are neither degenerate nor huge. Split across ranks, each rank gets
+        its part of the weights the one-process decoder draws with the same seed."""
         from model.loading import init_random_weights
 
         init_random_weights(self, seed)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.formats import FP8_BLOCK, from_checkpoint, project, scale_shape, storage_dtype, to_checkpoint, weight_shape
+from model.parallel import ONE_PROCESS, Parallel, all_reduce
 
 
 def empty_weight(fmt: str, out: int, inp: int, dtype: torch.dtype, device, leading: tuple[int, ...] = ()) -> nn.Parameter:
@@ -203,12 +204,25 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Embedding(nn.Module):
-    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, device=None):
+    """The token embedding; split across ranks, rank r holds the r-th contiguous part of the
+    vocabulary: a token outside it is looked up as row 0 and zeroed, and the ranks' rows summed."""
+
+    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, device=None, parallel: Parallel = ONE_PROCESS):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, dim, dtype=dtype, device=device), requires_grad=False)
+        self.parallel = parallel
+        if parallel.world_size > 1:
+            # A buffer rather than a number in the code: every rank traces the same graph (fuse/step.py).
+            self.register_buffer("first", torch.tensor(parallel.first(vocab_size), device=device), persistent=False)
+        rows = parallel.local(vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.weight)
+        if self.parallel.world_size == 1:
+            return F.embedding(tokens, self.weight)
+        local = tokens - self.first
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)
+        return all_reduce(rows, self.parallel)
 
 
 class DecodeStep(NamedTuple):

@@ -1,5 +1,6 @@
 """Weights for a Decoder: the official checkpoint layout (bf16/fp32, fp8 e4m3 with 128x128 block
-scales, fp4 e2m1 experts with 1x32 block scales, dequantised on load) and reproducible random init."""
+scales, fp4 e2m1 experts with 1x32 block scales, dequantised on load) and reproducible random init.
+A decoder split across ranks (model/parallel.py) reads and draws only its parts."""
 from __future__ import annotations
 
 import contextlib
@@ -13,12 +14,22 @@ from torch import nn
 from kernels.blockscale import dequantize_fp4_weight, dequantize_fp8_weight, quantize_fp4_weight, quantize_fp8_weight
 from model.formats import from_checkpoint, logical_in_features
 from model.layers import official_parameters
-
+from model.parallel import ONE_PROCESS, FP8_BLOCK, Parallel, Part
 
 
 class _Entry(NamedTuple):
     meta: torch.Tensor  # shape and dtype only
-    load: Callable[[], torch.Tensor]
+    load: Callable[[Part | None], torch.Tensor]  # the tensor, or only the given part of it
+
+
+def _narrow(t: torch.Tensor, part: Part | None) -> torch.Tensor:
+    return t if part is None else t.narrow(part.dim, part.start, part.stop - part.start)
+
+
+def _read_safetensors(f, key: str, part: Part | None) -> torch.Tensor:
+    if part is None:
+        return f.get_tensor(key)
+    return f.get_slice(key)[(slice(None),) * part.dim + (slice(part.start, part.stop),)]  # reads that part only
 
 
 def _open_source(source, stack: contextlib.ExitStack) -> dict[str, _Entry]:
@@ -26,7 +37,7 @@ def _open_source(source, stack: contextlib.ExitStack) -> dict[str, _Entry]:
     checkpoint is far larger than host memory). Each shard is opened once, its header parsed
     once, and kept open on `stack` for the loaders."""
     if isinstance(source, Mapping):
-        return {k: _Entry(v, lambda v=v: v) for k, v in source.items()}
+        return {k: _Entry(v, lambda part, v=v: _narrow(v, part)) for k, v in source.items()}
     from safetensors import safe_open
 
     path = os.fspath(source)
@@ -44,7 +55,7 @@ def _open_source(source, stack: contextlib.ExitStack) -> dict[str, _Entry]:
             if dtype == torch.float4_e2m1fn_x2:  # safetensors counts fp4 values, torch pairs of them
                 shape = [*shape[:-1], shape[-1] // 2]
             meta = torch.empty(shape, dtype=dtype, device="meta")
-            entries[key] = _Entry(meta, lambda f=f, key=key: f.get_tensor(key))
+            entries[key] = _Entry(meta, lambda part, f=f, key=key: _read_safetensors(f, key, part))
     return entries
 
 
@@ -62,9 +73,25 @@ def _logical_shape(key: str, peek: torch.Tensor, scales: Mapping[str, _Entry]) -
 def load_official_weights(decoder: nn.Module, source) -> None:
     """Load `source` (a safetensors file, a directory of shards, or a dict) into `decoder`.
     `mtp.*` keys (the multi-token-prediction layer) are skipped. Unknown, missing or misshapen
-    keys raise ValueError naming them, before any weight is changed."""
+    keys raise ValueError naming them, before any weight is changed.
+
+    A decoder split across ranks reads only its parts of the checkpoint's tensors (and only
+    its own experts), checked against the whole tensors' shapes. Every rank must call it: the
+    ranks agree after checking (a rank's error is raised on every rank, before any weight is
+    changed anywhere) and after reading."""
+    parallel: Parallel = getattr(decoder, "parallel", ONE_PROCESS)
     with contextlib.ExitStack() as stack:
-        _load_entries(decoder, _open_source(source, stack))
+        plan, error = None, None
+        try:
+            plan = _plan_load(decoder, _open_source(source, stack), parallel)
+        except Exception as e:  # noqa: BLE001 - every rank raises it, after agreeing
+            error = e
+        parallel.agree("load_official (checking the checkpoint)", error)
+        try:
+            _write_weights(plan)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        parallel.agree("load_official (reading the weights)", error)
 
 
 _QUANTISED = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
@@ -75,12 +102,35 @@ def _stored_as(t: torch.Tensor) -> torch.dtype:
     return torch.float4_e2m1fn_x2 if t.dtype in (torch.uint8, torch.int8) else t.dtype
 
 
-def _load_entries(decoder: nn.Module, entries: dict[str, _Entry]) -> None:
+class _Load(NamedTuple):
+    """One tensor to write: the checkpoint's entry and the part to read, and where the model
+    holds it dense, the scale to dequantise it with and its part."""
+
+    target: torch.Tensor
+    entry: _Entry
+    part: Part | None
+    scale: _Entry | None = None
+    scale_part: Part | None = None
+
+
+def _scale_part(key: str, part: Part | None, parallel: Parallel) -> tuple[Part | None, str | None]:
+    """The part of an FP8 weight's scale that dequantises `part` of the weight, or the problem."""
+    if part is None:
+        return None, None
+    if (part.stop - part.start) % FP8_BLOCK:
+        return None, (f"{key}: split across {parallel.world_size} ranks along dim {part.dim} into parts of {part.stop - part.start}, "
+                      f"which do not fall on the checkpoint's {FP8_BLOCK}-wide scale blocks")
+    return Part(part.dim, part.start // FP8_BLOCK, part.stop // FP8_BLOCK), None
+
+
+def _plan_load(decoder: nn.Module, entries: dict[str, _Entry], parallel: Parallel = ONE_PROCESS) -> list[_Load]:
     """Block-scaled checkpoint tensors load as they are where the model stores that format (its
     state dict has the scale), and are dequantised where the model is dense; anything else that
     disagrees (a dense tensor for a quantised model, another format, a scale of another shape
-    or dtype) is named, and nothing is written."""
-    entries = {k: v for k, v in entries.items() if not k.startswith("mtp.")}
+    or dtype) is named, and nothing is read. Split across ranks, the checkpoint's tensors must
+    have the whole model's shapes; the other ranks' experts are skipped."""
+    n_experts = decoder.config.n_routed_experts
+    entries = {k: v for k, v in entries.items() if not k.startswith("mtp.") and not parallel.held_elsewhere(k, n_experts)}
     targets = decoder.state_dict()
     # Scales of weights the model holds dense: applied on load.
     dequantised = {k: v for k, v in entries.items() if k.endswith(".scale") and k not in targets and k[: -len("scale")] + "weight" in entries}
@@ -93,18 +143,31 @@ def _load_entries(decoder: nn.Module, entries: dict[str, _Entry]) -> None:
         problems.append(f"unknown keys ({len(unknown)}): {unknown[:10]}")
     if missing:
         problems.append(f"missing keys ({len(missing)}): {missing[:10]}")
-    misshapen, mistyped = [], []
+    misshapen, mistyped, unaligned = [], [], []
+    plan = []
     for key in sorted(set(weights) & set(targets)):
         meta, target = weights[key].meta, targets[key]
         shape = _logical_shape(key, meta, dequantised)
-        if shape != tuple(target.shape):
-            misshapen.append(f"{key}: checkpoint {list(shape)}, model {list(target.shape)}")
+        whole = parallel.full_shape(key, tuple(target.shape))
+        scale_key = key[: -len("weight")] + "scale"
+        part = parallel.part(key, shape)
+        scale_part, problem = _scale_part(key, part, parallel) if scale_key in dequantised else (None, None)
+        if shape != whole:
+            split = f" ({list(target.shape)} on each of {parallel.world_size} ranks)" if whole != tuple(target.shape) else ""
+            misshapen.append(f"{key}: checkpoint {list(shape)}, model {list(whole)}{split}")
+        elif problem is not None:
+            unaligned.append(problem)
         elif target.dtype in _QUANTISED and _stored_as(meta) != target.dtype:
             mistyped.append(f"{key}: checkpoint {meta.dtype}, model {target.dtype}")
         elif target.dtype not in _QUANTISED and _stored_as(meta) in _QUANTISED and key[: -len("weight")] + "scale" not in dequantised:
             mistyped.append(f"{key}: checkpoint {meta.dtype} without a scale, model {target.dtype}")
+        else:
+            scale = dequantised.get(scale_key)
+            plan.append(_Load(target, weights[key], part, scale, scale_part))
     if misshapen:
         problems.append(f"misshapen keys ({len(misshapen)}): {misshapen[:10]}")
+    if unaligned:
+        problems.append(f"split tensors off their scale blocks ({len(unaligned)}): {unaligned[:10]}")
     if mistyped:
         problems.append(
             f"tensors stored in another format than the model's ({len(mistyped)}; build the decoder with the "
@@ -112,14 +175,15 @@ def _load_entries(decoder: nn.Module, entries: dict[str, _Entry]) -> None:
         )
     if problems:
         raise ValueError("cannot load official weights: " + "; ".join(problems))
+    return plan
 
+
+def _write_weights(plan: list[_Load]) -> None:
     with torch.no_grad():
-        for key, entry in weights.items():
-            value = entry.load()
-            target = targets[key]
-            scale_key = key[: -len("weight")] + "scale"
-            if scale_key in dequantised:
-                scale = dequantised[scale_key].load()
+        for target, entry, part, scale_entry, scale_part in plan:
+            value = entry.load(part)
+            if scale_entry is not None:
+                scale = scale_entry.load(scale_part)
                 if value.dtype == torch.float8_e4m3fn:
                     value = dequantize_fp8_weight(value, scale)
                 else:
@@ -167,8 +231,12 @@ def init_random_weights(decoder: nn.Module, seed: int) -> None:
     and a small perturbation does not grow from layer to layer, as in a trained network. The
     scale was chosen by comparing bf16 with fp32 eager logits of the same weights layer by layer
     (tiny widths, 43 layers): unscaled, the difference grew to 0.5 relative; scaled, the typical
-    row stays near 1e-2 at every depth (what is left are discrete MoE routing flips, which do not grow)."""
+    row stays near 1e-2 at every depth (what is left are discrete MoE routing flips, which do not grow).
+
+    A decoder split across ranks draws each whole tensor as the one-process decoder does (one
+    at a time) and keeps its part: every rank holds exactly its part of the same weights."""
     n_layers = decoder.config.n_layers
+    parallel: Parallel = getattr(decoder, "parallel", ONE_PROCESS)
     generator = None
     params = dict(official_parameters(decoder))
     for name, param in params.items():
@@ -179,6 +247,7 @@ def init_random_weights(decoder: nn.Module, seed: int) -> None:
             generator = torch.Generator(device=param.device).manual_seed(seed)
         leaf = name.rsplit(".", 1)[-1]
         shape = param.shape if scale is None else (*param.shape[:-1], logical_in_features(param, scale))
+        shape = parallel.full_shape(name, tuple(shape))
 
         def normal(std: float, mean: float = 0.0) -> torch.Tensor:
             t = torch.randn(shape, generator=generator, device=param.device, dtype=torch.float32)
@@ -209,10 +278,12 @@ def init_random_weights(decoder: nn.Module, seed: int) -> None:
             value = normal(shape[-1] ** -0.5 * residual_branch_scale(n_layers))
         else:
             value = normal(shape[-1] ** -0.5)
+        part = parallel.part(name, tuple(value.shape))
         if scale is None:
-            param.copy_(value.to(param.dtype))
+            param.copy_(_narrow(value, part).to(param.dtype))
         else:
             quantize = quantize_fp8_weight if param.dtype == torch.float8_e4m3fn else quantize_fp4_weight
-            values, scales = quantize(value, scale.dtype)
-            param.copy_(values)
-            scale.copy_(scales)
+            values, scales = quantize(value, scale.dtype)  # the whole tensor's blocks, as one process has them
+            scale_name = name[: -len("weight")] + "scale"
+            param.copy_(_narrow(values, parallel.part(name, tuple(values.shape))))
+            scale.copy_(_narrow(scales, parallel.part(scale_name, tuple(scales.shape))))

@@ -1,6 +1,11 @@
 """Mixture of experts: hash- or score-routed top-k experts plus one shared expert, all with the
 clamped SwiGLU. All experts are stored stacked ([E + 1, out, in], the shared one last) for the
-grouped kernel, and appear in state_dict() under their official names."""
+grouped kernel, and appear in state_dict() under their official names.
+
+Split across ranks (model/parallel.py), rank r holds the r-th contiguous share of the routed
+experts (and every rank the gate and the shared expert): each rank sums its own experts' picks
+in fp32, the ranks' sums are added (one all-reduce), then the shared expert's output, as the
+official inference orders the sum."""
 from __future__ import annotations
 
 import functools
@@ -14,6 +19,7 @@ from kernels.moe import swiglu
 from model.config import ModelConfig
 from model.formats import from_checkpoint, logical_in_features, project, scale_dtype_of, to_checkpoint
 from model.layers import Linear, LinearView, empty_scale, empty_weight, fp32_linear
+from model.parallel import ONE_PROCESS, Parallel, all_reduce
 
 
 def top_k_by_rounds(keys: torch.Tensor, values: torch.Tensor, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -78,16 +84,18 @@ class Experts(nn.Module):
     grouped kernel runs the shared expert as every token's last pick (kernels.moe_experts'
     shared_expert) in the routed experts' launches. The routed experts appear in state_dict()
     under their official per-expert names; the shared expert's rows belong to
-    MoE.shared_experts, which saves and loads them."""
+    MoE.shared_experts, which saves and loads them. `first` is the official number of the first
+    routed expert held (another than 0 where the experts are split across ranks)."""
 
     NAMES = ("w1", "w2", "w3")
 
     def __init__(
         self, n_routed: int, dim: int, inter: int, dtype: torch.dtype, device=None, fmt: str = "dense",
-        with_shared: bool = True, scale_dtype: torch.dtype = torch.float8_e8m0fnu, pow2: bool = True,
+        with_shared: bool = True, scale_dtype: torch.dtype = torch.float8_e8m0fnu, pow2: bool = True, first: int = 0,
     ):
         super().__init__()
         self.n_routed = n_routed
+        self.first = first
         self.shared_index = n_routed if with_shared else -1
         self.pow2 = pow2
         rows = (n_routed + 1 if with_shared else n_routed,)
@@ -113,14 +121,14 @@ class Experts(nn.Module):
                     continue
                 stacked = state_dict.pop(prefix + key)
                 for e in range(module.n_routed):
-                    state_dict[f"{prefix}{e}.{name}.{leaf}"] = to_checkpoint(stacked[e])
+                    state_dict[f"{prefix}{module.first + e}.{name}.{leaf}"] = to_checkpoint(stacked[e])
 
     @staticmethod
     def _stack_per_expert(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         # A shared row keeps its value here; MoE.shared_experts loads it afterwards.
         for name in Experts.NAMES:
             for leaf, stacked in module.stored(name):
-                keys = [f"{prefix}{e}.{name}.{leaf}" for e in range(module.n_routed)]
+                keys = [f"{prefix}{module.first + e}.{name}.{leaf}" for e in range(module.n_routed)]
                 if stacked is None or not all(k in state_dict for k in keys):
                     continue
                 routed = torch.stack([from_checkpoint(state_dict.pop(k)) for k in keys]).to(stacked)
@@ -132,11 +140,14 @@ class Experts(nn.Module):
             return None
         return self.w1_scale, self.w2_scale, self.w3_scale
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
-        """fp32 sum over each token's routed picks ids [B, k] of its expert's output times
-        weights [B, k], then, if stacked here, the shared expert's output (its last pick, weight 1)."""
+    def forward(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, swiglu_limit: float, with_shared: bool = True
+    ) -> torch.Tensor:
+        """fp32 sum over each token's routed picks ids [B, k] (row numbers of the stack; -1 and
+        weight 0: no expert) of its expert's output times weights [B, k], then, if stacked here
+        and `with_shared`, the shared expert's output (its last pick, weight 1)."""
         return kernels.moe_experts(
-            x, ids, weights, self.w1, self.w2, self.w3, swiglu_limit, shared_expert=self.shared_index,
+            x, ids, weights, self.w1, self.w2, self.w3, swiglu_limit, shared_expert=self.shared_index if with_shared else -1,
             scales=self.scales(), pow2=self.pow2,
         )
 
@@ -185,15 +196,17 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device=None):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device=None, parallel: Parallel = ONE_PROCESS):
         super().__init__()
+        self.parallel = parallel
         self.swiglu_limit = cfg.swiglu_limit
         self.gate = Gate(cfg, layer_id < cfg.n_hash_layers, dtype, device)
         stored = dict(scale_dtype=scale_dtype_of(cfg.scale_dtype), pow2=cfg.pow2_scales)
         # The shared expert joins the routed experts' stacks where it has their format.
         stacked = cfg.expert_format == cfg.linear_format
         self.experts = Experts(
-            cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, dtype, device, fmt=cfg.expert_format, with_shared=stacked, **stored
+            parallel.local(cfg.n_routed_experts), cfg.dim, cfg.moe_inter_dim, dtype, device, fmt=cfg.expert_format,
+            with_shared=stacked, first=parallel.first(cfg.n_routed_experts), **stored,
         )
         linears = None
         if not stacked:
@@ -201,13 +214,29 @@ class MoE(nn.Module):
             shapes = {"w1": (dim, inter), "w2": (inter, dim), "w3": (dim, inter)}
             linears = {name: Linear(*shape, dtype, device, fmt=cfg.linear_format, **stored) for name, shape in shapes.items()}
         self.shared_experts = SharedExpert(self.experts, cfg.swiglu_limit, linears)
+        if parallel.world_size > 1:
+            # The first expert held, as a buffer rather than a number in the code: every rank
+            # traces the same graph (fuse/step.py).
+            self.register_buffer("experts_first", torch.tensor(self.experts.first, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, tokens)
+        if self.parallel.world_size > 1:
+            return self._split_forward(x, weights, ids)
         # Stacked, the shared expert runs as every token's last pick with weight 1 (exact in the
         # fp32 SwiGLU); either way the fp32 sum is the official one: the routed picks, then the
         # shared output.
         y = self.experts(x, ids, weights, self.swiglu_limit)
         if not self.shared_experts.stacked:
             y = y + self.shared_experts(x).float()
+        return y.to(x.dtype)
+
+    def _split_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts split across ranks: this rank's picks (the others' become no expert, -1
+        with weight 0, which the kernel skips), the ranks' fp32 sums added, then the shared
+        expert's output, which every rank computes: the official order of the sum."""
+        local = ids - self.experts_first
+        mine = (local >= 0) & (local < self.experts.n_routed)
+        routed = self.experts(x, torch.where(mine, local, -1), torch.where(mine, weights, 0.0), self.swiglu_limit, with_shared=False)
+        y = all_reduce(routed, self.parallel) + self.shared_experts(x).float()
         return y.to(x.dtype)

@@ -1,6 +1,8 @@
 """Indexer top-k: `ref` (the plain-torch reference and input checks), `triton` (the CUDA kernels),
 `op` (the custom op `v4::indexer_topk` and the choice of implementation)."""
 from kernels.indexer.op import IMPLS, indexer_topk, indexer_topk_op
-from kernels.indexer.ref import indexer_topk_reference
+from kernels.indexer.ref import indexer_scores_reference, indexer_topk_reference, topk_visible_reference
 
-__all__ = ["IMPLS", "indexer_topk", "indexer_topk_op", "indexer_topk_reference"]
+__all__ = [
+    "IMPLS", "indexer_scores_reference", "indexer_topk", "indexer_topk_op", "indexer_topk_reference", "topk_visible_reference",
+]

@@ -20,11 +20,21 @@ def indexer_topk_reference(
     """Plain-torch reference over the whole cache capacity (static shapes, no host sync).
     q [B,H,D]; weights [B,H]; index_cache [S,R,D]; slots, visible [B] int. Returns [B,topk]
     int32 entry numbers in [0, R), sorted by descending score, -1 past the visible count."""
-    rows = index_cache.shape[1]
+    return topk_visible_reference(indexer_scores_reference(q, weights, index_cache, slots), visible, topk)
+
+
+def indexer_scores_reference(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The scores [B,R] fp32 of every cache row, visible or not: the first half of the op, apart
+    so that heads split across processes can sum their scores before the top-k."""
     keys = index_cache[slots.long()].float()  # [B,R,D]
     scores = torch.einsum("bhd,btd->bht", q.float(), keys).relu()
-    scores = (scores * weights.float()[..., None]).sum(1)  # [B,R]
-    entry = torch.arange(rows, device=q.device)
+    return (scores * weights.float()[..., None]).sum(1)
+
+
+def topk_visible_reference(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
+    """The second half: the `topk` best of the visible entries of scores [B,R] (see indexer_topk_reference)."""
+    rows = scores.shape[1]
+    entry = torch.arange(rows, device=scores.device)
     is_visible = entry[None, :] < visible[:, None]
     scores = scores.masked_fill(~is_visible, float("-inf"))
     if topk > rows:  # fewer entries than picks: pad with never-visible columns

@@ -1,0 +1,190 @@
+"""The model split across ranks (model/parallel.py): the shard arithmetic in one process, and
+under torchrun with gloo (tests/parallel_worker.py, one process per rank, each launch with a
+timeout so that a hang fails): split eager and compiled logits against the one-process decoder,
+split loads against init_random's parts, and a rank that cannot load or compile stopping every
+rank with its error."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model import Decoder, ModelConfig
+from model.parallel import Parallel
+
+WORKER = pathlib.Path(__file__).with_name("parallel_worker.py")
+SHAPE = dict(max_batch=4, max_seq_len=64)
+
+
+def launch(world_size: int, out: pathlib.Path, checks: list[str], timeout: float) -> tuple[int, str, list[dict]]:
+    """torchrun with `world_size` ranks running the worker's `checks`: (exit status, output,
+    each rank's report). A launch past `timeout` is killed with all its ranks and fails."""
+    status, output = torchrun(world_size, [str(WORKER), str(out), *checks], timeout)
+    reports = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+    return status, output, reports
+
+
+def torchrun(world_size: int, arguments: list[str], timeout: float) -> tuple[int, str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}", *arguments]
+    path = os.pathsep.join(filter(None, [str(WORKER.parents[1]), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}  # this checkout's packages first
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
+        output, _ = proc.communicate()
+        pytest.fail(f"torchrun with {world_size} ranks ran past {timeout} s (a hang?):\n{output[-3000:]}")
+    return proc.returncode, output
+
+
+# -- the layout, in one process -------------------------------------------------------------
+def layout(world_size: int, rank: int) -> Parallel:
+    return Parallel(world_size, rank, group_name="unused: no step runs")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_init_random_gives_each_rank_its_part_of_the_one_process_weights(world_size):
+    """Split shapes, official names and values: every rank's state dict is its part of the
+    one-process decoder's (same seed), and the parts together are all of it."""
+    cfg = ModelConfig.preset("tiny")
+    whole = Decoder(cfg, dtype=torch.float32, **SHAPE).init_random(seed=4).state_dict()
+    seen = {}
+    for rank in range(world_size):
+        parallel = layout(world_size, rank)
+        split = Decoder(cfg, dtype=torch.float32, parallel=parallel, **SHAPE).init_random(seed=4).state_dict()
+        for key, value in split.items():
+            part = parallel.part(key, tuple(whole[key].shape))
+            expected = whole[key] if part is None else whole[key].narrow(part.dim, part.start, part.stop - part.start)
+            assert torch.equal(value, expected), f"rank {rank}: {key}"
+            seen.setdefault(key, []).append(rank)
+    assert set(seen) == set(whole)
+    split_keys = {k for k in whole if layout(world_size, 0).split_dim(k) is not None}
+    assert {"embed.weight", "head.weight", "layers.0.attn.wq_b.weight", "layers.0.attn.wo_b.weight",
+            "layers.2.attn.indexer.weights_proj.weight", "layers.0.attn.attn_sink"} <= split_keys
+    per_expert = [k for k in whole if ".ffn.experts.5." in k]
+    assert per_expert and all(seen[k] == [5 * world_size // cfg.n_routed_experts] for k in per_expert)
+    assert seen["layers.0.ffn.shared_experts.w1.weight"] == list(range(world_size))
+
+
+def test_split_shapes():
+    cfg = ModelConfig.preset("tiny")
+    d = Decoder(cfg, dtype=torch.float32, parallel=layout(4, 3), **SHAPE)
+    attn = d.layers[2].attn
+    assert attn.attn_sink.shape == (cfg.n_heads // 4,)
+    assert attn.wq_b.weight.shape == (cfg.n_heads // 4 * cfg.head_dim, cfg.q_lora_rank)
+    assert attn.wo_b.weight.shape == (cfg.dim, cfg.o_groups // 4 * cfg.o_lora_rank)
+    assert attn.indexer.wq_b.weight.shape[0] == cfg.index_n_heads // 4 * cfg.index_head_dim
+    assert d.embed.weight.shape == d.head.weight.shape == (cfg.vocab_size // 4, cfg.dim)
+    assert d.layers[0].ffn.experts.w1.shape[0] == cfg.n_routed_experts // 4 + 1  # its experts and the shared one
+    assert d.layers[0].ffn.experts.first == 3 * cfg.n_routed_experts // 4
+
+
+def test_what_does_not_divide_is_named():
+    cfg = ModelConfig.preset("tiny")
+    with pytest.raises(ValueError, match=r"n_heads = 8, o_groups = 4, index_n_heads = 8, n_routed_experts = 8, vocab_size = 512 not divisible by 3"):
+        Decoder(cfg, parallel=layout(3, 0), device="meta", **SHAPE)
+    with pytest.raises(ValueError, match=r"o_groups = 4 not divisible by 8"):
+        Decoder(cfg.replace(n_heads=16, index_n_heads=16, n_routed_experts=16), parallel=layout(8, 0), device="meta", **SHAPE)
+    # FP8 weights split on whole 128-row scale blocks: tiny-fp8's wo_b has 4 x 64 inputs
+    with pytest.raises(ValueError, match=r"scale blocks: .*wo_b's inputs .* = 64"):
+        Decoder(ModelConfig.preset("tiny-fp8"), parallel=layout(4, 0), device="meta", **SHAPE)
+    with pytest.raises(ValueError, match="rank must be in"):
+        Parallel(2, 2, "g")
+    with pytest.raises(ValueError, match="needs a process group"):
+        Parallel(2, 0)
+
+
+def test_a_split_off_the_scale_blocks_is_named_before_anything_is_read():
+    """A dense model split across 4 ranks, from an FP8 checkpoint: each rank's 64 inputs of
+    wo_b are half a 128-wide scale block, so the scales cannot dequantise its part alone (the
+    checking half of load_official, which every rank runs before the ranks agree)."""
+    from model.loading import _Entry, _plan_load
+
+    fp8 = ModelConfig.preset("tiny-fp8", layers=1)
+    checkpoint = Decoder(fp8, dtype=torch.bfloat16, **SHAPE).init_random(seed=1).state_dict()
+    entries = {k: _Entry(v, lambda part: pytest.fail("read before the checkpoint was checked")) for k, v in checkpoint.items()}
+    dense = Decoder(fp8.replace(dtype="bf16", expert_dtype=None), dtype=torch.bfloat16, parallel=layout(4, 1), **SHAPE)
+    with pytest.raises(ValueError, match=r"off their scale blocks .*layers\.0\.attn\.wo_b\.weight: split across 4 ranks along dim 1 into parts of 64,"):
+        _plan_load(dense, entries, dense.parallel)
+    # two ranks: 128 inputs each, whole blocks
+    dense = Decoder(fp8.replace(dtype="bf16", expert_dtype=None), dtype=torch.bfloat16, parallel=layout(2, 1), **SHAPE)
+    assert len(_plan_load(dense, entries, dense.parallel)) == len(dense.state_dict())
+
+
+def test_one_process_layout_is_the_unsplit_model():
+    """parallel=Parallel() is the default: the same weights and the same logits, bit for bit."""
+    cfg = ModelConfig.preset("tiny")
+    a = Decoder(cfg, dtype=torch.float32, **SHAPE).init_random(seed=2)
+    b = Decoder(cfg, dtype=torch.float32, parallel=Parallel(), **SHAPE).init_random(seed=2)
+    args = torch.tensor([3, 99, 7]), torch.tensor([0, 0, 0]), torch.tensor([0, 2, 1])
+    assert torch.equal(a(*args), b(*args))
+    assert layout(1, 0).split_dim("embed.weight") is None
+
+
+# -- under torchrun ---------------------------------------------------------------------------
+def test_two_ranks_load_and_decode_as_one_process(tmp_path):
+    """Two ranks: split loads (bf16; FP8 linears with FP4 experts as they are; and dequantised
+    into a dense model) equal the parts init_random draws; split eager and compiled logits
+    equal the one-process decoder's within 1e-5 over 50 steps of mixed batches; no graph break."""
+    status, output, reports = launch(2, tmp_path, ["load", "decode"], timeout=420)
+    assert status == 0 and len(reports) == 2, output[-4000:]
+    for report in reports:
+        assert report["eager worst relative error"] <= 1e-5 and report["compiled worst relative error"] <= 1e-5
+        assert report["graph breaks"] == 0
+        assert report["load fp8 tensors"] > report["load bf16 tensors"]  # the scales too
+
+
+def test_four_ranks_decode_as_one_process(tmp_path):
+    status, output, reports = launch(4, tmp_path, ["decode"], timeout=480)
+    assert status == 0 and len(reports) == 4, output[-4000:]
+    assert all(r["compiled worst relative error"] <= 1e-5 and r["graph breaks"] == 0 for r in reports)
+
+
+def test_a_rank_that_cannot_load_or_compile_stops_every_rank_with_its_error(tmp_path):
+    """Rank 1's checkpoint has a misshapen tensor: both ranks raise rank 1's ValueError and keep
+    their weights. Then rank 1's compile fails (a graph break under fullgraph): rank 0, which
+    compiled, raises rank 1's error instead of waiting in the step's first collective."""
+    status, output, reports = launch(2, tmp_path, ["corrupt", "compile-failure"], timeout=240)
+    assert status != 0 and len(reports) == 2, output[-4000:]
+    for report in reports:
+        assert report["corrupt failing rank"] == 1 and report["corrupt is ValueError"], report
+        assert "failed on rank 1 of 2" in report["corrupt error"] and "layers.2.attn.wo_b.weight" in report["corrupt error"]
+        assert report["corrupt weights unchanged"]
+        assert report["compile failing rank"] == 1, report
+        assert "failed on rank 1 of 2" in report["compile error"] and "graph_break" in report["compile error"], report
+
+
+def test_fuse_report_under_torchrun(tmp_path):
+    """`fuse report` on two ranks: rank 0 writes one report with both ranks' kernel counts,
+    time in collectives and floor; the split step checked against eager and fp32 passes."""
+    out = tmp_path / "report"
+    status, output = torchrun(2, ["-m", "fuse", "report", "--preset", "tiny", "--layers", "2", "--no-inspect",
+                                  "--steps", "2", "--timing-steps", "1", "--out", str(out)], timeout=300)
+    assert status == 0, output[-4000:]
+    assert output.count("wrote report.json") == 1  # rank 0 only
+    result = json.loads((out / "report.json").read_text())
+    assert result["world_size"] == 2 and [r["rank"] for r in result["ranks"]] == [0, 1]
+    for rank in result["ranks"]:
+        # per layer: the attention's and the experts' all-reduce; the embedding's, the head's all-gather
+        assert rank["launches"]["compiled"]["collectives"] >= 2 * 2 + 2 and rank["launches"]["compiled"]["collective_us"] > 0
+        assert rank["floor_bytes"]["weights"] > 0 and rank["floor_ms"] > 0
+    assert result["max_relative_error"] <= 1e-5 and result["against_fp32"]["compiled"]["passed"]
+    assert "## Per rank" in (out / "report.md").read_text()
+
+
+@pytest.mark.gpu
+def test_two_gpus_capture_the_split_step(tmp_path):
+    """NCCL, one GPU per rank: every bucket captured with the collectives inside, the replayed
+    split step against the one-process decoder on one GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    status, output, reports = launch(2, tmp_path, ["gpu-decode"], timeout=600)
+    assert status == 0 and len(reports) == 2, output[-4000:]
+    assert all(r["gpu worst relative error"] <= 1e-4 for r in reports)
