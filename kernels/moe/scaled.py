@@ -42,7 +42,7 @@ from kernels.blockscale.act_quant_pass import act_quant_triton
 from kernels.blockscale.device import act_quant_rows, unpack_e2m1, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.moe.ref import check_shared_expert
-from kernels.moe.triton import PROGRAMS_PER_SM, _widest_tile, combine_pairs, route_pairs
+from kernels.moe.triton import PROGRAMS_PER_SM, _routed_swiglu, _widest_tile, combine_pairs, route_pairs
 from kernels.triton_util import num_sms
 
 # Rows of a routing segment: every expert with at most this many pairs is one segment, read once.
@@ -151,16 +151,8 @@ def _gate_up_tile(
         dim, W_FP4, S_E8M0, BLOCK_M, BLOCK_N,
     )
 
-    # As the reference: products rounded to x's dtype, SwiGLU and weighting in fp32, rounded.
-    act_dtype = x_ptr.dtype.element_ty
-    gate = gate.to(act_dtype).to(tl.float32)
-    up = up.to(act_dtype).to(tl.float32)
-    if HAS_LIMIT:
-        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
-        gate = tl.minimum(gate, swiglu_limit)
-    pick = pair % PAIRS_PER_TOKEN  # the shared expert's pair (pick PICKS) weighs 1
-    route_w = tl.load(route_w_ptr + token * PICKS + pick, mask=row_ok & (pick < PICKS), other=1.0)
-    h = (gate * tl.sigmoid(gate) * up * route_w[:, None]).to(act_dtype).to(tl.float32)
+    h = _routed_swiglu(gate, up, x_ptr, route_w_ptr, token, pair, row_ok, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT)
+    h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded to x's dtype, as the reference
     hq, hs = act_quant_rows(h, POW2)  # the tile is one whole activation block of each row
     pair = pair.to(tl.int64)
     tl.store(hq_ptr + pair[:, None] * inter + offs_n[None, :], hq.to(tl.float8e4nv), mask=row_ok[:, None])

@@ -271,6 +271,25 @@ def _block_rows(sorted_pair_ptr, block_expert_ptr, block_rows_ptr, block, BLOCK_
 
 
 @triton.jit
+def _routed_swiglu(
+    acc_gate, acc_up, act_ptr, route_w_ptr, token, pair, row_ok, swiglu_limit,
+    PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr,
+):
+    """A gate/up tile's weighted SwiGLU in fp32, as the reference: the products rounded to the
+    activation dtype (act_ptr's), clamped, silu(gate) * up times the pair's routing weight
+    (weights are [B, PICKS]; the shared expert's pair, pick PICKS, weighs 1)."""
+    act_dtype = act_ptr.dtype.element_ty
+    gate = acc_gate.to(act_dtype).to(tl.float32)
+    up = acc_up.to(act_dtype).to(tl.float32)
+    if HAS_LIMIT:
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        gate = tl.minimum(gate, swiglu_limit)
+    pick = pair % PAIRS_PER_TOKEN
+    route_w = tl.load(route_w_ptr + token * PICKS + pick, mask=row_ok & (pick < PICKS), other=1.0)
+    return gate * tl.sigmoid(gate) * up * route_w[:, None]
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w1_ptr, w3_ptr, route_w_ptr, h_ptr,
     sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
@@ -318,19 +337,9 @@ def _gate_up_kernel(
         w1_ptrs += BLOCK_K * stride_w1k
         w3_ptrs += BLOCK_K * stride_w3k
 
-    # As the reference: products rounded to the activation dtype, SwiGLU and weighting in fp32.
-    act_dtype = h_ptr.dtype.element_ty
-    gate = acc_gate.to(act_dtype).to(tl.float32)
-    up = acc_up.to(act_dtype).to(tl.float32)
-    if HAS_LIMIT:
-        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
-        gate = tl.minimum(gate, swiglu_limit)
-    # Routing weights are [B, PICKS]; the shared expert's pair (pick PICKS) weighs 1.
-    pick = pair % PAIRS_PER_TOKEN
-    route_w = tl.load(route_w_ptr + token * PICKS + pick, mask=row_ok & (pick < PICKS), other=1.0)
-    h = gate * tl.sigmoid(gate) * up * route_w[:, None]
+    h = _routed_swiglu(acc_gate, acc_up, h_ptr, route_w_ptr, token, pair, row_ok, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT)
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_n[None, :] * stride_hn
-    tl.store(h_ptrs, h.to(act_dtype), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
