@@ -15,7 +15,8 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
                    compiled on their own (not run by default).
 Caches are filled with random rows as if every sequence were `context` tokens in (decode cost
 depends on the positions, not on the values). The floor is the bytes a step must read (weights
-it touches, attended KV rows, the indexer cache) over a copy bandwidth measured in the same run.
+it touches, attended KV rows, the indexer cache; fuse/floor.py) over a copy bandwidth measured in
+the same run.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from fuse.numerics import (
     NOISE_FACTOR, StreamedReference, accuracy, check_step, copy_state, fp32_reference, judge, padded_batch_size, padded_step,
     relative_error, restore_point,
 )
+from fuse.floor import copy_bandwidth_gbs, step_floor
 from fuse.runner import compile_decode
 from fuse.stats import dynamo_totals
 from kernels.bench.timing import back_to_back_ms, call_ms
@@ -91,50 +93,6 @@ class BenchSettings:
 
     def config(self) -> ModelConfig:
         return ModelConfig.preset(self.preset, layers=self.layers).replace(fp32_products=self.fp32_products)
-
-
-# -- what a step must read ----------------------------------------------------------------------
-def expected_experts(n_experts: int, topk: int, batch: int) -> float:
-    """Distinct experts a batch touches on average when each token picks `topk` uniformly."""
-    return n_experts * (1 - (1 - topk / n_experts) ** batch)
-
-
-def floor_bytes(decoder: Decoder, batch: int, context: int) -> dict[str, float]:
-    """Bytes one decode step must read at least: every weight it uses (routed experts: the expected
-    distinct ones; embedding and hash table: the batch's rows), the KV rows sparse attention
-    attends, and the indexer cache rows it scores. Compressor states and activations (small) are left out.
-    Split across ranks (docs/parallel.md): what this rank must read, its share of the experts
-    and of the vocabulary included."""
-    cfg = decoder.config
-    parallel = getattr(decoder, "parallel", None)
-    share = 1 / parallel.world_size if parallel is not None else 1.0  # of the experts and the vocabulary
-    weights = 0.0
-    for name, p in decoder.named_parameters():
-        nbytes = p.numel() * p.element_size()
-        if ".experts." in name and name.rsplit(".", 1)[-1] in ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"):
-            # routed experts (and the shared one where it is stacked with them), weights and scales
-            shared_rows = p.shape[0] - round(cfg.n_routed_experts * share)
-            touched = expected_experts(cfg.n_routed_experts, cfg.n_activated_experts, batch) * share + shared_rows
-            weights += nbytes / p.shape[0] * touched
-        elif name == "embed.weight":
-            weights += nbytes / p.shape[0] * batch * share  # the batch's rows that fall in this rank's part
-        elif name.endswith("tid2eid"):
-            weights += nbytes / p.shape[0] * batch
-        else:
-            weights += nbytes
-    kv = indexer = 0.0
-    for block in decoder.layers:
-        attn = block.attn
-        row_bytes = attn.kv_cache.shape[-1] * attn.kv_cache.element_size()
-        rows = min(context, cfg.window_size)
-        if attn.ratio == 4:
-            rows += min(cfg.index_topk, context // 4)
-            cache = attn.indexer.kv_cache
-            indexer += batch * (context // 4) * cache.shape[-1] * cache.element_size()
-        elif attn.ratio == 128:
-            rows += context // 128
-        kv += batch * rows * row_bytes
-    return {"weights": weights, "kv": kv, "indexer": indexer, "total": weights + kv + indexer}
 
 
 @torch.no_grad()
@@ -313,22 +271,6 @@ def check_against_eager(
     return checks
 
 
-def copy_bandwidth_gbs(device: torch.device) -> float:
-    """Bytes read plus written per second by a large copy on `device`."""
-    if device.type == "cuda":
-        from kernels.bench.timing import copy_bandwidth_gbs as measure
-
-        return measure()
-    src = torch.randn(32 << 20)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() * src.element_size() / statistics.median(times) / 1e9
-
-
 # -- cold, warm and artifact start, each in a fresh process ----------------------------------------
 def start_time_child(settings: BenchSettings, buckets: tuple[int, ...], artifact: str | None = None) -> dict:
     cfg = settings.config()
@@ -445,8 +387,7 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
             runs = {name: variant.run for name, variant in variants.items()}
             steps = {name: settings.eager_steps if name == "eager" else settings.steps for name in variants}
             samples = interleaved_ms(runs, inputs, steps, settings.repeats)
-            floor = floor_bytes(decoder, batch, context)
-            floor_ms = floor["total"] / (result["copy_gbs"] * 1e9) * 1e3
+            floor, floor_ms = step_floor(decoder, batch, context, result["copy_gbs"])
             row = {"context": context, "batch": batch, "floor_ms": floor_ms, "floor_bytes": floor, "checks": checks}
             for name, times in samples.items():
                 ms = statistics.median(times["step"])
