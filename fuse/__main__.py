@@ -119,8 +119,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     bench = commands.add_parser(
         "bench", formatter_class=defaults,
         help="GPU: eager, eager in CUDA graphs, reduce-overhead and compile_decode, side by side",
-        description="Time the decode step as users run it today against compile_decode, interleaved in one "
-        "process, with the bytes-read floor; write bench.json, bench.md and bench.png.",
+        description="Time the decode step as users run it today against compile_decode, interleaved, with the "
+        "bytes-read floor; write bench.json, bench.md and bench.png. Under torchrun the model is split across the ranks "
+        "(docs/parallel.md) and rank 0 writes every rank's times, floors and collectives.",
     )
     model_flags(bench, "bench", "cuda")
     bench.add_argument("--contexts", type=_ints, default=(4096, 32768), help="context lengths (comma list)")
@@ -266,6 +267,8 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
             print(json.dumps(result, indent=1))
             return 0
     result = bench.run_bench(settings)
+    if result is None:
+        return 0  # under torchrun: rank 0 writes and prints
     bench.write_outputs(result, settings.out_dir)
     if args.results:
         write_section(args.results, f"fuse bench {args.preset} {result['layers']} layers", bench.to_markdown(result))
