@@ -66,12 +66,13 @@ def test_every_option_has_help_with_its_default():
         assert "(default:" in text, name
 
 
-ONE_PROCESS_ONLY = [
-    ("soak --device cpu --preset tiny", "fuse soak: error: "),
-    ("precompile --device cpu --preset tiny --artifact a.zip", "fuse precompile: error: "),
-    ("demo", "fuse demo: error: "),
-    ("bench --device cpu --preset tiny --start-times", "fuse bench: error: argument --start-times: "),
-    ("bench --device cpu --preset tiny --compare-precision", "fuse bench: error: argument --compare-precision: "),
+ONE_PROCESS_ONLY = [  # each small, so that a missing refusal fails fast rather than runs long
+    ("soak --device cpu --preset tiny --layers 1 --steps 1", "fuse soak: error: "),
+    ("precompile --device cpu --preset tiny --layers 1 --buckets 1 --artifact a.zip", "fuse precompile: error: "),
+    ("demo --layers 1 --steps 1", "fuse demo: error: "),
+    ("bench --device cpu --preset tiny --layers 1 --contexts 16 --batches 1 --start-times", "fuse bench: error: argument --start-times: "),
+    ("bench --device cpu --preset tiny --layers 1 --contexts 16 --batches 1 --compare-precision",
+     "fuse bench: error: argument --compare-precision: "),
 ]
 
 
