@@ -119,8 +119,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     bench = commands.add_parser(
         "bench", formatter_class=defaults,
         help="GPU: eager, eager in CUDA graphs, reduce-overhead and compile_decode, side by side",
-        description="Time the decode step as users run it today against compile_decode, interleaved in one "
-        "process, with the bytes-read floor; write bench.json, bench.md and bench.png.",
+        description="Time the decode step as users run it today against compile_decode, interleaved, with the "
+        "bytes-read floor; write bench.json, bench.md and bench.png. Under torchrun the model is split across the ranks "
+        "(docs/parallel.md) and rank 0 writes every rank's times, floors and collectives.",
     )
     model_flags(bench, "bench", "cuda")
     bench.add_argument("--contexts", type=_ints, default=(4096, 32768), help="context lengths (comma list)")
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         return _precompile(command, args)
     if args.command == "soak":
         return _soak(command, args)
-    return _demo(args)
+    return _demo(command, args)
 
 
 def _check_layers(command: argparse.ArgumentParser, args) -> None:
@@ -247,6 +248,9 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
         )
     except ValueError as error:
         command.error(str(error))
+    for flag, given in (("--start-times", args.start_times), ("--compare-precision", args.compare_precision)):
+        if given:
+            _one_process_only(command, f"argument {flag}: ")
     if args.start_time_child:  # one timed start in this fresh process (see bench.measure_start_times)
         print(json.dumps(bench.start_time_child(settings, args.buckets or bench.START_BUCKETS, artifact=args.artifact)))
         return 0
@@ -266,12 +270,24 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
             print(json.dumps(result, indent=1))
             return 0
     result = bench.run_bench(settings)
+    if result is None:
+        return 0  # under torchrun: rank 0 writes and prints
     bench.write_outputs(result, settings.out_dir)
     if args.results:
         write_section(args.results, f"fuse bench {args.preset} {result['layers']} layers", bench.to_markdown(result))
     print(bench.to_markdown(result))
     print(f"wrote bench.json, bench.md, bench.png to {settings.out_dir}")
     return 0
+
+
+def _one_process_only(command: argparse.ArgumentParser, what: str = "") -> None:
+    """Exit status 2 where torchrun started more than one rank: for a command (or option) that
+    builds an unsplit model of its own, each rank would run all of it and write the same files."""
+    from fuse.ranks import launched_world_size
+
+    ranks = launched_world_size()
+    if ranks > 1:
+        command.error(f"{what}runs in one process only, and torchrun started {ranks} ranks: run it without torchrun")
 
 
 def _precompile(command: argparse.ArgumentParser, args) -> int:
@@ -281,6 +297,7 @@ def _precompile(command: argparse.ArgumentParser, args) -> int:
     from fuse.runner import DecodeRunner
     from model import Decoder, ModelConfig
 
+    _one_process_only(command)
     max_batch = args.max_batch or max(args.buckets)
     if min(args.buckets) > max_batch:
         command.error(f"argument --buckets: no bucket fits --max-batch {max_batch}, got {','.join(map(str, args.buckets))}")
@@ -307,9 +324,12 @@ def _precompile(command: argparse.ArgumentParser, args) -> int:
         return 1
     print(runner.describe())
     return 0
+
+
 def _soak(command: argparse.ArgumentParser, args) -> int:
     from fuse import soak
 
+    _one_process_only(command)
     if args.max_seq_len < 2:
         command.error(f"argument --max-seq-len: expected at least 2, got {args.max_seq_len}")
     settings = soak.SoakSettings(
@@ -328,9 +348,10 @@ def _soak(command: argparse.ArgumentParser, args) -> int:
     return 0 if ok else 1
 
 
-def _demo(args) -> int:
+def _demo(command: argparse.ArgumentParser, args) -> int:
     from fuse.demo import format_demo, run_demo
 
+    _one_process_only(command)
     stats = run_demo(args.preset, args.batch, args.steps, args.device, args.dtype, args.seed, layers=args.layers)
     print(format_demo(stats))
     return 0 if stats["finite"] else 1

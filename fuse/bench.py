@@ -15,7 +15,12 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
                    compiled on their own (not run by default).
 Caches are filled with random rows as if every sequence were `context` tokens in (decode cost
 depends on the positions, not on the values). The floor is the bytes a step must read (weights
-it touches, attended KV rows, the indexer cache) over a copy bandwidth measured in the same run.
+it touches, attended KV rows, the indexer cache; fuse/floor.py) over a copy bandwidth measured in
+the same run.
+
+Under torchrun the decoder is split across the ranks it started (docs/parallel.md): every rank
+times its part in lockstep with the others, and rank 0 writes the result with every rank's step
+times, floor and, for the compile_decode variant, collectives and the time in them.
 """
 from __future__ import annotations
 
@@ -39,10 +44,14 @@ from fuse.numerics import (
     NOISE_FACTOR, StreamedReference, accuracy, check_step, copy_state, fp32_reference, judge, padded_batch_size, padded_step,
     relative_error, restore_point,
 )
+from fuse.floor import copy_bandwidth_gbs, step_floor
+from fuse.launches import count_launches
+from fuse.ranks import gather_to_first, launched_ranks, on_every_rank
 from fuse.runner import compile_decode
 from fuse.stats import dynamo_totals
 from kernels.bench.timing import back_to_back_ms, call_ms
 from model import Decoder, ModelConfig
+from model.parallel import ParallelError
 
 VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-nested", "fuse-regional")
 # The compile_decode variants and the CompileOptions each asks for.
@@ -91,50 +100,6 @@ class BenchSettings:
 
     def config(self) -> ModelConfig:
         return ModelConfig.preset(self.preset, layers=self.layers).replace(fp32_products=self.fp32_products)
-
-
-# -- what a step must read ----------------------------------------------------------------------
-def expected_experts(n_experts: int, topk: int, batch: int) -> float:
-    """Distinct experts a batch touches on average when each token picks `topk` uniformly."""
-    return n_experts * (1 - (1 - topk / n_experts) ** batch)
-
-
-def floor_bytes(decoder: Decoder, batch: int, context: int) -> dict[str, float]:
-    """Bytes one decode step must read at least: every weight it uses (routed experts: the expected
-    distinct ones; embedding and hash table: the batch's rows), the KV rows sparse attention
-    attends, and the indexer cache rows it scores. Compressor states and activations (small) are left out.
-    Split across ranks (docs/parallel.md): what this rank must read, its share of the experts
-    and of the vocabulary included."""
-    cfg = decoder.config
-    parallel = getattr(decoder, "parallel", None)
-    share = 1 / parallel.world_size if parallel is not None else 1.0  # of the experts and the vocabulary
-    weights = 0.0
-    for name, p in decoder.named_parameters():
-        nbytes = p.numel() * p.element_size()
-        if ".experts." in name and name.rsplit(".", 1)[-1] in ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"):
-            # routed experts (and the shared one where it is stacked with them), weights and scales
-            shared_rows = p.shape[0] - round(cfg.n_routed_experts * share)
-            touched = expected_experts(cfg.n_routed_experts, cfg.n_activated_experts, batch) * share + shared_rows
-            weights += nbytes / p.shape[0] * touched
-        elif name == "embed.weight":
-            weights += nbytes / p.shape[0] * batch * share  # the batch's rows that fall in this rank's part
-        elif name.endswith("tid2eid"):
-            weights += nbytes / p.shape[0] * batch
-        else:
-            weights += nbytes
-    kv = indexer = 0.0
-    for block in decoder.layers:
-        attn = block.attn
-        row_bytes = attn.kv_cache.shape[-1] * attn.kv_cache.element_size()
-        rows = min(context, cfg.window_size)
-        if attn.ratio == 4:
-            rows += min(cfg.index_topk, context // 4)
-            cache = attn.indexer.kv_cache
-            indexer += batch * (context // 4) * cache.shape[-1] * cache.element_size()
-        elif attn.ratio == 128:
-            rows += context // 128
-        kv += batch * rows * row_bytes
-    return {"weights": weights, "kv": kv, "indexer": indexer, "total": weights + kv + indexer}
 
 
 @torch.no_grad()
@@ -313,22 +278,6 @@ def check_against_eager(
     return checks
 
 
-def copy_bandwidth_gbs(device: torch.device) -> float:
-    """Bytes read plus written per second by a large copy on `device`."""
-    if device.type == "cuda":
-        from kernels.bench.timing import copy_bandwidth_gbs as measure
-
-        return measure()
-    src = torch.randn(32 << 20)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() * src.element_size() / statistics.median(times) / 1e9
-
-
 # -- cold, warm and artifact start, each in a fresh process ----------------------------------------
 def start_time_child(settings: BenchSettings, buckets: tuple[int, ...], artifact: str | None = None) -> dict:
     cfg = settings.config()
@@ -397,31 +346,40 @@ def start_times_markdown(result: dict) -> str:
 
 
 # -- the run ------------------------------------------------------------------------------------
-def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> dict:
-    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> dict | None:
+    """The bench's result. Under torchrun the decoder is split across the ranks it started
+    (docs/parallel.md): every rank builds its part and runs the same variants, shapes and timed
+    steps in the same order (the steps' collectives need every rank), and rank 0 returns the
+    result with what every rank measured; the other ranks return None."""
+    parallel, device = launched_ranks(settings.device)
+    if parallel.rank:
+        log = lambda line: None  # noqa: E731 - rank 0 speaks for all
+    if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("fuse bench --device cuda: no CUDA device here")
     cuda_only = {"eager-graphs", "reduce-overhead"}
-    if not settings.device.startswith("cuda") and cuda_only & set(settings.variants):
+    if not device.startswith("cuda") and cuda_only & set(settings.variants):
         settings = dataclasses.replace(settings, variants=tuple(v for v in settings.variants if v not in cuda_only))
         log(f"on {settings.device}: no CUDA graphs, running {list(settings.variants)} only")
     result = {
         "settings": {**{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()},
                      "dtype": str(settings.dtype).removeprefix("torch.")},
         "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name() if settings.device.startswith("cuda") else "cpu",
+        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "torch": torch.__version__,
         "triton": _triton_version(),
+        "world_size": parallel.world_size,
     }
     cfg = settings.config()
     batches = tuple(sorted(set(settings.batches)))
     # room for the yardstick's padded step
-    decoder = Decoder(cfg, max_batch=padded_batch_size(max(batches)), max_seq_len=max(settings.contexts) + 8, dtype=settings.dtype, device=settings.device)
+    decoder = Decoder(cfg, max_batch=padded_batch_size(max(batches)), max_seq_len=max(settings.contexts) + 8, dtype=settings.dtype,
+                      device=device, parallel=parallel)
     decoder.init_random(settings.seed)
-    synthesize_context(decoder, settings.seed + 1)
+    synthesize_context(decoder, settings.seed + 1)  # the caches every rank holds whole: the same on every rank
     result["layers"] = cfg.n_layers
     result["copy_gbs"] = copy_bandwidth_gbs(decoder.device)
-    log(f"{cfg.n_layers} layers, {sum(p.numel() * p.element_size() for p in decoder.parameters()) / 2**30:.1f} GiB of weights, "
-        f"copy bandwidth {result['copy_gbs']:.0f} GB/s")
+    log(f"{cfg.n_layers} layers, {sum(p.numel() * p.element_size() for p in decoder.parameters()) / 2**30:.1f} GiB of weights"
+        + (f" on rank 0 of {parallel.world_size}" if parallel.world_size > 1 else "") + f", copy bandwidth {result['copy_gbs']:.0f} GB/s")
 
     warm = lambda batch: step_inputs(batch, min(settings.contexts), cfg.vocab_size, decoder.device, settings.seed)
     variants: dict[str, Variant] = {}
@@ -435,6 +393,7 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
             f"{v.graph_memory_gib:.2f} GiB in graph pools {v.note}")
 
     reference, fp32_run = fp32_yardstick(decoder, batches, settings.variants, log)
+    ours = next((v for v in variants if v in COMPILE_DECODE_VARIANTS), None)
     rows = []
     for context in settings.contexts:
         for batch in batches:
@@ -443,10 +402,10 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
             for variant in variants.values():  # warm-up at this shape
                 variant.run(*inputs)
             runs = {name: variant.run for name, variant in variants.items()}
+            # Fixed counts: every rank runs every step (and its collectives) in the same order.
             steps = {name: settings.eager_steps if name == "eager" else settings.steps for name in variants}
             samples = interleaved_ms(runs, inputs, steps, settings.repeats)
-            floor = floor_bytes(decoder, batch, context)
-            floor_ms = floor["total"] / (result["copy_gbs"] * 1e9) * 1e3
+            floor, floor_ms = step_floor(decoder, batch, context, result["copy_gbs"])
             row = {"context": context, "batch": batch, "floor_ms": floor_ms, "floor_bytes": floor, "checks": checks}
             for name, times in samples.items():
                 ms = statistics.median(times["step"])
@@ -454,8 +413,13 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
                     "ms": ms, "latency_ms": statistics.median(times["latency"]), "tokens_per_s": batch / ms * 1e3,
                     "samples": len(times["step"]),
                 }
+            if parallel.world_size > 1:
+                profiled = variants[ours].run if ours else None
+                add_ranks(row, gather_to_first(parallel, rank_row(parallel.rank, row, profiled, inputs, ours)))
             rows.append(row)
             log(format_row(row, variants))
+    if parallel.rank:
+        return None
     result["rows"] = rows
     result["variants"] = {
         name: {k: getattr(v, k) for k in ("start_seconds", "compiles", "captures", "graph_memory_gib", "note")}
@@ -464,27 +428,57 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
     return result
 
 
+def rank_row(rank: int, row: dict, profiled: Callable | None, inputs: tuple, ours: str | None) -> dict:
+    """What this rank measured at one shape: its step time per variant, its floor (its part of the
+    weights, the caches it reads) and, from one profiled step of the compile_decode variant
+    `ours` (every rank profiles the same step), its collectives and the time in them."""
+    record = {
+        "rank": rank, "ms": {n: row[n]["ms"] for n in VARIANTS if n in row},
+        "latency_ms": {n: row[n]["latency_ms"] for n in VARIANTS if n in row},
+        "floor_ms": row["floor_ms"], "floor_bytes": row["floor_bytes"], "launches": None,
+    }
+    if profiled is not None:
+        record["launches"] = {ours: count_launches(profiled, *inputs, label=ours).rank_summary()}
+    return record
+
+
+def add_ranks(row: dict, ranks: list[dict] | None) -> None:
+    """On rank 0: every rank's record under "ranks", and per variant the slowest rank's step time."""
+    if ranks is None:
+        return
+    row["ranks"] = ranks
+    for name in ranks[0]["ms"]:
+        slowest = max(ranks, key=lambda r: r["ms"][name])
+        row[name].update(slowest_ms=slowest["ms"][name], slowest_rank=slowest["rank"])
+
+
 def fp32_yardstick(decoder: Decoder, batches: tuple[int, ...], variants: tuple[str, ...], log: Callable[[str], None]):
     """The fp32 eager reference of `decoder` (fuse/numerics.py) and, for a bf16 decoder whose fp32
     copy fits, the first compile_decode variant compiled on that copy (its `run_checked`); None
-    for what does not fit."""
+    for what does not fit. Split across ranks, a check runs only where it fits on every rank."""
+    parallel = decoder.parallel
     try:
         reference = fp32_reference(decoder)
     except torch.OutOfMemoryError:
         gc.collect()
         torch.cuda.empty_cache()
+        reference = None
+    if not on_every_rank(parallel, reference is not None):
         log("the fp32 reference does not fit beside the variants: no errors against fp32")
         return None, None
     ours = next((v for v in variants if v in COMPILE_DECODE_VARIANTS), None)
     if decoder.dtype == torch.float32 or ours is None:
         return reference, None  # fp32: the variants are the fp32 compiles
-    if isinstance(reference, StreamedReference):
+    if not on_every_rank(parallel, not isinstance(reference, StreamedReference)):
         log(f"fp32 reference streamed block by block (an fp32 copy does not fit): no {FP32_COMPILED} check")
         return reference, None
     log(f"compiling {ours} in fp32 for the {FP32_COMPILED} check ...")
     try:
         runner = compile_decode(reference, buckets=batches, progress=False, **COMPILE_DECODE_VARIANTS[ours])
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, ParallelError) as error:
+        # split: compile_decode raises the failing rank's error on every rank (model/parallel.py)
+        if isinstance(error, ParallelError) and error.error_type != "OutOfMemoryError":
+            raise
         gc.collect()
         torch.cuda.empty_cache()
         log(f"{ours} compiled in fp32 does not fit: no {FP32_COMPILED} check")
@@ -547,10 +541,12 @@ def ratio(row: dict, a: str, b: str) -> str:
     return f"{row[b]['ms'] / row[a]['ms']:.2f}x" if a in row and b in row else "-"
 
 
-def command_line(settings: dict) -> str:
-    """The `fuse bench` command that reproduces a run with these settings (asdict of BenchSettings)."""
+def command_line(settings: dict, world_size: int = 1) -> str:
+    """The `fuse bench` command that reproduces a run with these settings (asdict of BenchSettings)
+    on `world_size` ranks."""
+    launcher = f"torchrun --standalone --nproc-per-node {world_size} -m fuse" if world_size > 1 else "python -m fuse"
     return (
-        f"python -m fuse bench --preset {settings['preset']}" + (f" --layers {settings['layers']}" if settings["layers"] else "")
+        f"{launcher} bench --preset {settings['preset']}" + (f" --layers {settings['layers']}" if settings["layers"] else "")
         + f" --contexts {','.join(map(str, settings['contexts']))} --batches {','.join(map(str, settings['batches']))}"
         + (f" --fp32-products {settings['fp32_products']}" if settings["fp32_products"] != "exact" else "")
         + (f" --variants {','.join(settings['variants'])}" if tuple(settings["variants"]) != DEFAULT_VARIANTS else "")
@@ -562,7 +558,8 @@ def to_markdown(result: dict) -> str:
     s = result["settings"]
     names = [v for v in VARIANTS if v in result["variants"]]
     ours = next((v for v in names if v in COMPILE_DECODE_VARIANTS), "fuse")  # the compile_decode variant run
-    command = command_line(s)
+    world_size = result.get("world_size", 1)
+    command = command_line(s, world_size)
     lines = [
         f"## Decode step benchmark: {s['preset']} preset, {result['layers']} layers",
         "",
@@ -571,14 +568,16 @@ def to_markdown(result: dict) -> str:
         f"Step time = time per step of {s['steps']} steps issued back to back ({s['eager_steps']} for eager), CUDA events "
         f"around them, median of {s['repeats']} interleaved rounds: what a serving loop that keeps the GPU fed pays per step. "
         f"Latency (table after it) = wall time of one synchronised step, host launch and wait included. "
-        f"Floor = bytes the step must read / copy bandwidth.",
+        f"Floor = bytes the step must read / copy bandwidth."
+        + (f" Split across {world_size} ranks: rank 0's times and floor (its part of the weights), in brackets the "
+           "slowest rank's time where that is another rank; every rank's in the per-rank table." if world_size > 1 else ""),
         "",
         "| context | batch | " + " | ".join(f"{n} ms" for n in names)
         + f" | floor ms | {ours} vs eager-graphs | {ours} vs reduce-overhead | {ours} / floor | {ours} tokens/s |",
         "|---|---|" + "---|" * (len(names) + 5),
     ]
     for row in result["rows"]:
-        cells = [str(row["context"]), str(row["batch"])] + [f"{row[n]['ms']:.2f}" for n in names]
+        cells = [str(row["context"]), str(row["batch"])] + [ms_cell(row[n]) for n in names]
         cells += [f"{row['floor_ms']:.2f}", ratio(row, ours, "eager-graphs"), ratio(row, ours, "reduce-overhead")]
         cells += [f"{row[ours]['ms'] / row['floor_ms']:.2f}x" if ours in row else "-"]
         cells += [f"{row[ours]['tokens_per_s']:.0f}" if ours in row else "-"]
@@ -589,6 +588,7 @@ def to_markdown(result: dict) -> str:
         cells = [str(row["context"]), str(row["batch"])] + [f"{row[n]['latency_ms']:.2f}" for n in names]
         cells += [f"{row[ours]['latency_ms'] / row['floor_ms']:.2f}x" if ours in row else "-"]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ranks_markdown(result, names, ours)
     lines += ["", "### Start-up, for the batch sizes above", "",
               "| variant | start s | compiles | graph captures | GiB in graph pools | note |", "|---|---|---|---|---|---|"]
     for name in names:
@@ -606,6 +606,38 @@ def to_markdown(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += fp32_markdown(result, [n for n in names if n != "eager"])
     return "\n".join(lines) + "\n"
+
+
+def ms_cell(times: dict) -> str:
+    """A variant's step time at one shape (rank 0's), with the slowest rank's where that is another."""
+    slowest = times.get("slowest_rank", 0)
+    return f"{times['ms']:.2f}" + (f" (rank {slowest}: {times['slowest_ms']:.2f})" if slowest else "")
+
+
+def ranks_markdown(result: dict, names: list[str], ours: str) -> list[str]:
+    """The per-rank table of a run split across ranks (none for one process)."""
+    rows = [row for row in result["rows"] if "ranks" in row]
+    if not rows:
+        return []
+    lines = [
+        "", "### Per rank", "",
+        "Each rank's step time per variant, its floor (the bytes its own step must read: its part of the weights, "
+        "with its share of the experts and of the vocabulary, and the caches it reads, over the copy bandwidth it "
+        f"measured), {ours}'s step time against it, and from one profiled step of {ours}: its collectives and the time "
+        "in them (device time of NCCL's kernels on CUDA; on the CPU the collective ops' CPU time, waiting for the other "
+        "ranks included).", "",
+        "| context | batch | rank | " + " | ".join(f"{n} ms" for n in names)
+        + f" | floor ms | {ours} / floor | {ours} collectives | {ours} ms in collectives |",
+        "|---|---|---|" + "---|" * (len(names) + 4),
+    ]
+    for row in rows:
+        for r in row["ranks"]:
+            launches = (r["launches"] or {}).get(ours)
+            cells = [str(row["context"]), str(row["batch"]), str(r["rank"])] + [f"{r['ms'][n]:.2f}" for n in names]
+            cells += [f"{r['floor_ms']:.3f}", f"{r['ms'][ours] / r['floor_ms']:.2f}x" if ours in r["ms"] else "-"]
+            cells += [f"{launches['collectives']:g}", f"{launches['collective_us'] / 1e3:.3f}"] if launches else ["-", "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def fp32_markdown(result: dict, names: list[str]) -> list[str]:

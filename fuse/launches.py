@@ -191,6 +191,12 @@ class LaunchReport:
         """Collective ops (CPU) or kernels (CUDA) per call."""
         return sum(n for name, n in self.kernels.items() if _COLLECTIVE.search(name))
 
+    def rank_summary(self) -> dict:
+        """What a split run gathers of each rank's profiled call: its kernels (all, glue), its
+        collectives and the time in them (fuse report's and fuse bench's per-rank tables)."""
+        return {"total": self.total, "glue": self.glue, "collectives": self.collectives(),
+                "collective_us": self.collective_time_us()}
+
     def to_dict(self) -> dict:
         return {
             "label": self.label, "device": self.device, "calls": self.calls, "layers": self.layers,

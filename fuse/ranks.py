@@ -11,12 +11,16 @@ import torch
 from model.parallel import ONE_PROCESS, Parallel
 
 
+def launched_world_size() -> int:
+    """How many ranks torchrun started (1 where it did not start this process)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def launched_ranks(device: str) -> tuple[Parallel, str]:
     """(the rank layout, this rank's device). Under torchrun (WORLD_SIZE > 1) it joins the
     process group torchrun set up (NCCL on CUDA, with one GPU per local rank; gloo on the CPU);
     otherwise it is one process on `device`."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1:
+    if launched_world_size() == 1:
         return ONE_PROCESS, device
     import torch.distributed as dist
 
@@ -38,3 +42,16 @@ def gather_to_first(parallel: Parallel, value) -> list | None:
     values = [None] * parallel.world_size if parallel.rank == 0 else None
     dist.gather_object(value, values, dst=dist.get_global_rank(parallel.control_group, 0), group=parallel.control_group)
     return values
+
+
+def on_every_rank(parallel: Parallel, holds: bool) -> bool:
+    """Whether `holds` is true on every rank. For a choice made from what a rank finds on its own
+    (whether an fp32 copy fits in its memory) that decides which steps, and so which
+    collectives, it runs next: every rank must make the same one."""
+    if parallel.world_size == 1:
+        return holds
+    import torch.distributed as dist
+
+    flags = [None] * parallel.world_size
+    dist.all_gather_object(flags, bool(holds), group=parallel.control_group)
+    return all(flags)

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from fuse.floor import copy_bandwidth_gbs, step_floor
 from fuse.launches import CATEGORIES, LaunchReport, count_launches, diff_markdown
 from fuse.numerics import (
     StreamedReference, Verdict, check_step, copy_state, fp32_reference, judge, one_step_errors, relative_error,
@@ -145,16 +146,9 @@ def rank_summary(decoder: Decoder, args: tuple, eager: LaunchReport, compiled: L
     """What one rank measured: its kernels per step, the time in collectives, its step time
     against the floor of the bytes its step must read (its part of the weights and the caches
     it reads, over the copy bandwidth measured here)."""
-    from fuse.bench import copy_bandwidth_gbs, floor_bytes
-
     context = int(args[1].max()) + 1
-    floor = floor_bytes(decoder, len(args[0]), context)
-    floor_ms = floor["total"] / (copy_bandwidth_gbs(decoder.device) * 1e9) * 1e3
-    launches = {
-        report.label: {"total": report.total, "glue": report.glue, "collectives": report.collectives(),
-                       "collective_us": report.collective_time_us()}
-        for report in (eager, compiled)
-    }
+    floor, floor_ms = step_floor(decoder, len(args[0]), context, copy_bandwidth_gbs(decoder.device))
+    launches = {report.label: report.rank_summary() for report in (eager, compiled)}
     return {"rank": rank, "device": str(decoder.device), "launches": launches, "step_ms": dict(result["step_ms"]),
             "floor_bytes": floor, "floor_ms": floor_ms}
 

@@ -46,6 +46,13 @@ class DecodeRunner:
 
     def __init__(self, decoder: DecodeModel, options: CompileOptions):
         check_decode_model(decoder)
+        parallel = getattr(decoder, "parallel", None)
+        if options.artifact is not None and parallel is not None and parallel.world_size > 1:
+            # An artifact's manifest does not name the part of the model a rank holds.
+            raise ValueError(
+                f"compile_decode(artifact=...) runs in one process only: this decoder is split across "
+                f"{parallel.world_size} ranks"
+            )
         self.decoder = decoder
         self.options = options
         self.device = decoder.device

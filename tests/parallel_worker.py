@@ -7,7 +7,8 @@ Checks: `load` (a split load of safetensors checkpoints equals init_random's par
 batches), `corrupt` (a checkpoint only rank 1 reads is misshapen: every rank must raise rank
 1's error), `compile-failure` (rank 1's step cannot be compiled: every rank must raise its
 error), `gpu-decode` (NCCL, one GPU per rank: the split step compiled and captured against
-the one-process decoder). Each rank writes what it found to OUT_DIR/rank<r>.json; an assertion that fails ends
+the one-process decoder), `fuse-commands` (`fuse report` and `fuse bench` from the command
+line, split across the ranks). Each rank writes what it found to OUT_DIR/rank<r>.json; an assertion that fails ends
 the rank with status 1, a failure every rank raised as it should with status 3."""
 from __future__ import annotations
 
@@ -213,6 +214,34 @@ def check_gpu_decode(parallel: Parallel, report: dict) -> None:
     report["gpu runner"] = runner.describe()
 
 
+# `fuse report` and `fuse bench` as the command line runs them, their smallest settings, in one
+# launch (each launch starts torch in every rank again: CI time).
+FUSE_COMMANDS = {
+    "report": ["report", "--preset", "tiny", "--layers", "2", "--no-inspect", "--steps", "2", "--timing-steps", "1"],
+    "bench": ["bench", "--preset", "tiny", "--layers", "2", "--device", "cpu", "--contexts", "40", "--batches", "2",
+              "--steps", "1", "--eager-steps", "1", "--repeats", "1"],
+}
+
+
+def check_fuse_commands(out: pathlib.Path, report: dict) -> None:
+    """Each of FUSE_COMMANDS into OUT/<command>; which of them this rank wrote outputs for."""
+    import fuse.bench
+    import fuse.report
+    from fuse.__main__ import main as fuse_main
+
+    report["wrote"] = []
+    for module in (fuse.report, fuse.bench):
+        plain = module.write_outputs
+
+        def recorded(*args, plain=plain, name=module.__name__.split(".")[-1]):
+            report["wrote"].append(name)
+            return plain(*args)
+
+        module.write_outputs = recorded
+    for name, argv in FUSE_COMMANDS.items():
+        report[f"{name} status"] = fuse_main([*argv, "--out", str(out / name)])
+
+
 def main() -> int:
     out, checks = pathlib.Path(sys.argv[1]), sys.argv[2:]
     if "gpu-decode" in checks:
@@ -228,7 +257,8 @@ def main() -> int:
             {"decode": lambda: check_decode(parallel, report), "load": lambda: check_load(parallel, out, report),
              "corrupt": lambda: check_corrupt(parallel, out, report),
              "compile-failure": lambda: check_compile_failure(parallel, report),
-             "gpu-decode": lambda: check_gpu_decode(parallel, report)}[check]()
+             "gpu-decode": lambda: check_gpu_decode(parallel, report),
+             "fuse-commands": lambda: check_fuse_commands(out, report)}[check]()
     except BaseException:  # noqa: BLE001 - written for the test, then a non-zero exit
         report["error"] = traceback.format_exc()
         status = 1

@@ -189,6 +189,18 @@ def test_artifact_options_are_checked():
     assert fuse.CompileOptions(artifact=__import__("pathlib").Path("x/a.zip")).artifact == os.path.join("x", "a.zip")
 
 
+def test_an_artifact_of_a_split_decoder_is_refused(tmp_path):
+    """An artifact's manifest does not name the part of the model a rank holds: a decoder split
+    across ranks is refused before anything is compiled or written (no process group needed)."""
+    from model.parallel import Parallel
+
+    split = Decoder(ModelConfig.preset("tiny", layers=1), max_batch=2, max_seq_len=16, dtype=torch.float32,
+                    parallel=Parallel(2, 1, group_name="unused: nothing runs"))
+    with pytest.raises(ValueError, match=r"^compile_decode\(artifact=...\) runs in one process only: this decoder is split across 2 ranks$"):
+        fuse.compile_decode(split, buckets=(1,), artifact=str(tmp_path / "a.zip"), progress=False)
+    assert not list(tmp_path.iterdir())
+
+
 # -- the Triton side (the custom ops' kernels on CUDA), without a GPU ------------------------------
 def test_the_triton_cache_entries_a_start_opens_are_recorded_and_counted(tmp_path, monkeypatch):
     """Through Triton's cache-manager hook: lookups are recorded, writes (compiles) counted, and

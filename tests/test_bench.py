@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fuse import bench
+from fuse.floor import expected_experts, floor_bytes
 from model import Decoder, ModelConfig
 
 
@@ -24,14 +25,14 @@ def test_expected_experts_matches_simulated_routing():
     for n_experts, topk, batch in ((16, 6, 1), (16, 6, 3), (256, 6, 32), (8, 3, 4)):
         picks = torch.rand(4000, batch, n_experts, generator=generator).argsort(-1)[..., :topk]
         touched = torch.zeros(4000, n_experts).scatter_(1, picks.flatten(1), 1).sum(1).mean().item()
-        assert bench.expected_experts(n_experts, topk, batch) == pytest.approx(touched, rel=0.02)
+        assert expected_experts(n_experts, topk, batch) == pytest.approx(touched, rel=0.02)
 
 
 def test_floor_counts_attended_rows_indexer_rows_and_weights(tiny):
     cfg = tiny.config
     elem = 4  # fp32 caches
     batch, context = 3, 90
-    floor = bench.floor_bytes(tiny, batch, context)
+    floor = floor_bytes(tiny, batch, context)
     # Independently from the config: per layer, the window rows, plus the top-k picks (ratio 4)
     # or every compressed entry (ratio 128), each head_dim wide; ratio-4 layers also score every
     # compressed entry of the indexer cache.
@@ -46,11 +47,11 @@ def test_floor_counts_attended_rows_indexer_rows_and_weights(tiny):
     table_bytes = sum(params[n].numel() * params[n].element_size() for n in params if n == "embed.weight" or n.endswith("tid2eid"))
     one_row = sum(params[n][0].numel() * params[n].element_size() for n in params if n == "embed.weight" or n.endswith("tid2eid"))
     # The expert stacks hold the routed experts and the shared one, which every step reads.
-    share = (bench.expected_experts(cfg.n_routed_experts, cfg.n_activated_experts, batch) + 1) / (cfg.n_routed_experts + 1)
+    share = (expected_experts(cfg.n_routed_experts, cfg.n_activated_experts, batch) + 1) / (cfg.n_routed_experts + 1)
     assert floor["weights"] == pytest.approx(all_bytes - expert_bytes - table_bytes + expert_bytes * share + batch * one_row)
     assert floor["total"] == pytest.approx(floor["weights"] + floor["kv"] + floor["indexer"])
     # More sequences read more KV and touch more experts, never fewer.
-    assert bench.floor_bytes(tiny, batch + 1, context)["total"] > floor["total"]
+    assert floor_bytes(tiny, batch + 1, context)["total"] > floor["total"]
 
 
 def test_synthesized_context_fills_caches_and_states_only(tiny):

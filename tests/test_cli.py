@@ -64,3 +64,31 @@ def test_every_option_has_help_with_its_default():
             assert action.help, f"{name} {action.option_strings}"
         text = command.format_help()
         assert "(default:" in text, name
+
+
+ONE_PROCESS_ONLY = [  # each small, so that a missing refusal fails fast rather than runs long
+    ("soak --device cpu --preset tiny --layers 1 --steps 1", "fuse soak: error: "),
+    ("precompile --device cpu --preset tiny --layers 1 --buckets 1 --artifact a.zip", "fuse precompile: error: "),
+    ("demo --layers 1 --steps 1", "fuse demo: error: "),
+    ("bench --device cpu --preset tiny --layers 1 --contexts 16 --batches 1 --start-times", "fuse bench: error: argument --start-times: "),
+    ("bench --device cpu --preset tiny --layers 1 --contexts 16 --batches 1 --compare-precision",
+     "fuse bench: error: argument --compare-precision: "),
+]
+
+
+@pytest.mark.parametrize("argv, prefix", ONE_PROCESS_ONLY, ids=[c[0] for c in ONE_PROCESS_ONLY])
+def test_commands_of_one_process_refuse_torchrun_ranks(argv, prefix, capsys, monkeypatch):
+    """Where torchrun started two ranks (WORLD_SIZE, as it sets it), the commands that build an
+    unsplit model of their own stop before any work with one line, exit status 2."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_:
+        main(argv.split())
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err == prefix + "runs in one process only, and torchrun started 2 ranks: run it without torchrun\n", err
+
+
+def test_one_rank_under_torchrun_is_one_process(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main("demo --layers 1 --steps 1 --batch 1".split()) == 0
+    assert "eager decode, preset tiny" in capsys.readouterr().out

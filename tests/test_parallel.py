@@ -161,22 +161,38 @@ def test_a_rank_that_cannot_load_or_compile_stops_every_rank_with_its_error(tmp_
         assert "failed on rank 1 of 2" in report["compile error"] and "graph_break" in report["compile error"], report
 
 
-def test_fuse_report_under_torchrun(tmp_path):
-    """`fuse report` on two ranks: rank 0 writes one report with both ranks' kernel counts,
-    time in collectives and floor; the split step checked against eager and fp32 passes."""
-    out = tmp_path / "report"
-    status, output = torchrun(2, ["-m", "fuse", "report", "--preset", "tiny", "--layers", "2", "--no-inspect",
-                                  "--steps", "2", "--timing-steps", "1", "--out", str(out)], timeout=300)
-    assert status == 0, output[-4000:]
-    assert output.count("wrote report.json") == 1  # rank 0 only
-    result = json.loads((out / "report.json").read_text())
+def test_fuse_report_and_bench_under_torchrun(tmp_path):
+    """`fuse report`, then `fuse bench`, on two ranks: rank 0 alone writes each, with both ranks'
+    kernel counts (report), step times (bench), time in collectives and floors; the split
+    step checked against eager and fp32 passes in both."""
+    status, output, reports = launch(2, tmp_path, ["fuse-commands"], timeout=300)
+    assert status == 0 and len(reports) == 2, output[-4000:]
+    assert [r["wrote"] for r in reports] == [["report", "bench"], []]
+    assert all(r["report status"] == r["bench status"] == 0 for r in reports)
+    assert output.count("wrote report.json") == output.count("wrote bench.json") == 1  # rank 0 only
+    # per layer: the attention's and the experts' all-reduce; the embedding's, the head's all-gather
+    least_collectives = 2 * 2 + 2
+
+    result = json.loads((tmp_path / "report" / "report.json").read_text())
     assert result["world_size"] == 2 and [r["rank"] for r in result["ranks"]] == [0, 1]
     for rank in result["ranks"]:
-        # per layer: the attention's and the experts' all-reduce; the embedding's, the head's all-gather
-        assert rank["launches"]["compiled"]["collectives"] >= 2 * 2 + 2 and rank["launches"]["compiled"]["collective_us"] > 0
+        compiled = rank["launches"]["compiled"]
+        assert compiled["collectives"] >= least_collectives and compiled["collective_us"] > 0
         assert rank["floor_bytes"]["weights"] > 0 and rank["floor_ms"] > 0
     assert result["max_relative_error"] <= 1e-5 and result["against_fp32"]["compiled"]["passed"]
-    assert "## Per rank" in (out / "report.md").read_text()
+    assert "## Per rank" in (tmp_path / "report" / "report.md").read_text()
+
+    bench = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert bench["world_size"] == 2 and bench["settings"]["variants"] == ["eager", "fuse"]
+    (row,) = bench["rows"]
+    assert [r["rank"] for r in row["ranks"]] == [0, 1]
+    for rank in row["ranks"]:
+        assert rank["floor_bytes"]["weights"] > 0 and rank["floor_ms"] > 0 and rank["ms"]["fuse"] > 0
+        assert rank["launches"]["fuse"]["collectives"] >= least_collectives and rank["launches"]["fuse"]["collective_us"] > 0
+    assert row["fuse"]["slowest_ms"] == max(r["ms"]["fuse"] for r in row["ranks"])
+    assert row["checks"]["fuse"]["max_relative_error"] < 1e-4 and row["checks"]["against_fp32"]["fuse"]["passed"]
+    markdown = (tmp_path / "bench" / "bench.md").read_text()
+    assert "### Per rank" in markdown and "torchrun --standalone --nproc-per-node 2 -m fuse bench" in markdown
 
 
 @pytest.mark.gpu
