@@ -35,7 +35,7 @@ def compile_backend(
     compiles it (the code dump reads the model modules of its nodes there); it must not change
     the graph, and the compile and its cache keys are the same with it or without.
     `before_compile()` and `after_compile()` run around each graph's compile, before it first
-    runs (the ranks of a split model compile in turn there, fuse/step.py)."""
+    runs (a split model's ranks wait there for rank 0's compile, fuse/step.py)."""
     config: dict[str, object] = dict(torch._inductor.list_mode_options(options.mode)) if options.mode else {}
     # The runner captures its own graphs, whatever the mode says.
     config["triton.cudagraphs"] = False

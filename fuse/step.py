@@ -75,23 +75,27 @@ def agreed_call(model: DecodeModel, phase: str, fn: Callable[[], object]):
         raise outcome  # unwrapped from what the compiler wrapped it in
 
 
-def _compiling_in_turn(ranks) -> tuple[Callable[[], None] | None, Callable[[], None] | None]:
+def _compiling_rank_0_first(ranks) -> tuple[Callable[[], None] | None, Callable[[], None] | None]:
     """(before, after) each graph's compile, for a model split across ranks (else no hooks).
 
-    The ranks compile each graph in turn, rank 0 first: world_size agreements per graph, rank r
-    compiling between the r-th and the (r+1)-th. The ranks' graphs are the same graph (what
-    differs between ranks is in their buffers), so every rank after the first loads the first
-    one's output from Inductor's cache instead of compiling it again. No rank runs a graph,
-    and so its collectives, before every rank compiled it; a rank whose compile fails agrees
-    with its error in agreed_call, in its turn, and every rank raises it."""
+    Rank 0 compiles each graph first; then the other ranks, together. The ranks' graphs are the
+    same graph (what differs between ranks is in their buffers), so every rank after the first
+    loads rank 0's output from Inductor's cache instead of compiling it again. Two agreements
+    per graph: after rank 0's compile, and after every rank's. No rank runs a graph, and so its
+    collectives, before every rank compiled it; a rank whose trace or compile fails agrees with
+    its error in agreed_call at the next of them, and every rank raises it."""
     if ranks is None:
         return None, None
 
-    def turns(first: int, stop: int) -> None:
-        for turn in range(first, stop):
-            ranks.agree(f"compiling the decode step (rank {turn}'s turn)")
+    def rank_0_compiled() -> None:
+        ranks.agree("compiling the decode step (rank 0 first)")
 
-    return (lambda: turns(0, ranks.rank)), (lambda: turns(ranks.rank, ranks.world_size))
+    def every_rank_compiled() -> None:
+        ranks.agree("compiling the decode step (every rank)")
+
+    if ranks.rank == 0:
+        return None, lambda: (rank_0_compiled(), every_rank_compiled())
+    return rank_0_compiled, every_rank_compiled
 
 
 def check_decode_model(obj) -> None:
@@ -142,7 +146,7 @@ def build_step(
     if not options.compile:
         return CompiledStep(model.step, ())
     compilation = compilation_for(model, options)
-    backend = compile_backend(options, model.device, on_graph, *_compiling_in_turn(split_ranks(model)))
+    backend = compile_backend(options, model.device, on_graph, *_compiling_rank_0_first(split_ranks(model)))
     dynamic = None if options.dynamic_batch else False
     compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=backend)  # noqa: E731
     symbolic = options.dynamic_batch
