@@ -86,6 +86,21 @@ def test_split_shapes():
     assert d.layers[0].ffn.experts.first == 3 * cfg.n_routed_experts // 4
 
 
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_flash_splits_on_whole_scale_blocks(world_size):
+    """V4-Flash in its checkpoint formats (FP8 linears, FP4 experts), built on the meta device: each
+    rank's FP8 parts are whole 128 x 128 scale blocks, its experts whole, its vocabulary a part."""
+    cfg = ModelConfig.preset("flash", layers=3)
+    d = Decoder(cfg, max_batch=2, max_seq_len=256, dtype=torch.bfloat16, device="meta", parallel=layout(world_size, world_size - 1))
+    attn, w = d.layers[2].attn, world_size
+    assert attn.wq_b.weight.shape == (cfg.n_heads * cfg.head_dim // w, cfg.q_lora_rank)
+    assert attn.wq_b.scale.shape == (cfg.n_heads * cfg.head_dim // w // 128, cfg.q_lora_rank // 128)
+    assert attn.wo_b.weight.shape == (cfg.dim, cfg.o_groups * cfg.o_lora_rank // w)
+    assert attn.wo_b.scale.shape == (cfg.dim // 128, cfg.o_groups * cfg.o_lora_rank // w // 128)
+    assert d.layers[2].ffn.experts.w1.shape == (cfg.n_routed_experts // w, cfg.moe_inter_dim, cfg.dim // 2)  # packed FP4
+    assert d.head.weight.shape == (cfg.vocab_size // w, cfg.dim)
+
+
 def test_what_does_not_divide_is_named():
     cfg = ModelConfig.preset("tiny")
     with pytest.raises(ValueError, match=r"n_heads = 8, o_groups = 4, index_n_heads = 8, n_routed_experts = 8, vocab_size = 512 not divisible by 3"):
