@@ -81,17 +81,8 @@ def load_official_weights(decoder: nn.Module, source) -> None:
     changed anywhere) and after reading."""
     parallel: Parallel = getattr(decoder, "parallel", ONE_PROCESS)
     with contextlib.ExitStack() as stack:
-        plan, error = None, None
-        try:
-            plan = _plan_load(decoder, _open_source(source, stack), parallel)
-        except Exception as e:  # noqa: BLE001 - every rank raises it, after agreeing
-            error = e
-        parallel.agree("load_official (checking the checkpoint)", error)
-        try:
-            _write_weights(plan)
-        except Exception as e:  # noqa: BLE001
-            error = e
-        parallel.agree("load_official (reading the weights)", error)
+        plan = parallel.agreed("load_official (checking the checkpoint)", lambda: _plan_load(decoder, _open_source(source, stack), parallel))
+        parallel.agreed("load_official (reading the weights)", lambda: _write_weights(plan))
 
 
 _QUANTISED = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
@@ -159,7 +150,7 @@ def _plan_load(decoder: nn.Module, entries: dict[str, _Entry], parallel: Paralle
             unaligned.append(problem)
         elif target.dtype in _QUANTISED and _stored_as(meta) != target.dtype:
             mistyped.append(f"{key}: checkpoint {meta.dtype}, model {target.dtype}")
-        elif target.dtype not in _QUANTISED and _stored_as(meta) in _QUANTISED and key[: -len("weight")] + "scale" not in dequantised:
+        elif target.dtype not in _QUANTISED and _stored_as(meta) in _QUANTISED and scale_key not in dequantised:
             mistyped.append(f"{key}: checkpoint {meta.dtype} without a scale, model {target.dtype}")
         else:
             scale = dequantised.get(scale_key)

@@ -171,6 +171,17 @@ class Parallel:
         text = f"{its_phase} failed on rank {rank} of {self.world_size}{others}: {error_type}: {message}"
         raise (ParallelValueError if is_value_error else ParallelError)(text, rank, error_type) from error
 
+    def agreed(self, phase: str, fn):
+        """fn() on every rank, then `agree` on its outcome: fn's result where every rank's
+        succeeded, else every rank raises the first failing rank's error."""
+        try:
+            result = fn()
+        except Exception as error:  # noqa: BLE001 - every rank raises it, after agreeing
+            self.agree(phase, error)
+            raise  # not reached: agree raises
+        self.agree(phase)
+        return result
+
     @staticmethod
     def agreed_error(error: BaseException | None) -> "ParallelError | None":
         """The outcome of `agree` that `error` is or was raised from, else None."""
