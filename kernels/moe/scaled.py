@@ -90,27 +90,29 @@ def _scaled_product(
     the expert), dequantised on the fly: per weight scale group one fp16 dot, scaled by the weight
     scales; per 128 inputs the sum of its groups scaled by the activation scales."""
     GROUP: tl.constexpr = FP4_GROUP if W_FP4 else ACT_BLOCK
-    a_rows = a_ptr + a_row[:, None].to(tl.int64) * stride_am
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # The weight is the dot's first operand (N x K) and the rows its second (K x rows), so the few
+    # rows of a segment take the dot's narrow side; the tile comes out transposed.
+    a_rows = a_ptr + a_row[None, :].to(tl.int64) * stride_am
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(0, k_size, ACT_BLOCK):
-        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for g in tl.static_range(ACT_BLOCK // GROUP):
             kg = k + g * GROUP
-            a = tl.load(a_rows + kg + tl.arange(0, GROUP)[None, :], mask=row_ok[:, None], other=0.0)
+            a = tl.load(a_rows + kg + tl.arange(0, GROUP)[:, None], mask=row_ok[None, :], other=0.0)
             if W_FP4:
                 j = kg // 2 + tl.arange(0, GROUP // 2)
                 packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + j[None, :] * stride_wk)
-                w = tl.trans(unpack_e2m1(packed))
+                w = unpack_e2m1(packed)
                 s = tl.load(s_ptr + offs_n * stride_sn + (kg // FP4_GROUP) * stride_sk)
             else:
                 offs_k = kg + tl.arange(0, GROUP)
                 w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk)
-                w = tl.trans(w.to(tl.float16))
+                w = w.to(tl.float16)
                 s = tl.load(s_ptr + (offs_n // ACT_BLOCK) * stride_sn + (kg // ACT_BLOCK) * stride_sk)
-            part += tl.dot(a.to(tl.float16), w) * weight_scale_to_fp32(s, S_E8M0, W_FP4)[None, :]
+            part += tl.dot(w, a.to(tl.float16)) * weight_scale_to_fp32(s, S_E8M0, W_FP4)[:, None]
         a_scale = tl.load(a_scale_ptr + a_row * stride_as + k // ACT_BLOCK, mask=row_ok, other=0.0)
-        acc += part * a_scale[:, None]
-    return acc
+        acc += part * a_scale[None, :]
+    return tl.trans(acc)
 
 
 @triton.jit
