@@ -3,10 +3,12 @@
 - `python3 -m pytest`: the CPU tier (what CI runs); Triton kernels run in Triton's interpreter.
 - `python3 -m pytest -m gpu`: every kernel compiled on a CUDA GPU and a captured runner.
 - `python3 -m pytest -m "gpu and slow"`: the 43-layer runs.
+- `python3 -m pytest -m sm90`: every kernel compiled for sm_90 on a machine without a GPU.
 
 Markers: `gpu` needs CUDA (skipped without it, and under the interpreter); `interpreter` runs
 Triton kernels in the interpreter (skipped where CUDA runs them compiled); `slow` runs only when
-the `-m` expression names it."""
+the `-m` expression names it; `sm90` compiles the kernels for Hopper without a GPU and, like `slow`,
+runs only when named."""
 import os
 import sys
 
@@ -23,11 +25,12 @@ HAS_GPU = torch.cuda.is_available() and not INTERPRET
 
 
 def pytest_collection_modifyitems(config, items):
-    wants_slow = "slow" in (config.getoption("-m") or "")
+    named = config.getoption("-m") or ""
     skips = {
         "gpu": None if HAS_GPU else pytest.mark.skip(reason="needs CUDA (without TRITON_INTERPRET)"),
         "interpreter": None if INTERPRET else pytest.mark.skip(reason="needs TRITON_INTERPRET=1 (set without CUDA)"),
-        "slow": None if wants_slow else pytest.mark.skip(reason='slow: run with -m "gpu and slow"'),
+        "slow": None if "slow" in named else pytest.mark.skip(reason='slow: run with -m "gpu and slow"'),
+        "sm90": None if "sm90" in named else pytest.mark.skip(reason="sm90: run with -m sm90"),
     }
     for item in items:
         for marker, skip in skips.items():

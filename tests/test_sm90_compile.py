@@ -1,0 +1,46 @@
+"""Every Triton and Gluon kernel compiles for sm_90 (Hopper) on a machine without a GPU, at the
+launch plans and shapes of a V4-Flash decode step (tests/sm90_compile.py, in a new process
+without the interpreter). Catches what only a GPU's compile would: a layout Triton cannot lower,
+an API the installed Triton lacks, a program over an SM's shared memory. About a minute cold on
+2 cores, so it runs when asked for: `python3 -m pytest -m sm90`."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels.registry import launched_kernels
+
+HARNESS = pathlib.Path(__file__).with_name("sm90_compile.py")
+
+
+def has_ptxas() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import triton
+
+    return (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+@pytest.mark.sm90
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles the kernels for real: pytest -m gpu")
+@pytest.mark.skipif(not has_ptxas(), reason="needs Triton with its NVIDIA backend (ptxas)")
+def test_every_kernel_compiles_for_sm90(tmp_path):
+    out = tmp_path / "sm90.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(HARNESS), str(out)], capture_output=True, text=True, env=env, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert not result["failures"], json.dumps(result["failures"], indent=1)[:6000]
+    # Every kernel the op packages launch (device helpers aside: they compile inside them).
+    launchable = {name for name in launched_kernels() if name.endswith("_kernel")}
+    assert launchable and launchable <= set(result["kernels"]), sorted(launchable - set(result["kernels"]))
+    over = {name: variant for name, variants in result["kernels"].items() for variant in variants
+            if variant["shared"] > result["shared_memory_limit"]}
+    assert not over, over
