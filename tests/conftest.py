@@ -20,6 +20,10 @@ if not torch.cuda.is_available():
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("triton was imported before tests/conftest.py could set TRITON_INTERPRET=1")
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Inductor's C++ kernels without SIMD: the CPU tier checks what the code computes, not its
+    # speed, and scalar kernels take about a third less time to generate and build. Set before
+    # Inductor's config is read; the tests' new processes (torchrun ranks, starts) inherit it.
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_GPU = torch.cuda.is_available() and not INTERPRET
 
