@@ -144,12 +144,21 @@ def test_one_process_layout_is_the_unsplit_model():
 
 
 # -- under torchrun ---------------------------------------------------------------------------
-def test_two_ranks_load_and_decode_as_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One launch of two ranks for the checks that pass (each launch starts torch in every rank
+    again: CI time): split loads, decode, then `fuse report` and `fuse bench`."""
+    out = tmp_path_factory.mktemp("two-ranks")
+    status, output, reports = launch(2, out, ["load", "decode", "fuse-commands"], timeout=600)
+    assert status == 0 and len(reports) == 2, output[-4000:]
+    return output, reports, out
+
+
+def test_two_ranks_load_and_decode_as_one_process(two_ranks):
     """Two ranks: split loads (bf16; FP8 linears with FP4 experts as they are; and dequantised
     into a dense model) equal the parts init_random draws; split eager and compiled logits
     equal the one-process decoder's within 1e-5 over 50 steps of mixed batches; no graph break."""
-    status, output, reports = launch(2, tmp_path, ["load", "decode"], timeout=420)
-    assert status == 0 and len(reports) == 2, output[-4000:]
+    _, reports, _ = two_ranks
     for report in reports:
         assert report["eager worst relative error"] <= 1e-5 and report["compiled worst relative error"] <= 1e-5
         assert report["graph breaks"] == 0
@@ -176,12 +185,11 @@ def test_a_rank_that_cannot_load_or_compile_stops_every_rank_with_its_error(tmp_
         assert "failed on rank 1 of 2" in report["compile error"] and "graph_break" in report["compile error"], report
 
 
-def test_fuse_report_and_bench_under_torchrun(tmp_path):
+def test_fuse_report_and_bench_under_torchrun(two_ranks):
     """`fuse report`, then `fuse bench`, on two ranks: rank 0 alone writes each, with both ranks'
     kernel counts (report), step times (bench), time in collectives and floors; the split
     step checked against eager and fp32 passes in both."""
-    status, output, reports = launch(2, tmp_path, ["fuse-commands"], timeout=300)
-    assert status == 0 and len(reports) == 2, output[-4000:]
+    output, reports, tmp_path = two_ranks
     assert [r["wrote"] for r in reports] == [["report", "bench"], []]
     assert all(r["report status"] == r["bench status"] == 0 for r in reports)
     assert output.count("wrote report.json") == output.count("wrote bench.json") == 1  # rank 0 only
