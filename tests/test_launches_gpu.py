@@ -45,7 +45,7 @@ def op_calls() -> dict[str, tuple]:
         with torch.no_grad(), Recorder():
             decoder.step(*inputs)
         del decoder
-    hc = decoder.config.hc_mult
+    hc = bench.hc_mult
     mixes = torch.randn(4, (2 + hc) * hc, device="cuda")
     scale, base = torch.rand(3, device="cuda"), torch.randn((2 + hc) * hc, device="cuda")
     calls.setdefault("v4::hc_split_sinkhorn", (torch.ops.v4.hc_split_sinkhorn.default, (mixes, scale, base, hc, 20, 1e-6), {}))
