@@ -288,8 +288,6 @@ def scaled_table(copy_gbs: float) -> str:
         met = "meets" if fp4_gbs >= SCALED_TARGET * copy_gbs else "MISSES"
         verdicts.append(f"B={batch}: FP4 at {100 * fp4_gbs / copy_gbs:.0f}% of copy bandwidth (target {SCALED_TARGET:.0%}: {met})")
         del sets
-    del fp4, dense, shared
-    torch.cuda.empty_cache()
     table = markdown_table(
         ["B", "experts read", "FP4 MB", "FP4 graph us", "FP4 GB/s", "FP4 % copy",
          "+ FP8 shared (model) graph us", "+ shared % copy",
