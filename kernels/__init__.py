@@ -8,7 +8,7 @@ GPU benchmarks (`python -m kernels.bench`), `cuda_graph` the one CUDA-graph capt
 `kernels.linear`, so that the name `kernels.linear` stays the package."""
 from kernels.hc_mix import hc_post_pre_norm, hc_post_pre_norm_reference, hc_pre_norm, hc_pre_norm_reference
 from kernels.hc_sinkhorn import hc_split_sinkhorn, hc_split_sinkhorn_reference
-from kernels.indexer import indexer_topk, indexer_topk_reference
+from kernels.indexer import indexer_scores, indexer_select, indexer_topk, indexer_topk_reference
 from kernels.linear import grouped_linear, grouped_linear_reference
 from kernels.moe import moe_experts, moe_experts_reference
 from kernels.registry import launched_kernels
@@ -17,6 +17,8 @@ from kernels.sparse_mla import sparse_mla_decode, sparse_mla_decode_reference
 __all__ = [
     "hc_post_pre_norm", "hc_post_pre_norm_reference", "hc_pre_norm", "hc_pre_norm_reference",
     "hc_split_sinkhorn", "hc_split_sinkhorn_reference",
+    "indexer_scores",
+    "indexer_select",
     "indexer_topk",
     "indexer_topk_reference",
     "grouped_linear",

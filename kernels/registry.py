@@ -10,8 +10,9 @@ import pkgutil
 
 # The custom op each package's kernels belong to. Where a package registers two ops that launch
 # the same kernels (hc_mix's hc_pre_norm and hc_post_pre_norm, sparse_mla's op with and without a
-# workspace, moe's dense and block-scaled experts, which share the routing and combine kernels), a
-# profile cannot tell them apart: they count under the op named here.
+# workspace, moe's dense and block-scaled experts, which share the routing and combine kernels,
+# the indexer's top-k and its two halves), a profile cannot tell them apart: they count under
+# the op named here.
 OPS = {
     "blockscale": "v4::blockscale_linear",
     "hc_mix": "v4::hc_post_pre_norm",

@@ -174,10 +174,12 @@ def op_kernels() -> dict:
 
 
 def extra_calls(batches) -> list[tuple[str, object]]:
-    """Launches the decode step does not make: the split + Sinkhorn kernel on its own (the
-    model fuses it into the boundary op) and every sparse MLA variant, with and without a
-    workspace, at the index counts of the window-only, ratio-128 and ratio-4 layers."""
+    """Launches the decode step does not make in one process: the split + Sinkhorn kernel on its
+    own (the model fuses it into the boundary op), the indexer's halves (index heads split two
+    ways), and every sparse MLA variant, with and without a workspace, at the index counts of
+    the window-only, ratio-128 and ratio-4 layers."""
     from kernels.hc_sinkhorn import hc_split_sinkhorn
+    from kernels.indexer import indexer_scores, indexer_select
     from kernels.sparse_mla import sparse_mla_decode, sparse_mla_workspace
     from kernels.sparse_mla.gluon import sparse_mla_decode_wgmma
 
@@ -187,6 +189,12 @@ def extra_calls(batches) -> list[tuple[str, object]]:
         mixes = torch.empty(batch, 24)
         calls.append((f"hc_split_sinkhorn B={batch}",
                       lambda m=mixes: hc_split_sinkhorn(m, torch.empty(3), torch.empty(24), 4, 20, 1e-6, impl="triton")))
+        index = (torch.empty(batch, 32, 128, dtype=torch.bfloat16), torch.empty(batch, 32, dtype=torch.bfloat16),
+                 torch.empty(batch + 1, 1024, 128, dtype=torch.bfloat16), torch.zeros(batch, dtype=torch.long),
+                 torch.zeros(batch, dtype=torch.long))
+        calls.append((f"indexer_scores B={batch}", lambda i=index: indexer_scores(*i, impl="triton")))
+        calls.append((f"indexer_select B={batch}",
+                      lambda i=index: indexer_select(torch.empty(len(i[4]), 1024), i[4], 512, impl="triton")))
         for topk in (128, 160, 640):
             q = torch.empty(batch, 64, 512, dtype=torch.bfloat16)
             kv = torch.empty(batch + 1, 4096 + 128, 512, dtype=torch.bfloat16)

@@ -1,4 +1,5 @@
-"""indexer_topk: the Triton path against the plain-torch reference on fresh random inputs.
+"""indexer_topk and its two halves (indexer_scores, indexer_select: the index heads split across
+processes): the Triton path against the plain-torch reference on fresh random inputs.
 
 CPU tests run the Triton kernels in the interpreter (TRITON_INTERPRET=1, fp32/fp16, small
 shapes). GPU tests run them compiled at V4 shapes in bf16, replayed in a CUDA graph, and
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import kernels.indexer.triton as indexer_triton
-from kernels.indexer import indexer_topk, indexer_topk_reference
+from kernels.indexer import indexer_scores, indexer_select, indexer_topk, indexer_topk_reference
 from kernels.cuda_graph import capture
 
 
@@ -155,6 +156,73 @@ def test_opcheck_cpu():
     torch.library.opcheck(torch.ops.v4.indexer_topk.default, (q, weights, cache, slots, visible, 16))
 
 
+def split_heads_picks(q, weights, cache, slots, visible, topk, parts, impl):
+    """indexer_topk as split processes run it: each part of the heads scores, the scores are
+    summed, the sum selects."""
+    scores = sum(indexer_scores(qp, wp, cache, slots, visible, impl=impl)
+                 for qp, wp in zip(q.chunk(parts, 1), weights.chunk(parts, 1)))
+    return scores, indexer_select(scores, visible, topk, impl=impl)
+
+
+@pytest.mark.interpreter
+def test_scores_of_split_heads_summed_then_selected():
+    """Each part's Triton scores equal the reference's on the visible entries and are 0 past
+    them; the picks of their sum are the whole heads' top-k."""
+    rows, topk = 300, 24
+    visible = torch.tensor([0, -1, 5, 24, 25, 180, 300, 10**6])
+    q, weights, cache, slots = random_inputs(len(visible), 16, 32, 3, rows, torch.float32, "cpu", seed=13)
+    for qp, wp in zip(q.chunk(2, 1), weights.chunk(2, 1)):
+        got = indexer_scores(qp, wp, cache, slots, visible, impl="triton")
+        want = indexer_scores(qp, wp, cache, slots, visible, impl="reference")
+        past = torch.arange(rows)[None, :] >= visible[:, None]
+        assert got.dtype == torch.float32 and bool((got[past] == 0).all()) and bool((want[past] == 0).all())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    _, picks = split_heads_picks(q, weights, cache, slots, visible, topk, parts=4, impl="triton")
+    scores = fp64_scores(q, weights, cache, slots, visible)
+    expected = indexer_topk_reference(q, weights, cache, slots, visible, topk)
+    assert_same_picks(picks, expected, scores, visible, topk, score_tolerance(scores))
+
+
+@pytest.mark.interpreter
+def test_select_from_scores_negative_and_ragged():
+    """The select kernel reading fp32 scores (negatives, values a few ulps apart, a visible
+    count above one select block) picks the reference's set, in entry order."""
+    g = torch.Generator().manual_seed(14)
+    rows, topk = 2300, 64
+    spread = torch.randn(rows, generator=g) * 1e3
+    close = 1.0 + torch.randperm(rows, generator=g) * 2.0**-20  # distinct, a few ulps apart
+    scores = torch.stack([spread, close, -close, spread.abs() * -1])
+    visible = torch.tensor([rows, 2100, 63, 700])
+    picks = indexer_select(scores, visible, topk, impl="triton")
+    expected = indexer_select(scores, visible, topk, impl="reference")
+    for b in range(len(visible)):
+        assert sorted(picks[b].tolist()) == sorted(expected[b].tolist()), f"row {b}"
+        real = [e for e in picks[b].tolist() if e >= 0]
+        assert real == sorted(real), "picks come in entry order"
+
+
+@pytest.mark.interpreter
+def test_opcheck_scores_and_select_cpu():
+    q, weights, cache, slots = random_inputs(3, 16, 32, 2, 64, torch.float32, "cpu", seed=15)
+    visible = torch.tensor([64, 5, 30])
+    torch.library.opcheck(torch.ops.v4.indexer_scores.default, (q, weights, cache, slots, visible))
+    scores = torch.randn(3, 64)
+    torch.library.opcheck(torch.ops.v4.indexer_select.default, (scores, visible, 16))
+
+
+def test_bad_input_to_the_halves_is_named():
+    q, weights, cache, slots = random_inputs(2, 4, 8, 2, 16, torch.float32, "cpu", seed=16)
+    visible = torch.tensor([3, 4])
+    with pytest.raises(ValueError, match="^indexer_scores expects q"):
+        indexer_scores(q, weights, cache[..., :4], slots, visible)
+    with pytest.raises(ValueError, match="^indexer_select expects scores \\[B,R\\] fp32, got torch.float16"):
+        indexer_select(torch.zeros(2, 16, dtype=torch.float16), visible, 4)
+    with pytest.raises(ValueError, match="^indexer_select: visible must be"):
+        indexer_select(torch.zeros(2, 16), visible[:1], 4)
+    with pytest.raises(ValueError, match="^indexer_select: topk must be >= 1"):
+        indexer_select(torch.zeros(2, 16), visible, 0)
+
+
 def test_bad_input_raises():
     q, weights, cache, slots = random_inputs(2, 4, 8, 2, 16, torch.float32, "cpu", seed=6)
     visible = torch.tensor([3, 4])
@@ -221,6 +289,23 @@ def test_cuda_graph_replay_with_new_visible_counts():
 
 
 @pytest.mark.gpu
+def test_v4_split_heads_bf16():
+    """Index heads split 2, 4 and 8 ways at V4 widths: the summed scores' picks are the whole
+    heads' top-k (up to near-ties), and every part's scores are 0 past the visible entries."""
+    rows = 16384
+    visible = torch.tensor([0, 7, 511, 512, 513, 4000, rows] + [1000] * 9, device="cuda")
+    visible[7:] = torch.randint(0, rows, (9,), device="cuda")
+    q, weights, cache, slots = v4_inputs(len(visible), rows, seed=17)
+    reference_scores = fp64_scores(q, weights, cache, slots, visible)
+    expected = indexer_topk_reference(q, weights, cache, slots, visible, V4["topk"])
+    for parts in (2, 4, 8):
+        scores, picks = split_heads_picks(q, weights, cache, slots, visible, V4["topk"], parts, impl="auto")
+        assert bool((scores[torch.arange(rows, device="cuda")[None, :] >= visible[:, None]] == 0).all())
+        assert_same_picks(picks.cpu(), expected.cpu(), reference_scores.cpu(), visible.cpu(), V4["topk"],
+                          score_tolerance(reference_scores))
+
+
+@pytest.mark.gpu
 def test_no_host_sync_and_opcheck_cuda():
     q, weights, cache, slots = v4_inputs(8, 2048, seed=12)
     visible = torch.randint(0, 2048, (8,), device="cuda")
@@ -232,3 +317,6 @@ def test_no_host_sync_and_opcheck_cuda():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.library.opcheck(torch.ops.v4.indexer_topk.default, (q, weights, cache, slots, visible, V4["topk"]))
+    torch.library.opcheck(torch.ops.v4.indexer_scores.default, (q, weights, cache, slots, visible))
+    scores = indexer_scores(q, weights, cache, slots, visible)
+    torch.library.opcheck(torch.ops.v4.indexer_select.default, (scores, visible, V4["topk"]))

@@ -15,6 +15,10 @@ Two kernels:
   threshold bin holds exactly the remaining picks) finds the top-k threshold, and a final pass
   writes the entries above it, plus the first threshold ties by entry number, to the output.
 
+With the heads split across processes the two kernels run apart (`indexer_scores_triton`, then
+`select_topk_scores` on the summed scores): score writes the fp32 scores instead of keys, and
+select turns them into keys as it reads them.
+
 The output is the same *set* as the reference's top-k but in ascending entry order, not sorted
 by score. Ties at the threshold go to the lowest entry numbers (the reference leaves tie order
 to torch.topk).
@@ -42,16 +46,32 @@ def _visible_count(visible_ptr, b, rows):
 
 
 @triton.jit
+def _order_key(score):
+    """The order-preserving int32 key of fp32 scores: the bits, magnitude flipped for negatives."""
+    bits = score.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _load_keys(row_ptr, offs, mask, FROM_SCORES: tl.constexpr):
+    """Keys at offs of one row: int32 keys as stored, or fp32 scores as their keys."""
+    if FROM_SCORES:
+        return _order_key(tl.load(row_ptr + offs, mask=mask, other=0.0))
+    else:
+        return tl.load(row_ptr + offs, mask=mask, other=0)
+
+
+@triton.jit
 def _indexer_score_kernel(
-    q_ptr, w_ptr, cache_ptr, slots_ptr, visible_ptr, keys_ptr,
+    q_ptr, w_ptr, cache_ptr, slots_ptr, visible_ptr, out_ptr,
     rows,
     stride_qb, stride_qh, stride_qd,
     stride_wb, stride_wh,
     stride_cs, stride_cr, stride_cd,
-    stride_kb,
+    stride_ob,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, AS_KEYS: tl.constexpr,
 ):
     b = tl.program_id(0)
     worker = tl.program_id(1)
@@ -73,7 +93,7 @@ def _indexer_score_kernel(
     q_t = tl.trans(q)  # [BLOCK_D, BLOCK_H]
     w = tl.load(w_ptr + b * stride_wb + heads * stride_wh, mask=head_ok, other=0.0).to(tl.float32)
     slot_base = cache_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_cs
-    key_row = keys_ptr + b.to(tl.int64) * stride_kb
+    out_row = out_ptr + b.to(tl.int64) * stride_ob
     entries = tl.arange(0, BLOCK_T)
 
     for chunk in range(worker, num_chunks, num_workers):
@@ -86,17 +106,17 @@ def _indexer_score_kernel(
         )
         s = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # [BLOCK_T, BLOCK_H], fp32
         score = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
-        # Order-preserving int32 key: flip the magnitude bits of negative floats.
-        bits = score.to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        tl.store(key_row + t, key, mask=t_ok)
+        if AS_KEYS:
+            tl.store(out_row + t, _order_key(score), mask=t_ok)
+        else:
+            tl.store(out_row + t, score, mask=t_ok)
 
 
 @triton.jit
 def _indexer_select_kernel(
     keys_ptr, visible_ptr, out_ptr,
     rows, stride_kb, stride_ob,
-    TOPK: tl.constexpr, BLOCK: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, FROM_SCORES: tl.constexpr,
 ):
     b = tl.program_id(0)
     vis = _visible_count(visible_ptr, b, rows)
@@ -124,7 +144,7 @@ def _indexer_select_kernel(
         for start in range(0, tl.where(done, 0, vis), BLOCK):
             offs = start + lanes
             in_range = offs < vis
-            key = tl.load(key_row + offs, mask=in_range, other=0)
+            key = _load_keys(key_row, offs, in_range, FROM_SCORES)
             if digit_pass == 0:
                 digit = ((key >> 24) + 128) & 255  # signed top byte, biased to [0, 256)
                 match = in_range
@@ -154,7 +174,7 @@ def _indexer_select_kernel(
     for start in range(0, vis, BLOCK):
         offs = start + lanes
         in_range = offs < vis
-        key = tl.load(key_row + offs, mask=in_range, other=0) >> shift
+        key = _load_keys(key_row, offs, in_range, FROM_SCORES) >> shift
         tie = (in_range & (key == threshold)).to(tl.int32)
         tie_rank = ties_seen + tl.cumsum(tie, axis=0) - tie
         take = (in_range & (key > threshold)) | ((tie != 0) & (tie_rank < want))
@@ -176,6 +196,17 @@ def select_topk_keys(keys: torch.Tensor, visible: torch.Tensor, topk: int) -> to
     lowest entry numbers."""
     if keys.dtype != torch.int32 or keys.dim() != 2:
         raise ValueError(f"select_topk_keys: keys must be [B, R] int32, got {keys.dtype} {tuple(keys.shape)}")
+    return _select(keys, visible, topk, from_scores=False)
+
+
+def select_topk_scores(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
+    """select_topk_keys on fp32 scores [B, R] (only scores[b, :visible[b]] are read)."""
+    if scores.dtype != torch.float32 or scores.dim() != 2:
+        raise ValueError(f"select_topk_scores: scores must be [B, R] fp32, got {scores.dtype} {tuple(scores.shape)}")
+    return _select(scores, visible, topk, from_scores=True)
+
+
+def _select(keys: torch.Tensor, visible: torch.Tensor, topk: int, from_scores: bool) -> torch.Tensor:
     keys = keys if keys.stride(1) == 1 else keys.contiguous()
     batch, rows = keys.shape
     out = torch.empty((batch, topk), dtype=torch.int32, device=keys.device)
@@ -184,10 +215,39 @@ def select_topk_keys(keys: torch.Tensor, visible: torch.Tensor, topk: int) -> to
     _indexer_select_kernel[(batch,)](
         keys, visible, out,
         rows, keys.stride(0), out.stride(0),
-        TOPK=topk, BLOCK=SELECT_BLOCK,
+        TOPK=topk, BLOCK=SELECT_BLOCK, FROM_SCORES=from_scores,
         num_warps=8,
     )
     return out
+
+
+def _check(q, index_cache, slots, visible) -> None:
+    if q.dtype != index_cache.dtype:
+        raise ValueError(f"indexer_topk: q is {q.dtype} but index_cache is {index_cache.dtype}")
+    if slots.dtype.is_floating_point or visible.dtype.is_floating_point:
+        raise ValueError("indexer_topk: slots and visible must be integer tensors")
+
+
+def _score(q, weights, index_cache, slots, visible, out: torch.Tensor, as_keys: bool) -> None:
+    """The score kernel into out [B, R] (int32 keys or fp32 scores), visible entries only."""
+    batch, num_heads, head_dim = q.shape
+    rows = index_cache.shape[1]
+    workers = max(1, min(triton.cdiv(rows, SCORE_BLOCK_T), WORKERS_PER_SM * num_sms(q.device) // batch))
+    _indexer_score_kernel[(batch, workers)](
+        q, weights, index_cache, slots, visible, out,
+        rows,
+        q.stride(0), q.stride(1), q.stride(2),
+        weights.stride(0), weights.stride(1),
+        index_cache.stride(0), index_cache.stride(1), index_cache.stride(2),
+        out.stride(0),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_T=SCORE_BLOCK_T,
+        DOT_PRECISION=dot_precision(q.dtype), AS_KEYS=as_keys,
+        num_warps=4,
+        num_stages=3,
+    )
 
 
 def indexer_topk_triton(
@@ -206,29 +266,23 @@ def indexer_topk_triton(
     capacity index_cache.shape[1]."""
     if topk < 1:
         raise ValueError(f"indexer_topk: topk must be >= 1, got {topk}")
-    if q.dtype != index_cache.dtype:
-        raise ValueError(f"indexer_topk: q is {q.dtype} but index_cache is {index_cache.dtype}")
-    if slots.dtype.is_floating_point or visible.dtype.is_floating_point:
-        raise ValueError("indexer_topk: slots and visible must be integer tensors")
-    batch, num_heads, head_dim = q.shape
-    rows = index_cache.shape[1]
+    _check(q, index_cache, slots, visible)
+    batch, rows = q.shape[0], index_cache.shape[1]
     if batch == 0 or rows == 0:  # nothing can be visible
         return torch.full((batch, topk), -1, dtype=torch.int32, device=q.device)
     keys = torch.empty((batch, rows), dtype=torch.int32, device=q.device)
-    workers = max(1, min(triton.cdiv(rows, SCORE_BLOCK_T), WORKERS_PER_SM * num_sms(q.device) // batch))
-    _indexer_score_kernel[(batch, workers)](
-        q, weights, index_cache, slots, visible, keys,
-        rows,
-        q.stride(0), q.stride(1), q.stride(2),
-        weights.stride(0), weights.stride(1),
-        index_cache.stride(0), index_cache.stride(1), index_cache.stride(2),
-        keys.stride(0),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_T=SCORE_BLOCK_T,
-        DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4,
-        num_stages=3,
-    )
+    _score(q, weights, index_cache, slots, visible, keys, as_keys=True)
     return select_topk_keys(keys, visible, topk)
+
+
+def indexer_scores_triton(
+    q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor
+) -> torch.Tensor:
+    """The scores [B, R] fp32 of the visible entries with these heads, 0 from visible[b] on (as
+    `indexer_scores_reference`): the first half of indexer_topk_triton, for heads split across
+    processes, whose scores are summed before `select_topk_scores`."""
+    _check(q, index_cache, slots, visible)
+    scores = torch.zeros((q.shape[0], index_cache.shape[1]), dtype=torch.float32, device=q.device)
+    if scores.numel():
+        _score(q, weights, index_cache, slots, visible, scores, as_keys=False)
+    return scores
