@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 import kernels
-from kernels.indexer import indexer_scores_reference, topk_visible_reference
 from model.config import ModelConfig
 from model.formats import scale_dtype_of
 from model.layers import DecodeStep, FusedLinear, Linear, LinearView, RMSNorm, fp32_param, product_dtype
@@ -146,8 +145,8 @@ class Indexer(nn.Module):
         if self.parallel.world_size == 1:
             return kernels.indexer_topk(q, weights, self.kv_cache, step.slots, visible, self.topk)
         # Split heads: each rank scores with its own heads, the top-k is taken of the sum.
-        scores = all_reduce(indexer_scores_reference(q, weights, self.kv_cache, step.slots), self.parallel)
-        return topk_visible_reference(scores, visible, self.topk)
+        scores = all_reduce(kernels.indexer_scores(q, weights, self.kv_cache, step.slots, visible), self.parallel)
+        return kernels.indexer_select(scores, visible, self.topk)
 
 
 class Attention(nn.Module):
