@@ -1,5 +1,6 @@
 """GPU benchmark of the indexer top-k at V4 shapes (B=64, 64 heads x 128, top-512): the Triton
-path against the plain-torch reference, with the cache capacity at 4K and 64K entries.
+path against the plain-torch reference, with the cache capacity at 4K and 64K entries, then one
+rank's part with the index heads split 2, 4 and 8 ways (its scores, then the top-k of a sum).
 
 The reference scores the whole capacity (static shapes); the Triton path should cost the same
 at 64K capacity as at 4K when 4K entries are visible. Every case is checked against the
@@ -10,7 +11,7 @@ import torch
 
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import graphs_of, median_time_us, rotation_count
-from kernels.indexer import indexer_topk
+from kernels.indexer import indexer_scores, indexer_scores_reference, indexer_select, indexer_topk, topk_visible_reference
 
 BATCH, HEADS, DIM, TOPK = 64, 64, 128, 512
 SMALL_CAPACITY, LARGE_CAPACITY, RATIO_VISIBLE = 4096, 65536, 4096
@@ -26,6 +27,8 @@ CASES = (
 MAX_CACHE_BYTES = 8 << 30  # across the rotating input sets
 WEIGHT_SCALE = 1 / 90.0  # 128^-0.5 * 64^-0.5, as the model scales weights_proj
 RATIO_TARGET = 1.2
+SPLITS = (2, 4, 8)  # ranks the index heads are split across
+SPLIT_CASE = (LARGE_CAPACITY, 16384)
 
 
 def make_sets(capacity: int, visible: int) -> list[tuple]:
@@ -44,10 +47,12 @@ def make_sets(capacity: int, visible: int) -> list[tuple]:
     return out
 
 
-def check_against_reference(q, weights, cache, slots, visible: torch.Tensor, label: str) -> int:
-    """Raise unless the Triton picks equal the reference's as sets, up to swaps across near-ties
-    (within 1e-4 of the score scale of the top-k threshold). Returns the count of such swaps."""
-    picks = indexer_topk(q, weights, cache, slots, visible, TOPK, impl="triton")
+def check_against_reference(q, weights, cache, slots, visible: torch.Tensor, label: str, picks=None) -> int:
+    """Raise unless the Triton picks (indexer_topk's unless given) equal the reference's as sets,
+    up to swaps across near-ties (within 1e-4 of the score scale of the top-k threshold).
+    Returns the count of such swaps."""
+    if picks is None:
+        picks = indexer_topk(q, weights, cache, slots, visible, TOPK, impl="triton")
     expected = indexer_topk(q, weights, cache, slots, visible, TOPK, impl="reference")
     swaps = 0
     for b in range(BATCH):
@@ -103,6 +108,47 @@ def time_case(capacity: int, visible: int, copy_gbs: float) -> tuple[list, float
     return row, eager, replay
 
 
+def rank_part(parts: int, scores, select):
+    """One rank's indexer work with HEADS / parts heads (the all-reduce of the scores aside)."""
+    heads = HEADS // parts
+
+    def part(q, weights, cache, slots, visible):
+        return select(scores(q[:, :heads], weights[:, :heads], cache, slots, visible), visible, TOPK)
+
+    return part
+
+
+def split_table() -> str:
+    """A rank's part of the split indexer: the score and select kernels (checked: the parts'
+    summed scores select the whole heads' top-k) against plain torch over the whole capacity."""
+    capacity, visible = SPLIT_CASE
+    sets = make_sets(capacity, visible)
+    q, weights, cache, slots, vis = sets[0]
+    rows = []
+    for parts in SPLITS:
+        heads = HEADS // parts
+        summed = sum(indexer_scores(qp, wp, cache, slots, vis) for qp, wp in zip(q.split(heads, 1), weights.split(heads, 1)))
+        swaps = check_against_reference(*sets[0], f"split {parts} ways", picks=indexer_select(summed, vis, TOPK))
+        graphs = graphs_of(rank_part(parts, indexer_scores, indexer_select), sets)
+        kernels_us = median_time_us(lambda g: g.replay(), [(g,) for g in graphs])
+        torch_us = median_time_us(rank_part(parts, indexer_scores_reference, topk_visible_reference), sets, warmup=2, reps=10)
+        print(f"indexer split {parts} ways: kernels {kernels_us:.1f} us, plain torch {torch_us:.0f} us", flush=True)
+        rows.append([parts, heads, f"{kernels_us:.1f}", f"{torch_us:.0f}", f"{torch_us / kernels_us:.1f}x", swaps])
+        del graphs
+    del sets
+    torch.cuda.empty_cache()
+    table = markdown_table(
+        ["ranks", "heads a rank", "scores + select graph us", "plain torch us", "speedup", "near-tie swaps"], rows
+    )
+    return (
+        f"### Index heads split across ranks (capacity {capacity}, {visible} visible)\n\n"
+        "One rank's part: `v4::indexer_scores` with its heads, then `v4::indexer_select` (on its own scores here; "
+        "in the model on the all-reduced sum). Checked first: the parts' summed scores select the whole heads' "
+        "top-k. Plain torch: the same halves' references, which score the whole capacity.\n\n"
+        f"{table}\n"
+    )
+
+
 def run(copy_gbs: float) -> str:
     rows, graph_us, eager_us = [], {}, {}
     saved_tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -111,6 +157,7 @@ def run(copy_gbs: float) -> str:
         for case in CASES:
             row, eager_us[case], graph_us[case] = time_case(*case, copy_gbs)
             rows.append(row)
+        split = split_table()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved_tf32
 
@@ -131,5 +178,6 @@ def run(copy_gbs: float) -> str:
         "overhead). GB/s counts the visible cache rows read.\n\n"
         f"{table}\n\n"
         f"Capacity independence: time(capacity {large[0]}) / time(capacity {small[0]}) at {small[1]} visible "
-        f"= {ratio:.2f} (target <= {RATIO_TARGET}: {verdict}; eager calls: {eager_ratio:.2f}).\n"
+        f"= {ratio:.2f} (target <= {RATIO_TARGET}: {verdict}; eager calls: {eager_ratio:.2f}).\n\n"
+        + split
     )
