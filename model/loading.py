@@ -209,6 +209,17 @@ def residual_branch_scale(n_layers: int) -> float:
     return (2 * n_layers) ** -0.5
 
 
+def _quantize_by_leading_slices(quantize, value: torch.Tensor, scale_dtype, slice_bytes: int = 1 << 30):
+    """quantize(value) a few leading slices (experts) at a time: the blocks lie in the last two
+    dims, so the result is the same, and the rounding's temporaries (several times the fp32
+    input) stay small next to a stacked expert weight of several GB."""
+    if value.dim() < 3 or value.numel() * value.element_size() <= slice_bytes:
+        return quantize(value, scale_dtype)
+    step = max(1, slice_bytes // (value[0].numel() * value.element_size()))
+    parts = [quantize(value[start:start + step], scale_dtype) for start in range(0, value.shape[0], step)]
+    return torch.cat([v for v, _ in parts]), torch.cat([s for _, s in parts])
+
+
 @torch.no_grad()
 def init_random_weights(decoder: nn.Module, seed: int) -> None:
     """Random weights that keep activations O(1): linear maps N(0, 1/fan_in), norms around 1,
@@ -274,7 +285,7 @@ def init_random_weights(decoder: nn.Module, seed: int) -> None:
             param.copy_(_narrow(value, part).to(param.dtype))
         else:
             quantize = quantize_fp8_weight if param.dtype == torch.float8_e4m3fn else quantize_fp4_weight
-            values, scales = quantize(value, scale.dtype)  # the whole tensor's blocks, as one process has them
+            values, scales = _quantize_by_leading_slices(quantize, value, scale.dtype)  # the whole tensor's blocks
             scale_name = name[: -len("weight")] + "scale"
             param.copy_(_narrow(values, parallel.part(name, tuple(values.shape))))
             scale.copy_(_narrow(scales, parallel.part(scale_name, tuple(scales.shape))))
