@@ -550,8 +550,19 @@ def command_line(settings: dict, world_size: int = 1) -> str:
         + f" --contexts {','.join(map(str, settings['contexts']))} --batches {','.join(map(str, settings['batches']))}"
         + (f" --fp32-products {settings['fp32_products']}" if settings["fp32_products"] != "exact" else "")
         + (f" --variants {','.join(settings['variants'])}" if tuple(settings["variants"]) != DEFAULT_VARIANTS else "")
+        + "".join(f" --{name.replace('_', '-')} {settings[name]}" for name in _COUNTED_OPTIONS
+                  if name in settings and settings[name] != BenchSettings.__dataclass_fields__[name].default)
         + "".join(f" --inductor-option {key}={value!r}" for key, value in settings.get("inductor_options", ()))
     )
+
+
+_COUNTED_OPTIONS = ("steps", "eager_steps", "repeats", "seed")  # written into the command when not the default
+
+
+def weights_in_words(settings: dict) -> str:
+    """"bfloat16 weights", or for a preset in checkpoint formats its formats and the activations' dtype."""
+    formats = ModelConfig.preset(settings["preset"]).weight_formats
+    return f"{formats}; {settings['dtype']} activations and other weights" if formats else f"{settings['dtype']} weights"
 
 
 def to_markdown(result: dict) -> str:
@@ -564,7 +575,7 @@ def to_markdown(result: dict) -> str:
         f"## Decode step benchmark: {s['preset']} preset, {result['layers']} layers",
         "",
         f"`{command}` on {result['gpu']}, torch {result['torch']}, triton {result['triton']}, {result['date']}. "
-        f"{s['dtype']} weights, fp32 products {s['fp32_products']}. Copy bandwidth measured in the same run: {result['copy_gbs']:.0f} GB/s. "
+        f"{weights_in_words(s)}, fp32 products {s['fp32_products']}. Copy bandwidth measured in the same run: {result['copy_gbs']:.0f} GB/s. "
         f"Step time = time per step of {s['steps']} steps issued back to back ({s['eager_steps']} for eager), CUDA events "
         f"around them, median of {s['repeats']} interleaved rounds: what a serving loop that keeps the GPU fed pays per step. "
         f"Latency (table after it) = wall time of one synchronised step, host launch and wait included. "

@@ -134,6 +134,16 @@ class ModelConfig:
         return "fp4" if self.expert_dtype == "fp4" else self.linear_format
 
     @property
+    def weight_formats(self) -> str:
+        """The storage of the quantisable weights in words ("" where every linear is dense)."""
+        if self.linear_format == "dense" and self.expert_format == "dense":
+            return ""
+        scales = "ue8m0" if self.scale_dtype == "fp8" else "fp32"
+        linears = "FP8 linears (e4m3, 128 x 128 blocks)" if self.linear_format == "fp8" else "dense linears"
+        experts = {"fp4": "FP4 experts (e2m1, 1 x 32 blocks)", "fp8": "FP8 experts", "dense": "dense experts"}[self.expert_format]
+        return f"{linears}, {experts}, {scales} scales"
+
+    @property
     def pow2_scales(self) -> bool:
         """Power-of-two activation scales, as the official code sets them."""
         return self.scale_dtype == "fp8" or self.scale_fmt == "ue8m0"
