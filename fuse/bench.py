@@ -560,7 +560,7 @@ _COUNTED_OPTIONS = ("steps", "eager_steps", "repeats", "seed")  # written into t
 
 
 def weights_in_words(settings: dict) -> str:
-    """"bfloat16 weights", or for a preset in checkpoint formats its formats and the activations' dtype."""
+    """The weights in words: their dtype, or for a preset in checkpoint formats those formats."""
     formats = ModelConfig.preset(settings["preset"]).weight_formats
     return f"{formats}; {settings['dtype']} activations and other weights" if formats else f"{settings['dtype']} weights"
 
