@@ -221,11 +221,11 @@ def _select(keys: torch.Tensor, visible: torch.Tensor, topk: int, from_scores: b
     return out
 
 
-def _check(q, index_cache, slots, visible) -> None:
+def _check(q, index_cache, slots, visible, op: str) -> None:
     if q.dtype != index_cache.dtype:
-        raise ValueError(f"indexer_topk: q is {q.dtype} but index_cache is {index_cache.dtype}")
+        raise ValueError(f"{op}: q is {q.dtype} but index_cache is {index_cache.dtype}")
     if slots.dtype.is_floating_point or visible.dtype.is_floating_point:
-        raise ValueError("indexer_topk: slots and visible must be integer tensors")
+        raise ValueError(f"{op}: slots and visible must be integer tensors")
 
 
 def _score(q, weights, index_cache, slots, visible, out: torch.Tensor, as_keys: bool) -> None:
@@ -266,7 +266,7 @@ def indexer_topk_triton(
     capacity index_cache.shape[1]."""
     if topk < 1:
         raise ValueError(f"indexer_topk: topk must be >= 1, got {topk}")
-    _check(q, index_cache, slots, visible)
+    _check(q, index_cache, slots, visible, "indexer_topk")
     batch, rows = q.shape[0], index_cache.shape[1]
     if batch == 0 or rows == 0:  # nothing can be visible
         return torch.full((batch, topk), -1, dtype=torch.int32, device=q.device)
@@ -281,7 +281,7 @@ def indexer_scores_triton(
     """The scores [B, R] fp32 of the visible entries with these heads, 0 from visible[b] on (as
     `indexer_scores_reference`): the first half of indexer_topk_triton, for heads split across
     processes, whose scores are summed before `select_topk_scores`."""
-    _check(q, index_cache, slots, visible)
+    _check(q, index_cache, slots, visible, "indexer_scores")
     scores = torch.zeros((q.shape[0], index_cache.shape[1]), dtype=torch.float32, device=q.device)
     if scores.numel():
         _score(q, weights, index_cache, slots, visible, scores, as_keys=False)
