@@ -541,6 +541,9 @@ def ratio(row: dict, a: str, b: str) -> str:
     return f"{row[b]['ms'] / row[a]['ms']:.2f}x" if a in row and b in row else "-"
 
 
+_COUNTED_OPTIONS = ("steps", "eager_steps", "repeats", "seed")  # written into the command when not the default
+
+
 def command_line(settings: dict, world_size: int = 1) -> str:
     """The `fuse bench` command that reproduces a run with these settings (asdict of BenchSettings)
     on `world_size` ranks."""
@@ -555,8 +558,6 @@ def command_line(settings: dict, world_size: int = 1) -> str:
         + "".join(f" --inductor-option {key}={value!r}" for key, value in settings.get("inductor_options", ()))
     )
 
-
-_COUNTED_OPTIONS = ("steps", "eager_steps", "repeats", "seed")  # written into the command when not the default
 
 
 def weights_in_words(settings: dict) -> str:
