@@ -559,7 +559,6 @@ def command_line(settings: dict, world_size: int = 1) -> str:
     )
 
 
-
 def weights_in_words(settings: dict) -> str:
     """The weights in words: their dtype, or for a preset in checkpoint formats those formats."""
     formats = ModelConfig.preset(settings["preset"]).weight_formats
