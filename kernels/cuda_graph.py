@@ -1,6 +1,7 @@
 """CUDA-graph capture, one way for every caller: warm up off the capture, then capture one call."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -13,7 +14,8 @@ def capture(
     capture, as torch recommends), synchronise, then capture one call of fn into a new graph, in
     the memory pool `pool` if given. Returns the graph and fn's output from the capture: the
     tensors each replay writes. `capture_error_mode` as torch.cuda.graph takes it ("thread_local"
-    where other threads make CUDA calls during the capture, e.g. a communicator's watchdog)."""
+    where other threads make CUDA calls during the capture, e.g. a communicator's watchdog).
+    A capture that fails raises, leaving the device as it was before it (`_abandon`)."""
     if warmup:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -23,6 +25,25 @@ def capture(
         torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
-        out = fn()
+    stream = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+            out = fn()
+    except BaseException:
+        _abandon(graph, stream)
+        raise
     return graph, out
+
+
+def _abandon(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
+    """Undo what a failed capture left behind. When the capture is invalidated (a synchronising
+    call inside it, say), torch.cuda.graph's exit raises from capture_end before the caching
+    allocator stops recording into the graph's pool and before the caller's stream is current
+    again: the next capture into that pool would fail ("already recording"), and later work
+    would run on the capture's stream."""
+    if torch.cuda.is_current_stream_capturing():
+        with contextlib.suppress(RuntimeError):
+            graph.capture_end()  # ends the stream's capture, then raises for the invalid graph
+    with contextlib.suppress(RuntimeError):  # raises where capture_end got that far itself
+        torch._C._cuda_endAllocateToPool(stream.device_index, graph.pool())
+    torch.cuda.set_stream(stream)
