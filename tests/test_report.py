@@ -183,12 +183,24 @@ def test_report_writes_the_timeline_of_one_step_of_each(report):
 
 
 def test_the_slowest_kernels_are_in_the_index_with_file_ops_and_module(report):
+    assert_top_kernels_indexed(*report)
+
+
+@pytest.mark.gpu
+def test_a_gpu_reports_slowest_kernels_are_in_its_index(tmp_path):
+    folder = tmp_path / "report"
+    result = run_report(ReportSettings(preset="tiny", device="cuda", batch=4, steps=2, timing_steps=2, out_dir=str(folder)))
+    assert any(name.startswith("triton_") for name in result["compiled"]["kernel_time_us"])
+    assert_top_kernels_indexed(folder, result)
+
+
+def assert_top_kernels_indexed(folder, result) -> None:
     """Each kernel of report.md's top table has an index entry with the file it is in, the ops it
     computes (fused) and the model modules it came from; the runner's own copies say so."""
-    folder, result = report
     index = json.loads((folder / "inspect" / "index.json").read_text())
     graphs = {g["name"]: g for g in index["graphs"]}
     top = sorted(result["compiled"]["kernel_time_us"].items(), key=lambda kv: -kv[1])[:15]
+    assert top
     for name, _ in top:
         entry = result["index_entries"][name]
         if entry["graph"] == "runner":
