@@ -193,6 +193,21 @@ def test_triton_split_k_and_the_pre_pass(fmt, split, x_quantized):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_triton_products_without_a_dot_split_k(fmt, rows):
+    """The one- and two-row plans (multiplies and a sum, no 16-row dot), with and without K split."""
+    from kernels.blockscale.triton import blockscale_linear_triton, plan_launch, split_plan
+
+    k = 640
+    plan = plan_launch(rows, 100, k, sms=8)
+    assert not plan.dot and plan.block_m == rows
+    for split in (1, 3):
+        x, q, scale = triton_operands(fmt, torch.float32, rows, 100, k, torch.float16, seed=split + rows)
+        assert_matches_reference(blockscale_linear_triton(x, q, scale, True, split_plan(plan, k, split)), x, q, scale, True)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_triton_per_block_activation_scales_and_a_zero_block(fmt):
     """Each row's four 128-blocks differ in size by up to 10^6, the weight's inputs the other way
     round, so every block adds a like share to each output (a wrong activation scale on any block

@@ -29,7 +29,7 @@ every program otherwise (`plan_launch` says why).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -56,13 +56,25 @@ def _weight_codes(w_ptr, cols, col_ok, k, stride_wn, SUB_K: tl.constexpr, FP4: t
 
 
 @triton.jit
+def _product(w, xq, DOT: tl.constexpr):
+    """w [N, K] (fp16 codes) times xq [K, M] (e4m3 values in fp32): fp32 [N, M]. One fp16 tensor-core
+    dot; or, for one or two rows (DOT false), products and a sum, so that a program quantises only
+    the rows there are: a dot takes at least 16, and quantising 16 rows of every 128-block in every
+    program is more arithmetic than decoding the weight."""
+    if DOT:
+        return tl.dot(w, xq.to(tl.float16))
+    else:
+        return tl.sum(w.to(tl.float32)[:, :, None] * xq[None, :, :], axis=1)
+
+
+@triton.jit
 def _blockscale_linear_kernel(
     x_ptr, xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counter_ptr,
     M, N, K_BLOCKS, BLOCKS_PER_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_sk, stride_om,
     FP4: tl.constexpr, SCALE_E8M0: tl.constexpr, POW2: tl.constexpr, X_QUANTIZED: tl.constexpr,
     SUB_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -102,7 +114,7 @@ def _blockscale_linear_kernel(
             w = _weight_codes(w_ptr, cols, col_ok, k, stride_wn, SUB_K, FP4)
             w_scale = tl.load(s_ptr + (cols // SCALE_ROWS) * stride_sn + (k // SUB_K) * stride_sk, mask=col_ok, other=0)
             w_scale = weight_scale_to_fp32(w_scale, SCALE_E8M0, FP4)
-            block_sum += tl.dot(w, xq.to(tl.float16)) * w_scale[:, None]
+            block_sum += _product(w, xq, DOT) * w_scale[:, None]
         acc += block_sum * x_scale[None, :]
 
     mask = col_ok[:, None] & row_ok[None, :]
@@ -130,6 +142,8 @@ def _blockscale_linear_kernel(
 # KB of L2 reads per program and the launch the pre-pass would add is most of a small product's
 # time at batch 1 (both HBM reads are the same: x stays in L2).
 IN_KERNEL_QUANT_MAX_ROWS = 16
+# Up to this many rows the product is multiplies and a sum instead of a 16-row dot (`_product`).
+PRODUCT_MAX_ROWS = 2
 MAX_BLOCK_M = 64
 # A split takes at least this many 128-blocks of K, so its pipeline is full most of the time.
 MIN_BLOCKS_PER_SPLIT = 4
@@ -139,7 +153,8 @@ COUNTER_SLOTS = 4096
 @dataclass(frozen=True)
 class Plan:
     """Launch shape: rows and columns per program, K's 128-blocks split `split` ways
-    (`blocks_per_split` each), whether a pre-pass quantises the activations."""
+    (`blocks_per_split` each), whether a pre-pass quantises the activations, whether the product
+    is a tensor-core dot (else multiplies and a sum: `_product`)."""
 
     block_m: int
     block_n: int
@@ -148,13 +163,15 @@ class Plan:
     x_quantized: bool
     num_warps: int = 4
     num_stages: int = 4
+    dot: bool = True
 
 
 def plan_launch(rows: int, n: int, k: int, sms: int) -> Plan:
     """Tiles for `rows` x [n, k]: all rows in one tile up to 64 (the weight read once), 32 columns
     a program up to 16 rows (more programs for narrow weights) and 64 above (a program's x tile
     costs no more L2 reads than its weight strip); K split when the tiles leave SMs idle."""
-    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
+    dot = rows > PRODUCT_MAX_ROWS
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows))) if dot else triton.next_power_of_2(rows)
     block_n = 32 if rows <= IN_KERNEL_QUANT_MAX_ROWS else 64
     tiles = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
     k_blocks = k // FP8_BLOCK
@@ -162,15 +179,14 @@ def plan_launch(rows: int, n: int, k: int, sms: int) -> Plan:
     if tiles < sms:
         split = max(1, min(triton.cdiv(sms, tiles), k_blocks // MIN_BLOCKS_PER_SPLIT))
     per_split = triton.cdiv(k_blocks, split)
-    return Plan(block_m, block_n, triton.cdiv(k_blocks, per_split), per_split, rows > IN_KERNEL_QUANT_MAX_ROWS)
+    return Plan(block_m, block_n, triton.cdiv(k_blocks, per_split), per_split, rows > IN_KERNEL_QUANT_MAX_ROWS, dot=dot)
 
 
 def split_plan(plan: Plan, k: int, split: int) -> Plan:
     """`plan` with K split `split` ways (tests and benchmarks)."""
     k_blocks = k // FP8_BLOCK
     per_split = triton.cdiv(k_blocks, split)
-    return Plan(plan.block_m, plan.block_n, triton.cdiv(k_blocks, per_split), per_split, plan.x_quantized,
-                plan.num_warps, plan.num_stages)
+    return replace(plan, split=triton.cdiv(k_blocks, per_split), blocks_per_split=per_split)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -227,6 +243,6 @@ def blockscale_linear_triton(
         rows.stride(0), weight.stride(0), scale.stride(0), scale.stride(1), out.stride(0),
         FP4=fp4, SCALE_E8M0=e8m0, POW2=pow2, X_QUANTIZED=plan.x_quantized,
         SUB_K=FP4_BLOCK if fp4 else FP8_BLOCK, SCALE_ROWS=1 if fp4 else FP8_BLOCK, SPLIT=plan.split,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, **launch,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, DOT=plan.dot, **launch,
     )
     return out.view(*x.shape[:-1], n)
