@@ -7,8 +7,8 @@ by the block-scaled linear (kernels/blockscale/triton.py) and the block-scaled e
   +-448 and rounded to the nearest e4m3 value, ties to even (`round_to_e4m3`). The rounding is
   arithmetic on fp32 because Triton's interpreter converts fp32 to e4m3 wrongly (no ties to even,
   no subnormals); exact e4m3 values convert exactly everywhere, which is all the kernels convert.
-- e2m1 weights: `e2m1_to_fp16` places a code's bits into fp16 bits, which read as 2^-14 times its
-  value (4 integer operations a code, no select); `weight_scale_to_fp32` folds the 2^14 back into
+- e2m1 weights: `e2m1_pairs_to_fp16` places a code's bits into fp16 bits, which read as 2^-14 times
+  its value (a few integer operations a code, no select); `weight_scale_to_fp32` folds the 2^14 back into
   the weight scale, applied in fp32 after the product. fp16 holds e4m3 and these values exactly
   and their products are exact in fp32, so a power-of-two factor in the scale changes no rounding.
 - Weight scales: ue8m0 arrives as its byte (Triton has no e8m0 type), 2^(byte - 127): byte 0 is
@@ -73,27 +73,31 @@ def act_quant_rows(v, POW2: tl.constexpr):
 
 
 @triton.jit
-def e2m1_to_fp16(codes):
-    """4-bit e2m1 codes (any integer type, sign in bit 3) -> fp16, 2^-14 times their values: the
-    exponent bits (2) and mantissa bit placed at fp16 bits 11..9 make exponent field e and
-    mantissa m/2, i.e. 2^(e-15) * (1 + m/2) = 2^-14 * 2^(e-1) * (1 + m/2) for e > 0 and the fp16
-    subnormal 2^-14 * m/2 for e = 0. `weight_scale_to_fp32` undoes the 2^-14."""
-    c = codes.to(tl.uint16)
-    bits = ((c & 0x7) << 9) | ((c & 0x8) << 12)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True)
+def e2m1_pairs_to_fp16(packed):
+    """[R, C] bytes of two e2m1 codes each -> (low codes, high codes), fp16 [R, C] each, 2^-14 times
+    their values: a code's exponent bits (2) and mantissa bit moved to fp16 bits 11..9 and its sign
+    to bit 15 make exponent field e and mantissa m/2, i.e. 2^(e-15) * (1 + m/2) = 2^-14 * 2^(e-1) *
+    (1 + m/2) for e > 0 and the fp16 subnormal 2^-14 * m/2 for e = 0. Shifted and masked in place,
+    two shifts, two masks and an or a code (uint16 shifts drop the other code's bits);
+    `weight_scale_to_fp32` undoes the 2^-14."""
+    b = packed.to(tl.uint16)
+    low = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
+    high = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
+    return low.to(tl.float16, bitcast=True), high.to(tl.float16, bitcast=True)
 
 
 @triton.jit
 def unpack_e2m1(packed):
-    """[R, C] bytes of two e2m1 codes each, low nibble first -> fp16 [R, 2C] (e2m1_to_fp16's)."""
-    return tl.interleave(e2m1_to_fp16(packed & 0xF), e2m1_to_fp16(packed >> 4))
+    """[R, C] bytes of two e2m1 codes each, low nibble first -> fp16 [R, 2C] (e2m1_pairs_to_fp16's)."""
+    low, high = e2m1_pairs_to_fp16(packed)
+    return tl.interleave(low, high)
 
 
 @triton.jit
 def weight_scale_to_fp32(s, E8M0: tl.constexpr, FP4: tl.constexpr):
     """Loaded weight scales as fp32: ue8m0 bytes are 2^(byte - 127), the fp32 with that exponent
     field (byte 0 is 2^-127, an fp32 subnormal; 255 is NaN); fp32 scales as they are. FP4 scales
-    times 2^14, undoing e2m1_to_fp16's 2^-14 (exact for scales below 2^114)."""
+    times 2^14, undoing e2m1_pairs_to_fp16's 2^-14 (exact for scales below 2^114)."""
     if E8M0:
         biased = s.to(tl.int32)
         bits = tl.where(biased == 0, 0x400000, tl.where(biased == 255, 0x7FC00000, biased << 23))

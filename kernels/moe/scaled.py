@@ -21,7 +21,8 @@ Pipeline, all on the device:
 The products multiply the e4m3 activations (converted to fp16 on load) with the weights' codes
 in registers (FP4: e2m1 codes as fp16, 2^-14 times their values, the 2^14 folded into the weight
 scales; FP8: e4m3 converted to fp16): both are exact in fp16 and their products exact in fp32.
-Each weight scale group (32 inputs for FP4, 128 for FP8) is one fp16 dot with fp32 accumulation,
+Each weight scale group (32 inputs for FP4, 128 for FP8) is one fp16 dot with fp32 accumulation
+(FP4: two of 16 inputs, the bytes' low codes against the even inputs and high codes against the odd),
 scaled in fp32 by its weight scale; each 128-input step by the activations' scale. act_quant,
 the e4m3 rounding and the e2m1 and scale decoding are the shared arithmetic of
 kernels/blockscale/device.py. Results differ from the reference by summation order only, and by
@@ -39,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.blockscale.act_quant_pass import act_quant_triton
-from kernels.blockscale.device import act_quant_rows, unpack_e2m1, weight_scale_to_fp32
+from kernels.blockscale.device import act_quant_rows, e2m1_pairs_to_fp16, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.moe.ref import check_shared_expert
 from kernels.moe.triton import PROGRAMS_PER_SM, _routed_swiglu, _widest_tile, combine_pairs, route_pairs
@@ -98,18 +99,24 @@ def _scaled_product(
         part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for g in tl.static_range(ACT_BLOCK // GROUP):
             kg = k + g * GROUP
-            a = tl.load(a_rows + kg + tl.arange(0, GROUP)[:, None], mask=row_ok[None, :], other=0.0)
             if W_FP4:
+                # A byte's low codes are the even inputs, its high codes the odd ones: one dot each,
+                # so the codes are used where they are decoded (no interleave).
                 j = kg // 2 + tl.arange(0, GROUP // 2)
                 packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + j[None, :] * stride_wk)
-                w = unpack_e2m1(packed)
+                low, high = e2m1_pairs_to_fp16(packed)
+                evens = a_rows + kg + 2 * tl.arange(0, GROUP // 2)[:, None]
+                a_even = tl.load(evens, mask=row_ok[None, :], other=0.0).to(tl.float16)
+                a_odd = tl.load(evens + 1, mask=row_ok[None, :], other=0.0).to(tl.float16)
+                product = tl.dot(high, a_odd, tl.dot(low, a_even))
                 s = tl.load(s_ptr + offs_n * stride_sn + (kg // FP4_GROUP) * stride_sk)
             else:
                 offs_k = kg + tl.arange(0, GROUP)
+                a = tl.load(a_rows + offs_k[:, None], mask=row_ok[None, :], other=0.0)
                 w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk)
-                w = w.to(tl.float16)
+                product = tl.dot(w.to(tl.float16), a.to(tl.float16))
                 s = tl.load(s_ptr + (offs_n // ACT_BLOCK) * stride_sn + (kg // ACT_BLOCK) * stride_sk)
-            part += tl.dot(w, a.to(tl.float16)) * weight_scale_to_fp32(s, S_E8M0, W_FP4)[:, None]
+            part += product * weight_scale_to_fp32(s, S_E8M0, W_FP4)[:, None]
         a_scale = tl.load(a_scale_ptr + a_row * stride_as + k // ACT_BLOCK, mask=row_ok, other=0.0)
         acc += part * a_scale[None, :]
     return tl.trans(acc)
