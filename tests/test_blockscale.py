@@ -200,7 +200,7 @@ def test_triton_products_without_a_dot_split_k(fmt, rows):
 
     k = 640
     plan = plan_launch(rows, 100, k, sms=8)
-    assert not plan.dot and plan.block_m == rows
+    assert plan.product == "sum" and plan.block_m == rows
     for split in (1, 3):
         x, q, scale = triton_operands(fmt, torch.float32, rows, 100, k, torch.float16, seed=split + rows)
         assert_matches_reference(blockscale_linear_triton(x, q, scale, True, split_plan(plan, k, split)), x, q, scale, True)
@@ -356,6 +356,26 @@ def test_gpu_fp4_weights_and_fp32_scales(fmt, rows):
     x, q, scale = gpu_operands(rows, 1000, 2048, fmt, torch.float32, seed=rows)
     for pow2 in (True, False):
         assert_matches_reference(blockscale_linear(x, q, scale, pow2), x, q, scale, pow2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_gpu_e4m3_tensor_core_product(rows):
+    """The e4m3 x e4m3 dot (a plan option): the tensor cores add each product group with fewer bits
+    than fp32, so it is held to a small share of the output's scale instead of fp32 roundings."""
+    from dataclasses import replace
+
+    from kernels.blockscale.triton import blockscale_linear_triton, plan_launch
+
+    for n, k in V4_SHAPES:
+        x, q, scale = gpu_operands(rows, n, k, seed=rows + k)
+        plan = plan_launch(rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        plan = replace(plan, product="e4m3", block_m=max(16, plan.block_m))
+        y, ref = blockscale_linear_triton(x, q, scale, True, plan).double(), blockscale_linear_reference(x, q, scale).double()
+        assert ((y - ref).abs().max() / ref.abs().max()).item() < 2e-3
+    with pytest.raises(ValueError, match="e4m3 product takes FP8 weights"):
+        x, q, scale = gpu_operands(rows, 256, 512, "fp4")
+        blockscale_linear_triton(x, q, scale, True, plan)
 
 
 @pytest.mark.gpu

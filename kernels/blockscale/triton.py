@@ -43,28 +43,30 @@ from kernels.triton_util import interpreting, num_sms
 
 @triton.jit
 def _weight_codes(w_ptr, cols, col_ok, k, stride_wn, SUB_K: tl.constexpr, FP4: tl.constexpr):
-    """Columns `cols` x inputs [k, k + SUB_K) of the weight as fp16 values without their scales
-    (exact: e4m3 and e2m1 are subsets of fp16; e2m1 as 2^-14 times its values, which the FP4
-    scales undo). FP4 rows hold two codes a byte, low nibble first."""
+    """Columns `cols` x inputs [k, k + SUB_K) of the weight without their scales: e4m3 codes as
+    stored, e2m1 codes as fp16 (exact: 2^-14 times their values, which the FP4 scales undo). FP4
+    rows hold two codes a byte, low nibble first."""
     starts = cols.to(tl.int64)[:, None] * stride_wn
     if FP4:
         packed = tl.load(w_ptr + starts + (k // 2 + tl.arange(0, SUB_K // 2))[None, :], mask=col_ok[:, None], other=0)
         return unpack_e2m1(packed)
     else:
-        codes = tl.load(w_ptr + starts + (k + tl.arange(0, SUB_K))[None, :], mask=col_ok[:, None], other=0.0)
-        return codes.to(tl.float16)
+        return tl.load(w_ptr + starts + (k + tl.arange(0, SUB_K))[None, :], mask=col_ok[:, None], other=0.0)
 
 
 @triton.jit
-def _product(w, xq, DOT: tl.constexpr):
-    """w [N, K] (fp16 codes) times xq [K, M] (e4m3 values in fp32): fp32 [N, M]. One fp16 tensor-core
-    dot; or, for one or two rows (DOT false), products and a sum, so that a program quantises only
-    the rows there are: a dot takes at least 16, and quantising 16 rows of every 128-block in every
-    program is more arithmetic than decoding the weight."""
-    if DOT:
-        return tl.dot(w, xq.to(tl.float16))
+def _product(w, xq, PRODUCT: tl.constexpr):
+    """w [N, K] (weight codes) times xq [K, M] (e4m3 values): fp32 [N, M], as PRODUCT says
+    (PRODUCTS): an fp16 tensor-core dot (e4m3 and e2m1 values are exact in fp16, their products in
+    fp32); an e4m3 dot (FP8 weights, on the GPU: no conversion, but the tensor cores add each
+    product group with fewer bits than fp32); or products and a sum, so that a program quantises
+    only the rows there are, where a dot takes at least 16."""
+    if PRODUCT == 1:
+        return tl.dot(w.to(tl.float16), xq.to(tl.float16))
+    elif PRODUCT == 2:
+        return tl.dot(w, xq.to(tl.float8e4nv))
     else:
-        return tl.sum(w.to(tl.float32)[:, :, None] * xq[None, :, :], axis=1)
+        return tl.sum(w.to(tl.float32)[:, :, None] * xq.to(tl.float32)[None, :, :], axis=1)
 
 
 @triton.jit
@@ -74,7 +76,7 @@ def _blockscale_linear_kernel(
     stride_xm, stride_wn, stride_sn, stride_sk, stride_om,
     FP4: tl.constexpr, SCALE_E8M0: tl.constexpr, POW2: tl.constexpr, X_QUANTIZED: tl.constexpr,
     SUB_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRODUCT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -114,7 +116,7 @@ def _blockscale_linear_kernel(
             w = _weight_codes(w_ptr, cols, col_ok, k, stride_wn, SUB_K, FP4)
             w_scale = tl.load(s_ptr + (cols // SCALE_ROWS) * stride_sn + (k // SUB_K) * stride_sk, mask=col_ok, other=0)
             w_scale = weight_scale_to_fp32(w_scale, SCALE_E8M0, FP4)
-            block_sum += _product(w, xq, DOT) * w_scale[:, None]
+            block_sum += _product(w, xq, PRODUCT) * w_scale[:, None]
         acc += block_sum * x_scale[None, :]
 
     mask = col_ok[:, None] & row_ok[None, :]
@@ -142,8 +144,9 @@ def _blockscale_linear_kernel(
 # KB of L2 reads per program and the launch the pre-pass would add is most of a small product's
 # time at batch 1 (both HBM reads are the same: x stays in L2).
 IN_KERNEL_QUANT_MAX_ROWS = 16
-# Up to this many rows the product is multiplies and a sum instead of a 16-row dot (`_product`).
-PRODUCT_MAX_ROWS = 2
+# How `_product` multiplies; up to SUM_MAX_ROWS rows with multiplies and a sum, not a 16-row dot.
+PRODUCTS = {"sum": 0, "fp16": 1, "e4m3": 2}
+SUM_MAX_ROWS = 2
 MAX_BLOCK_M = 64
 # A split takes at least this many 128-blocks of K, so its pipeline is full most of the time.
 MIN_BLOCKS_PER_SPLIT = 4
@@ -153,8 +156,8 @@ COUNTER_SLOTS = 4096
 @dataclass(frozen=True)
 class Plan:
     """Launch shape: rows and columns per program, K's 128-blocks split `split` ways
-    (`blocks_per_split` each), whether a pre-pass quantises the activations, whether the product
-    is a tensor-core dot (else multiplies and a sum: `_product`)."""
+    (`blocks_per_split` each), whether a pre-pass quantises the activations, and how the product
+    is computed (a key of PRODUCTS; "e4m3" for FP8 weights on a GPU only)."""
 
     block_m: int
     block_n: int
@@ -163,15 +166,15 @@ class Plan:
     x_quantized: bool
     num_warps: int = 4
     num_stages: int = 4
-    dot: bool = True
+    product: str = "fp16"
 
 
 def plan_launch(rows: int, n: int, k: int, sms: int) -> Plan:
     """Tiles for `rows` x [n, k]: all rows in one tile up to 64 (the weight read once), 32 columns
     a program up to 16 rows (more programs for narrow weights) and 64 above (a program's x tile
     costs no more L2 reads than its weight strip); K split when the tiles leave SMs idle."""
-    dot = rows > PRODUCT_MAX_ROWS
-    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows))) if dot else triton.next_power_of_2(rows)
+    product = "sum" if rows <= SUM_MAX_ROWS else "fp16"
+    block_m = triton.next_power_of_2(rows) if product == "sum" else min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
     block_n = 32 if rows <= IN_KERNEL_QUANT_MAX_ROWS else 64
     tiles = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
     k_blocks = k // FP8_BLOCK
@@ -179,7 +182,7 @@ def plan_launch(rows: int, n: int, k: int, sms: int) -> Plan:
     if tiles < sms:
         split = max(1, min(triton.cdiv(sms, tiles), k_blocks // MIN_BLOCKS_PER_SPLIT))
     per_split = triton.cdiv(k_blocks, split)
-    return Plan(block_m, block_n, triton.cdiv(k_blocks, per_split), per_split, rows > IN_KERNEL_QUANT_MAX_ROWS, dot=dot)
+    return Plan(block_m, block_n, triton.cdiv(k_blocks, per_split), per_split, rows > IN_KERNEL_QUANT_MAX_ROWS, product=product)
 
 
 def split_plan(plan: Plan, k: int, split: int) -> Plan:
@@ -228,6 +231,8 @@ def blockscale_linear_triton(
         plan = plan_launch(m, n, k, num_sms(x.device))
     k_blocks = k // FP8_BLOCK
     fp4 = weight.dtype == torch.uint8
+    if plan.product == "e4m3" and (fp4 or interpreting()):
+        raise ValueError("blockscale_linear (triton): the e4m3 product takes FP8 weights on a GPU")
     e8m0 = scale.dtype == torch.float8_e8m0fnu
     scale_bits = scale.view(torch.uint8) if e8m0 else scale
     xq, xs = act_quant_triton(rows, pow2) if plan.x_quantized else (rows, rows)  # unused without the pre-pass
@@ -243,6 +248,6 @@ def blockscale_linear_triton(
         rows.stride(0), weight.stride(0), scale.stride(0), scale.stride(1), out.stride(0),
         FP4=fp4, SCALE_E8M0=e8m0, POW2=pow2, X_QUANTIZED=plan.x_quantized,
         SUB_K=FP4_BLOCK if fp4 else FP8_BLOCK, SCALE_ROWS=1 if fp4 else FP8_BLOCK, SPLIT=plan.split,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, DOT=plan.dot, **launch,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, PRODUCT=PRODUCTS[plan.product], **launch,
     )
     return out.view(*x.shape[:-1], n)
