@@ -394,6 +394,7 @@ def _with_modules(graph: CompiledGraph, recorded: GraphModules, names: ModelName
     inputs = recorded.inputs if wrapper_arity(source) == len(recorded.inputs) else ()
     owners = lambda positions: [inputs[p] for p in positions if p < len(inputs) and inputs[p] is not None]  # noqa: E731
     opaque = {k.name for k in graph.kernels if k.kind in ("extern", "custom op")}
+    own = names.layers[graph.layers[0]] if graph.layers and graph.layers[0] < len(names.layers) else ""
     found: dict[str, list[str]] = {}
     for launch in launches(source):
         if launch.region_inputs is None:
@@ -408,7 +409,9 @@ def _with_modules(graph: CompiledGraph, recorded: GraphModules, names: ModelName
             modules = owners(launch.inputs) or _layers_of(owners(launch.region_inputs), names.layers)
         if len(set(modules)) > 1:
             modules = [m for m in modules if m]  # the model itself says nothing beside a module
-        found.setdefault(launch.kernel, []).extend(modules)
+        # Nodes of the compiled function's own body have no module call recorded: they belong to
+        # the layer a regional graph was captured from, else to the model.
+        found.setdefault(launch.kernel, []).extend(modules or [own])
     kernels = tuple(replace(k, modules=module_list(found.get(k.name, ()), names.layers, graph.layers)) for k in graph.kernels)
     return replace(graph, kernels=kernels)
 
