@@ -362,7 +362,8 @@ def test_gpu_fp4_weights_and_fp32_scales(fmt, rows):
 @pytest.mark.parametrize("rows", [1, 16, 64])
 def test_gpu_e4m3_tensor_core_product(rows):
     """The e4m3 x e4m3 dot (a plan option): the tensor cores add each product group with fewer bits
-    than fp32, so it is held to a small share of the output's scale instead of fp32 roundings."""
+    than fp32, so it is held to the benchmark's share of the output's scale (about two bf16
+    roundings of the largest output) instead of fp32 roundings."""
     from dataclasses import replace
 
     from kernels.blockscale.triton import blockscale_linear_triton, plan_launch
@@ -372,7 +373,7 @@ def test_gpu_e4m3_tensor_core_product(rows):
         plan = plan_launch(rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
         plan = replace(plan, product="e4m3", block_m=max(16, plan.block_m))
         y, ref = blockscale_linear_triton(x, q, scale, True, plan).double(), blockscale_linear_reference(x, q, scale).double()
-        assert ((y - ref).abs().max() / ref.abs().max()).item() < 2e-3
+        assert ((y - ref).abs().max() / ref.abs().max()).item() < 8e-3
     with pytest.raises(ValueError, match="e4m3 product takes FP8 weights"):
         x, q, scale = gpu_operands(rows, 256, 512, "fp4")
         blockscale_linear_triton(x, q, scale, True, plan)
