@@ -11,6 +11,7 @@ import contextlib
 import gc
 import logging
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
@@ -85,6 +86,7 @@ def _build_bucket(size: int, step: StepFn, model, use_graphs: bool, pool, stats:
             graph, output = capture(lambda: step(*inputs), pool=pool)
     except Exception as error:  # noqa: BLE001 - this bucket runs without a graph; the others are unaffected
         reason = f"capture failed: {type(error).__name__}: {error}".splitlines()[0][:300]
+        traceback.clear_frames(error.__traceback__)  # the tensors its frames hold, whoever keeps the error
     if reason is not None:
         # Outside the except block, so that the error's traceback, and the tensors its frames
         # held, are gone: what the failed capture allocated (out of memory, say) goes back to

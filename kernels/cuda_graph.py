@@ -26,24 +26,26 @@ def capture(
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.current_stream()
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool  # its id, for _abandon
     try:
         with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
             out = fn()
     except BaseException:
-        _abandon(graph, stream)
+        _abandon(graph, pool, stream)
         raise
     return graph, out
 
 
-def _abandon(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
+def _abandon(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream) -> None:
     """Undo what a failed capture left behind. When the capture is invalidated (a synchronising
     call inside it, say), torch.cuda.graph's exit raises from capture_end before the caching
     allocator stops recording into the graph's pool and before the caller's stream is current
     again: the next capture into that pool would fail ("already recording"), and later work
-    would run on the capture's stream."""
+    would run on the capture's stream. (The graph cannot name its pool: it raises for a capture
+    that did not end.)"""
     if torch.cuda.is_current_stream_capturing():
         with contextlib.suppress(RuntimeError):
             graph.capture_end()  # ends the stream's capture, then raises for the invalid graph
     with contextlib.suppress(RuntimeError):  # raises where capture_end got that far itself
-        torch._C._cuda_endAllocateToPool(stream.device_index, graph.pool())
+        torch._C._cuda_endAllocateToPool(stream.device_index, pool)
     torch.cuda.set_stream(stream)
