@@ -207,6 +207,23 @@ def test_triton_products_without_a_dot_split_k(fmt, rows):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("rows", [1, 16])
+def test_every_plan_the_benchmark_sweeps_computes_the_product(rows):
+    """The plans kernels/bench/blockscale_plans.py times (all but the e4m3 dot, GPU only) give the
+    reference's result: a plan the sweep finds fastest can become the default as it is."""
+    from kernels.bench.blockscale_plans import candidate_plans
+    from kernels.blockscale.triton import blockscale_linear_triton
+
+    n, k = 160, 512
+    x, q, scale = triton_operands("fp8", torch.float8_e8m0fnu, rows, n, k, torch.float16, seed=rows)
+    plans = candidate_plans(rows, n, k, sms=8)
+    assert "default" in plans and {p.product for p in plans.values()} >= {"fp16", "e4m3"}
+    for name, plan in plans.items():
+        if plan.product != "e4m3":
+            assert_matches_reference(blockscale_linear_triton(x, q, scale, True, plan), x, q, scale, True)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_triton_per_block_activation_scales_and_a_zero_block(fmt):
     """Each row's four 128-blocks differ in size by up to 10^6, the weight's inputs the other way
