@@ -9,6 +9,8 @@ widths). GPU tests run them compiled at V4-Flash widths in bf16, replayed in a C
 new routing, under the sync debug mode, inside torch.compile, and through opcheck."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -295,6 +297,22 @@ def test_scaled_matches_reference(fmt, scale_dtype, batch, dtype, shared):
     if shared >= 0:
         without = moe_experts(x, ids, weights, w1, w2, w3, LIMIT, impl="triton", scales=scales)
         assert (out - without).abs().max() > 0.1 * out.abs().max(), "the shared expert added nothing"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mx", [True, False], ids=["dot_scaled", "decoded codes"])
+def test_scaled_fp4_both_products(mx):
+    """FP4 with ue8m0 scales through `tl.dot_scaled` (the default) and through the codes decoded
+    in the kernel (the other formats' path, kept for them and for comparison)."""
+    from kernels.moe.scaled import choose_scaled_tiles, moe_experts_scaled_triton
+
+    picks, num_experts, batch = 3, SCALED["num_experts"], 6
+    w1, w2, w3, scales = scaled_experts("fp4", E8M0, num_experts, SCALED["dim"], SCALED["inter"], "cpu", seed=220)
+    ids, weights = routed_ids("random", batch, picks, num_experts, seed=221)
+    x = torch.randn(batch, SCALED["dim"], generator=torch.Generator().manual_seed(222)).to(torch.float16)
+    tiles = dataclasses.replace(choose_scaled_tiles(batch * picks, num_experts, SCALED["dim"], 8), mx=mx)
+    out = moe_experts_scaled_triton(x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles)
+    assert_scaled_close(out, moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, -1, scales), torch.float16)
 
 
 @pytest.mark.interpreter

@@ -59,11 +59,13 @@ FP4_GROUP = tl.constexpr(FP4_BLOCK)
 
 @dataclass(frozen=True)
 class ScaledTiles:
-    """Launch shape of the down product (the gate/up tile is fixed: UP_BLOCK_N)."""
+    """Launch shape of the down product (the gate/up tile is fixed: UP_BLOCK_N), and whether FP4
+    weights with ue8m0 scales go through `tl.dot_scaled` (else the codes are decoded here)."""
 
     down_block_n: int
     num_warps: int = 4
     num_stages: int = 3
+    mx: bool = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,42 +86,63 @@ def _scaled_product(
     a_ptr, a_scale_ptr, a_row, row_ok, stride_am, stride_as,
     w_ptr, s_ptr, offs_n, stride_wn, stride_wk, stride_sn, stride_sk,
     k_size,
-    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """[BLOCK_M, BLOCK_N] fp32: rows a_row of the quantised activations (e4m3 values [rows, K],
     converted to fp16 on load, and one scale per 128) times weight rows offs_n (w_ptr, s_ptr at
     the expert), dequantised on the fly: per weight scale group one fp16 dot, scaled by the weight
-    scales; per 128 inputs the sum of its groups scaled by the activation scales."""
-    GROUP: tl.constexpr = FP4_GROUP if W_FP4 else ACT_BLOCK
+    scales; per 128 inputs the sum of its groups scaled by the activation scales. MX (FP4 codes with
+    ue8m0 scales, the microscaling format): each 128 inputs are one `tl.dot_scaled` of the packed
+    codes and their scales with the e4m3 values, Triton's own decoding of the format."""
     # The weight is the dot's first operand (N x K) and the rows its second (K x rows), so the few
     # rows of a segment take the dot's narrow side; the tile comes out transposed.
     a_rows = a_ptr + a_row[None, :].to(tl.int64) * stride_am
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(0, k_size, ACT_BLOCK):
-        part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for g in tl.static_range(ACT_BLOCK // GROUP):
-            kg = k + g * GROUP
-            if W_FP4:
-                # A byte's low codes are the even inputs, its high codes the odd ones: one dot each,
-                # so the codes are used where they are decoded (no interleave).
-                j = kg // 2 + tl.arange(0, GROUP // 2)
-                packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + j[None, :] * stride_wk)
-                low, high = e2m1_pairs_to_fp16(packed)
-                evens = a_rows + kg + 2 * tl.arange(0, GROUP // 2)[:, None]
-                a_even = tl.load(evens, mask=row_ok[None, :], other=0.0).to(tl.float16)
-                a_odd = tl.load(evens + 1, mask=row_ok[None, :], other=0.0).to(tl.float16)
-                product = tl.dot(high, a_odd, tl.dot(low, a_even))
-                s = tl.load(s_ptr + offs_n * stride_sn + (kg // FP4_GROUP) * stride_sk)
-            else:
-                offs_k = kg + tl.arange(0, GROUP)
-                a = tl.load(a_rows + offs_k[:, None], mask=row_ok[None, :], other=0.0)
-                w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk)
-                product = tl.dot(w.to(tl.float16), a.to(tl.float16))
-                s = tl.load(s_ptr + (offs_n // ACT_BLOCK) * stride_sn + (kg // ACT_BLOCK) * stride_sk)
-            part += product * weight_scale_to_fp32(s, S_E8M0, W_FP4)[:, None]
+        if MX:
+            j = k // 2 + tl.arange(0, ACT_BLOCK // 2)
+            packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + j[None, :] * stride_wk)
+            groups = k // FP4_GROUP + tl.arange(0, ACT_BLOCK // FP4_GROUP)
+            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + groups[None, :] * stride_sk)
+            a = tl.load(a_rows + k + tl.arange(0, ACT_BLOCK)[:, None], mask=row_ok[None, :], other=0.0)
+            part = tl.dot_scaled(packed, s, "e2m1", a, None, "e4m3")
+        else:
+            part = _group_products(a_rows, row_ok, w_ptr, s_ptr, offs_n, stride_wn, stride_wk, stride_sn, stride_sk,
+                                   k, W_FP4, S_E8M0, BLOCK_M, BLOCK_N)
         a_scale = tl.load(a_scale_ptr + a_row * stride_as + k // ACT_BLOCK, mask=row_ok, other=0.0)
         acc += part * a_scale[None, :]
     return tl.trans(acc)
+
+
+@triton.jit
+def _group_products(
+    a_rows, row_ok, w_ptr, s_ptr, offs_n, stride_wn, stride_wk, stride_sn, stride_sk, k,
+    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The 128 inputs from k of _scaled_product, one fp16 dot per weight scale group."""
+    GROUP: tl.constexpr = FP4_GROUP if W_FP4 else ACT_BLOCK
+    part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for g in tl.static_range(ACT_BLOCK // GROUP):
+        kg = k + g * GROUP
+        if W_FP4:
+            # A byte's low codes are the even inputs, its high codes the odd ones: one dot each,
+            # so the codes are used where they are decoded (no interleave).
+            j = kg // 2 + tl.arange(0, GROUP // 2)
+            packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + j[None, :] * stride_wk)
+            low, high = e2m1_pairs_to_fp16(packed)
+            evens = a_rows + kg + 2 * tl.arange(0, GROUP // 2)[:, None]
+            a_even = tl.load(evens, mask=row_ok[None, :], other=0.0).to(tl.float16)
+            a_odd = tl.load(evens + 1, mask=row_ok[None, :], other=0.0).to(tl.float16)
+            product = tl.dot(high, a_odd, tl.dot(low, a_even))
+            s = tl.load(s_ptr + offs_n * stride_sn + (kg // FP4_GROUP) * stride_sk)
+        else:
+            offs_k = kg + tl.arange(0, GROUP)
+            a = tl.load(a_rows + offs_k[:, None], mask=row_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk)
+            product = tl.dot(w.to(tl.float16), a.to(tl.float16))
+            s = tl.load(s_ptr + (offs_n // ACT_BLOCK) * stride_sn + (kg // ACT_BLOCK) * stride_sk)
+        part += product * weight_scale_to_fp32(s, S_E8M0, W_FP4)[:, None]
+    return part
 
 
 @triton.jit
@@ -142,7 +165,7 @@ def _gate_up_tile(
     stride_w1n, stride_w1k, stride_s1n, stride_s1k,
     stride_w3n, stride_w3k, stride_s3n, stride_s3k,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr, POW2: tl.constexpr,
-    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr,
+    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     BLOCK_N: tl.constexpr = ACT_BLOCK
     row_ok, pair = _segment_rows(sorted_pair_ptr, segment, rows, SEGMENT, BLOCK_M)
@@ -152,12 +175,12 @@ def _gate_up_tile(
     gate = _scaled_product(
         xq_ptr, xs_ptr, token, row_ok, dim, blocks_in,
         w1_ptr, s1_ptr, offs_n, stride_w1n, stride_w1k, stride_s1n, stride_s1k,
-        dim, W_FP4, S_E8M0, BLOCK_M, BLOCK_N,
+        dim, W_FP4, S_E8M0, MX, BLOCK_M, BLOCK_N,
     )
     up = _scaled_product(
         xq_ptr, xs_ptr, token, row_ok, dim, blocks_in,
         w3_ptr, s3_ptr, offs_n, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
-        dim, W_FP4, S_E8M0, BLOCK_M, BLOCK_N,
+        dim, W_FP4, S_E8M0, MX, BLOCK_M, BLOCK_N,
     )
 
     h = _routed_swiglu(gate, up, x_ptr, route_w_ptr, token, pair, row_ok, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT)
@@ -176,7 +199,7 @@ def _scaled_gate_up_kernel(
     stride_w1e, stride_w1n, stride_w1k, stride_s1e, stride_s1n, stride_s1k,
     stride_w3e, stride_w3n, stride_w3k, stride_s3e, stride_s3n, stride_s3k,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr, POW2: tl.constexpr,
-    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, SEGMENT: tl.constexpr,
+    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr, SEGMENT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_n = inter // ACT_BLOCK
@@ -197,21 +220,21 @@ def _scaled_gate_up_kernel(
             x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr, sorted_pair_ptr,
             segment, rows, tile_n, dim, inter, swiglu_limit,
             stride_w1n, stride_w1k, stride_s1n, stride_s1k, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
-            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, SEGMENT, 16,
+            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, MX, SEGMENT, 16,
         )
     elif rows <= 32:
         _gate_up_tile(
             x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr, sorted_pair_ptr,
             segment, rows, tile_n, dim, inter, swiglu_limit,
             stride_w1n, stride_w1k, stride_s1n, stride_s1k, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
-            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, SEGMENT, 32,
+            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, MX, SEGMENT, 32,
         )
     else:
         _gate_up_tile(
             x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr, sorted_pair_ptr,
             segment, rows, tile_n, dim, inter, swiglu_limit,
             stride_w1n, stride_w1k, stride_s1n, stride_s1k, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
-            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, SEGMENT, SEGMENT,
+            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, MX, SEGMENT, SEGMENT,
         )
 
 
@@ -220,14 +243,15 @@ def _down_tile(
     hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr,
     segment, rows, tile_n, inter,
     stride_wn, stride_wk, stride_sn, stride_sk, stride_ym,
-    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     row_ok, pair = _segment_rows(sorted_pair_ptr, segment, rows, SEGMENT, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _scaled_product(
         hq_ptr, hs_ptr, pair, row_ok, inter, inter // ACT_BLOCK,
         w2_ptr, s2_ptr, offs_n, stride_wn, stride_wk, stride_sn, stride_sk,
-        inter, W_FP4, S_E8M0, BLOCK_M, BLOCK_N,
+        inter, W_FP4, S_E8M0, MX, BLOCK_M, BLOCK_N,
     )
     y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -239,7 +263,7 @@ def _scaled_down_kernel(
     sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
     dim, inter,
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ym,
-    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_N: tl.constexpr,
+    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_n = dim // BLOCK_N
@@ -255,17 +279,17 @@ def _scaled_down_kernel(
     if rows <= 16:
         _down_tile(
             hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr, segment, rows, tile_n, inter,
-            stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, W_FP4, S_E8M0, SEGMENT, BLOCK_N, 16,
+            stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, W_FP4, S_E8M0, MX, SEGMENT, BLOCK_N, 16,
         )
     elif rows <= 32:
         _down_tile(
             hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr, segment, rows, tile_n, inter,
-            stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, W_FP4, S_E8M0, SEGMENT, BLOCK_N, 32,
+            stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, W_FP4, S_E8M0, MX, SEGMENT, BLOCK_N, 32,
         )
     else:
         _down_tile(
             hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr, segment, rows, tile_n, inter,
-            stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, W_FP4, S_E8M0, SEGMENT, BLOCK_N, SEGMENT,
+            stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, W_FP4, S_E8M0, MX, SEGMENT, BLOCK_N, SEGMENT,
         )
 
 
@@ -339,7 +363,7 @@ def moe_experts_scaled_triton(
         dim, inter, float(swiglu_limit),
         *w1.stride(), *s1.stride(), *w3.stride(), *s3.stride(),
         PICKS=picks, PAIRS_PER_TOKEN=pairs_per_token, HAS_LIMIT=swiglu_limit > 0, POW2=pow2,
-        W_FP4=up_fp4, S_E8M0=s1.dtype == torch.uint8, SEGMENT=SEGMENT_ROWS,
+        W_FP4=up_fp4, S_E8M0=s1.dtype == torch.uint8, MX=tiles.mx and up_fp4 and s1.dtype == torch.uint8, SEGMENT=SEGMENT_ROWS,
         **launch,
     )
     _scaled_down_kernel[(segments.num_blocks * (dim // tiles.down_block_n),)](
@@ -347,7 +371,8 @@ def moe_experts_scaled_triton(
         segments.sorted_pair, segments.block_expert, segments.block_rows,
         dim, inter,
         *w2.stride(), *s2.stride(), y.stride(0),
-        W_FP4=down_fp4, S_E8M0=s2.dtype == torch.uint8, SEGMENT=SEGMENT_ROWS, BLOCK_N=tiles.down_block_n,
+        W_FP4=down_fp4, S_E8M0=s2.dtype == torch.uint8, MX=tiles.mx and down_fp4 and s2.dtype == torch.uint8,
+        SEGMENT=SEGMENT_ROWS, BLOCK_N=tiles.down_block_n,
         **launch,
     )
     return combine_pairs(y, ids, out, num_experts, pairs_per_token)
