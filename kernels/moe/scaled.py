@@ -22,7 +22,8 @@ The products multiply the e4m3 activations (converted to fp16 on load) with the 
 in registers (FP4: e2m1 codes as fp16, 2^-14 times their values, the 2^14 folded into the weight
 scales; FP8: e4m3 converted to fp16): both are exact in fp16 and their products exact in fp32.
 Each weight scale group (32 inputs for FP4, 128 for FP8) is one fp16 dot with fp32 accumulation
-(FP4: two of 16 inputs, the bytes' low codes against the even inputs and high codes against the odd),
+(FP4: two of 16 inputs, the bytes' low codes against the even inputs and high codes against the odd;
+FP4 with ue8m0 scales, the MX format, instead one `tl.dot_scaled` per 128 inputs),
 scaled in fp32 by its weight scale; each 128-input step by the activations' scale. act_quant,
 the e4m3 rounding and the e2m1 and scale decoding are the shared arithmetic of
 kernels/blockscale/device.py. Results differ from the reference by summation order only, and by
