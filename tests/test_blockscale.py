@@ -178,7 +178,8 @@ def test_triton_split_k_and_the_pre_pass(fmt, split, x_quantized):
     """Plans the interpreter's 8 SMs would not pick at these sizes: K split 2 or 3 ways (the last
     program of a tile adds the partials, and leaves the counters at zero for the next launch),
     activations quantised in-kernel or by the pre-pass, and more rows than one row tile."""
-    from kernels.blockscale.triton import Plan, _split_counters, blockscale_linear_triton, split_plan
+    from kernels.blockscale.triton import Plan, blockscale_linear_triton, split_plan
+    from kernels.triton_util import split_counters
 
     k = 640  # five blocks: splits of 3 + 2 and 2 + 2 + 1
     plan = split_plan(Plan(block_m=16, block_n=32, split=1, blocks_per_split=5, x_quantized=x_quantized), k, split)
@@ -188,7 +189,7 @@ def test_triton_split_k_and_the_pre_pass(fmt, split, x_quantized):
         y = blockscale_linear_triton(x, q, scale, True, plan)
         assert_matches_reference(y, x, q, scale, True)
         assert torch.equal(blockscale_linear_triton(x, q, scale, True, plan), y)  # deterministic, counters reset
-    assert not _split_counters(torch.device("cpu"), 16).any()
+    assert not split_counters(torch.device("cpu"), 16).any()
 
 
 @pytest.mark.interpreter

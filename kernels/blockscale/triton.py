@@ -20,8 +20,8 @@ weight byte once with all SMs busy:
 - Split K: each program writes its fp32 partial tile to a scratch buffer and counts its arrival;
   the last program of a tile sums the partials in split order (deterministic whichever program
   arrives last), writes the output and sets the counter back to zero for the next launch (no
-  memset per call; `_split_counters`). Nothing syncs with the host and every allocation depends
-  on shapes only, so a call can be captured in a CUDA graph.
+  memset per call: kernels/triton_util.py `split_counters`). Nothing syncs with the host and
+  every allocation depends on shapes only, so a call can be captured in a CUDA graph.
 
 Activations are quantised once by the act_quant pre-pass (kernels/blockscale/act_quant_pass.py:
 e4m3 values and fp32 scales, 1 byte a value) from more than IN_KERNEL_QUANT_MAX_ROWS rows, and by
@@ -38,7 +38,7 @@ import triton.language as tl
 from kernels.blockscale.act_quant_pass import act_quant_triton
 from kernels.blockscale.device import act_scale, quantize_e4m3, unpack_e2m1, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
-from kernels.triton_util import interpreting, num_sms
+from kernels.triton_util import interpreting, num_sms, split_counters
 
 
 @triton.jit
@@ -150,7 +150,6 @@ SUM_MAX_ROWS = 2
 MAX_BLOCK_M = 64
 # A split takes at least this many 128-blocks of K, so its pipeline is full most of the time.
 MIN_BLOCKS_PER_SPLIT = 4
-COUNTER_SLOTS = 4096
 
 
 @dataclass(frozen=True)
@@ -192,24 +191,6 @@ def split_plan(plan: Plan, k: int, split: int) -> Plan:
     return replace(plan, split=triton.cdiv(k_blocks, per_split), blocks_per_split=per_split)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Arrival counters of split tiles, zero between launches (the last program of a tile resets
-    its own). One buffer per device, made outside any CUDA-graph capture so that captured calls
-    share it too; calls that split K must therefore not run concurrently on two streams of one
-    device. A capture that finds no buffer (or a call with more tiles than it holds) gets a
-    zeroed buffer of its own, whose memset the graph then records."""
-    counters = _COUNTERS.get(device)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if counters is None and not capturing:
-        counters = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    if counters is None or tiles > counters.numel():
-        return torch.zeros(tiles, dtype=torch.int32, device=device)
-    return counters
-
-
 def blockscale_linear_triton(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool = True, plan: Plan | None = None
 ) -> torch.Tensor:
@@ -240,7 +221,7 @@ def blockscale_linear_triton(
     partials, counters = out, out  # unused without a split
     if plan.split > 1:
         partials = torch.empty((plan.split, m, n), dtype=torch.float32, device=x.device)
-        counters = _split_counters(x.device, tiles_n * tiles_m)
+        counters = split_counters(x.device, tiles_n * tiles_m)
     launch = {} if interpreting() else {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
     _blockscale_linear_kernel[(tiles_n, plan.split, tiles_m)](
         rows, xq, xs, weight, scale_bits, out, partials, counters,
