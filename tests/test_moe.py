@@ -300,6 +300,28 @@ def test_scaled_matches_reference(fmt, scale_dtype, batch, dtype, shared):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.parametrize("split", [2, 3])
+def test_scaled_gate_up_split_k(fmt, split):
+    """K of the gate/up product split 2 or 3 ways (4 blocks: 2 + 2, and 2 + 1 + 1): the last split
+    of each tile sums the partials and runs the epilogue; the same result twice (the sum's order
+    does not depend on which split arrives last) and the arrival counters back at zero."""
+    from kernels.moe.scaled import choose_scaled_tiles, moe_experts_scaled_triton
+    from kernels.triton_util import split_counters
+
+    picks, num_experts, dim, inter = 3, 8, 512, 256
+    w1, w2, w3, scales = scaled_experts(fmt, E8M0, num_experts, dim, inter, "cpu", seed=230 + split)
+    for batch in (1, 5):
+        ids, weights = routed_ids("random", batch, picks, num_experts, seed=231 + batch)
+        x = torch.randn(batch, dim, generator=torch.Generator().manual_seed(232 + batch)).to(torch.float32)
+        tiles = dataclasses.replace(choose_scaled_tiles(batch * picks, num_experts, dim, inter, 8), up_split=split)
+        out = moe_experts_scaled_triton(x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles)
+        assert_scaled_close(out, moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, -1, scales), torch.float32)
+        assert torch.equal(moe_experts_scaled_triton(x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles), out)
+    assert not split_counters(torch.device("cpu"), 64).any()
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("mx", [True, False], ids=["dot_scaled", "decoded codes"])
 def test_scaled_fp4_both_products(mx):
     """FP4 with ue8m0 scales through `tl.dot_scaled` (the default) and through the codes decoded
@@ -310,7 +332,7 @@ def test_scaled_fp4_both_products(mx):
     w1, w2, w3, scales = scaled_experts("fp4", E8M0, num_experts, SCALED["dim"], SCALED["inter"], "cpu", seed=220)
     ids, weights = routed_ids("random", batch, picks, num_experts, seed=221)
     x = torch.randn(batch, SCALED["dim"], generator=torch.Generator().manual_seed(222)).to(torch.float16)
-    tiles = dataclasses.replace(choose_scaled_tiles(batch * picks, num_experts, SCALED["dim"], 8), mx=mx)
+    tiles = dataclasses.replace(choose_scaled_tiles(batch * picks, num_experts, SCALED["dim"], SCALED["inter"], 8), mx=mx)
     out = moe_experts_scaled_triton(x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles)
     assert_scaled_close(out, moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, -1, scales), torch.float16)
 

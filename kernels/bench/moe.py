@@ -264,7 +264,7 @@ def scaled_table(copy_gbs: float) -> str:
         return moe_experts(x, ids, weights, d1, d2, d3, LIMIT, impl=impl)
 
     def codes_path(x, ids, weights):  # FP4 codes decoded in the kernel instead of tl.dot_scaled
-        tiles = choose_scaled_tiles(ids.numel(), w1.shape[0], DIM, num_sms(x.device))
+        tiles = choose_scaled_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(x.device))
         return moe_experts_scaled_triton(x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=dataclasses.replace(tiles, mx=False))
 
     shared_bytes = sum(t.numel() * t.element_size() for t in shared)

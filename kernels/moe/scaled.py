@@ -13,7 +13,9 @@ Pipeline, all on the device:
 3. Gate/up: per (segment, 128 columns of the intermediate), both products over the model width,
    rounded to x's dtype, the clamped SwiGLU times the routing weight in fp32, rounded again, then
    act_quant of that: the tile is one activation block wide, so the epilogue holds whole blocks.
-   Stored per pair: e4m3 values and one scale per 128.
+   Stored per pair: e4m3 values and one scale per 128. With few experts picked the model width
+   is split among programs; the last of a tile to arrive sums the partials in split order and
+   runs the epilogue (kernels/triton_util.py's arrival counters).
 4. Down: per (segment, N tile of the model width), the product over the intermediate, rounded to
    x's dtype, stored per pair.
 5. Combine: kernels/moe/triton.py's combine_pairs (fp32, pick order).
@@ -44,13 +46,15 @@ from kernels.blockscale.act_quant_pass import act_quant_triton
 from kernels.blockscale.device import act_quant_rows, e2m1_pairs_to_fp16, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.moe.ref import check_shared_expert
-from kernels.moe.triton import PROGRAMS_PER_SM, _routed_swiglu, _widest_tile, combine_pairs, route_pairs
-from kernels.triton_util import num_sms
+from kernels.moe.triton import PROGRAMS_PER_SM, UP_PROGRAMS_PER_SM, _routed_swiglu, _widest_tile, combine_pairs, route_pairs
+from kernels.triton_util import num_sms, split_counters
 
 # Rows of a routing segment: every expert with at most this many pairs is one segment, read once.
 SEGMENT_ROWS = 64
 # The gate/up N tile: one activation block, so that its epilogue quantises whole blocks of h.
 UP_BLOCK_N = FP8_BLOCK
+# A split of the gate/up product's K takes at least this many 128-blocks.
+MIN_BLOCKS_PER_SPLIT = 4
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Device-side constants (Triton reads module globals only as constexprs): activation blocks and
 # FP8 weight blocks are 128 wide, FP4 scale groups 32.
@@ -60,21 +64,27 @@ FP4_GROUP = tl.constexpr(FP4_BLOCK)
 
 @dataclass(frozen=True)
 class ScaledTiles:
-    """Launch shape of the down product (the gate/up tile is fixed: UP_BLOCK_N), and whether FP4
-    weights with ue8m0 scales go through `tl.dot_scaled` (else the codes are decoded here)."""
+    """Launch shape: the down product's N tile (the gate/up tile is fixed: UP_BLOCK_N), how many
+    ways the gate/up product splits K, and whether FP4 weights with ue8m0 scales go through
+    `tl.dot_scaled` (else the codes are decoded here)."""
 
     down_block_n: int
     num_warps: int = 4
     num_stages: int = 3
     mx: bool = True
+    up_split: int = 1  # K of the gate/up product split this many ways (few experts picked)
 
 
 @functools.lru_cache(maxsize=None)
-def choose_scaled_tiles(num_pairs: int, num_experts: int, dim: int, num_sms: int) -> ScaledTiles:
-    """The down N tile: the widest of 128, 64, 32 that still gives every SM PROGRAMS_PER_SM programs,
-    because at decode few experts are picked and each must be split across many SMs."""
+def choose_scaled_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num_sms: int) -> ScaledTiles:
+    """At decode few experts are picked and each must be spread over many SMs. The down N tile:
+    the widest of 128, 64, 32 that still gives every SM PROGRAMS_PER_SM programs. The gate/up
+    tile is fixed (one activation block of h), so where its tiles leave SMs without
+    UP_PROGRAMS_PER_SM programs K is split, each split at least MIN_BLOCKS_PER_SPLIT blocks."""
     active = max(1, min(num_pairs, num_experts))
-    return ScaledTiles(down_block_n=_widest_tile(dim, active, num_sms, (128, 64, 32), PROGRAMS_PER_SM))
+    up_tiles = active * max(1, inter // UP_BLOCK_N)
+    split = min(triton.cdiv(UP_PROGRAMS_PER_SM * num_sms, up_tiles), max(1, dim // FP8_BLOCK // MIN_BLOCKS_PER_SPLIT))
+    return ScaledTiles(down_block_n=_widest_tile(dim, active, num_sms, (128, 64, 32), PROGRAMS_PER_SM), up_split=max(1, split))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,10 +96,10 @@ def choose_scaled_tiles(num_pairs: int, num_experts: int, dim: int, num_sms: int
 def _scaled_product(
     a_ptr, a_scale_ptr, a_row, row_ok, stride_am, stride_as,
     w_ptr, s_ptr, offs_n, stride_wn, stride_wk, stride_sn, stride_sk,
-    k_size,
+    k_begin, k_end,
     W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """[BLOCK_M, BLOCK_N] fp32: rows a_row of the quantised activations (e4m3 values [rows, K],
+    """[BLOCK_M, BLOCK_N] fp32 over inputs [k_begin, k_end): rows a_row of the quantised activations (e4m3 values [rows, K],
     converted to fp16 on load, and one scale per 128) times weight rows offs_n (w_ptr, s_ptr at
     the expert), dequantised on the fly: per weight scale group one fp16 dot, scaled by the weight
     scales; per 128 inputs the sum of its groups scaled by the activation scales. MX (FP4 codes with
@@ -99,7 +109,7 @@ def _scaled_product(
     # rows of a segment take the dot's narrow side; the tile comes out transposed.
     a_rows = a_ptr + a_row[None, :].to(tl.int64) * stride_am
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k in range(0, k_size, ACT_BLOCK):
+    for k in range(k_begin, k_end, ACT_BLOCK):
         if MX:
             j = k // 2 + tl.arange(0, ACT_BLOCK // 2)
             packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + j[None, :] * stride_wk)
@@ -162,28 +172,65 @@ def _segment_rows(sorted_pair_ptr, segment, rows, SEGMENT: tl.constexpr, BLOCK_M
 @triton.jit
 def _gate_up_tile(
     x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr, sorted_pair_ptr,
-    segment, rows, tile_n, dim, inter, swiglu_limit,
+    partial_ptr, counter_ptr, segment, rows, tile_n, split, split_stride, dim, inter, swiglu_limit,
     stride_w1n, stride_w1k, stride_s1n, stride_s1k,
     stride_w3n, stride_w3k, stride_s3n, stride_s3k,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr, POW2: tl.constexpr,
-    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr,
+    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr, SEGMENT: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     BLOCK_N: tl.constexpr = ACT_BLOCK
     row_ok, pair = _segment_rows(sorted_pair_ptr, segment, rows, SEGMENT, BLOCK_M)
     token = pair // PAIRS_PER_TOKEN
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     blocks_in = dim // ACT_BLOCK
+    per_split = tl.cdiv(blocks_in, SPLIT) * ACT_BLOCK
+    k_begin = split * per_split
+    k_end = tl.minimum(k_begin + per_split, dim)
     gate = _scaled_product(
         xq_ptr, xs_ptr, token, row_ok, dim, blocks_in,
         w1_ptr, s1_ptr, offs_n, stride_w1n, stride_w1k, stride_s1n, stride_s1k,
-        dim, W_FP4, S_E8M0, MX, BLOCK_M, BLOCK_N,
+        k_begin, k_end, W_FP4, S_E8M0, MX, BLOCK_M, BLOCK_N,
     )
     up = _scaled_product(
         xq_ptr, xs_ptr, token, row_ok, dim, blocks_in,
         w3_ptr, s3_ptr, offs_n, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
-        dim, W_FP4, S_E8M0, MX, BLOCK_M, BLOCK_N,
+        k_begin, k_end, W_FP4, S_E8M0, MX, BLOCK_M, BLOCK_N,
     )
+    if SPLIT == 1:
+        _gate_up_epilogue(
+            gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n, inter, swiglu_limit,
+            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2,
+        )
+    else:
+        # Each split's partial gate and up rows go to scratch [SPLIT, pairs, 2, inter]; the last
+        # split of the tile to arrive sums them in split order (the same sum whichever arrives
+        # last), runs the epilogue and sets the tile's counter back to zero for the next launch.
+        rows_at = (pair.to(tl.int64)[:, None] * 2) * inter + offs_n[None, :]
+        tl.store(partial_ptr + split * split_stride + rows_at, gate, mask=row_ok[:, None])
+        tl.store(partial_ptr + split * split_stride + rows_at + inter, up, mask=row_ok[:, None])
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        counter = counter_ptr + segment * (inter // ACT_BLOCK) + tile_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+            gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT):
+                at = partial_ptr + s * split_stride + rows_at
+                gate += tl.load(at, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                up += tl.load(at + inter, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+            _gate_up_epilogue(
+                gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n, inter, swiglu_limit,
+                PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2,
+            )
+            tl.atomic_xchg(counter, 0)
 
+
+@triton.jit
+def _gate_up_epilogue(
+    gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n, inter, swiglu_limit,
+    PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr, POW2: tl.constexpr,
+):
+    """The tile's weighted SwiGLU, rounded to x's dtype, act_quant'ed into hq (e4m3) and hs."""
     h = _routed_swiglu(gate, up, x_ptr, route_w_ptr, token, pair, row_ok, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT)
     h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded to x's dtype, as the reference
     hq, hs = act_quant_rows(h, POW2)  # the tile is one whole activation block of each row
@@ -195,14 +242,15 @@ def _gate_up_tile(
 @triton.jit
 def _scaled_gate_up_kernel(
     x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr,
-    sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
-    dim, inter, swiglu_limit,
+    sorted_pair_ptr, block_expert_ptr, block_rows_ptr, partial_ptr, counter_ptr,
+    split_stride, dim, inter, swiglu_limit,
     stride_w1e, stride_w1n, stride_w1k, stride_s1e, stride_s1n, stride_s1k,
     stride_w3e, stride_w3n, stride_w3k, stride_s3e, stride_s3n, stride_s3k,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr, POW2: tl.constexpr,
-    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr, SEGMENT: tl.constexpr,
+    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr, SEGMENT: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     tiles_n = inter // ACT_BLOCK
     segment = pid // tiles_n
     tile_n = pid % tiles_n
@@ -219,23 +267,23 @@ def _scaled_gate_up_kernel(
     if rows <= 16:
         _gate_up_tile(
             x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr, sorted_pair_ptr,
-            segment, rows, tile_n, dim, inter, swiglu_limit,
+            partial_ptr, counter_ptr, segment, rows, tile_n, split, split_stride, dim, inter, swiglu_limit,
             stride_w1n, stride_w1k, stride_s1n, stride_s1k, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
-            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, MX, SEGMENT, 16,
+            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, MX, SEGMENT, SPLIT, 16,
         )
     elif rows <= 32:
         _gate_up_tile(
             x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr, sorted_pair_ptr,
-            segment, rows, tile_n, dim, inter, swiglu_limit,
+            partial_ptr, counter_ptr, segment, rows, tile_n, split, split_stride, dim, inter, swiglu_limit,
             stride_w1n, stride_w1k, stride_s1n, stride_s1k, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
-            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, MX, SEGMENT, 32,
+            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, MX, SEGMENT, SPLIT, 32,
         )
     else:
         _gate_up_tile(
             x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr, sorted_pair_ptr,
-            segment, rows, tile_n, dim, inter, swiglu_limit,
+            partial_ptr, counter_ptr, segment, rows, tile_n, split, split_stride, dim, inter, swiglu_limit,
             stride_w1n, stride_w1k, stride_s1n, stride_s1k, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
-            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, MX, SEGMENT, SEGMENT,
+            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, MX, SEGMENT, SPLIT, SEGMENT,
         )
 
 
@@ -252,7 +300,7 @@ def _down_tile(
     acc = _scaled_product(
         hq_ptr, hs_ptr, pair, row_ok, inter, inter // ACT_BLOCK,
         w2_ptr, s2_ptr, offs_n, stride_wn, stride_wk, stride_sn, stride_sk,
-        inter, W_FP4, S_E8M0, MX, BLOCK_M, BLOCK_N,
+        0, inter, W_FP4, S_E8M0, MX, BLOCK_M, BLOCK_N,
     )
     y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -345,7 +393,7 @@ def moe_experts_scaled_triton(
         return out.zero_()
     num_pairs = batch * pairs_per_token
     if tiles is None:
-        tiles = choose_scaled_tiles(num_pairs, num_experts, dim, num_sms(x.device))
+        tiles = choose_scaled_tiles(num_pairs, num_experts, dim, inter, num_sms(x.device))
 
     ids = expert_ids.contiguous()
     route_w = expert_weights.reshape(-1).to(torch.float32).contiguous()
@@ -357,14 +405,22 @@ def moe_experts_scaled_triton(
     s1, s2, s3 = (_kernel_scale(s) for s in scales)
     up_fp4, down_fp4 = w1.dtype == torch.uint8, w2.dtype == torch.uint8
     launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    up_tiles = segments.num_blocks * (inter // UP_BLOCK_N)
+    k_blocks = dim // FP8_BLOCK
+    split = triton.cdiv(k_blocks, triton.cdiv(k_blocks, max(1, min(tiles.up_split, k_blocks))))  # no empty split
+    partials, counters = hq, hq  # unused without a split
+    if split > 1:
+        partials = torch.empty((split, num_pairs, 2, inter), dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device, up_tiles)
 
-    _scaled_gate_up_kernel[(segments.num_blocks * (inter // UP_BLOCK_N),)](
+    _scaled_gate_up_kernel[(up_tiles, split)](
         x, xq, xs, w1, s1, w3, s3, route_w, hq, hs,
-        segments.sorted_pair, segments.block_expert, segments.block_rows,
-        dim, inter, float(swiglu_limit),
+        segments.sorted_pair, segments.block_expert, segments.block_rows, partials, counters,
+        num_pairs * 2 * inter, dim, inter, float(swiglu_limit),
         *w1.stride(), *s1.stride(), *w3.stride(), *s3.stride(),
         PICKS=picks, PAIRS_PER_TOKEN=pairs_per_token, HAS_LIMIT=swiglu_limit > 0, POW2=pow2,
         W_FP4=up_fp4, S_E8M0=s1.dtype == torch.uint8, MX=tiles.mx and up_fp4 and s1.dtype == torch.uint8, SEGMENT=SEGMENT_ROWS,
+        SPLIT=split,
         **launch,
     )
     _scaled_down_kernel[(segments.num_blocks * (dim // tiles.down_block_n),)](
