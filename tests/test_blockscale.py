@@ -269,22 +269,28 @@ def _decode_probe(bytes_ptr, e2m1_ptr, ue8m0_ptr, fp4_scale_ptr):
     tl.store(fp4_scale_ptr + tl.arange(0, 256)[None, :], weight_scale_to_fp32(packed, True, True))
 
 
-@pytest.mark.interpreter
-def test_e4m3_rounding_is_bit_exact():
-    """round_to_e4m3 (the shared helper) against torch's cast: every e4m3 value of either sign,
-    every midpoint between neighbours (ties: to even, into the next binade, in the subnormals),
-    the fp32 neighbours of each midpoint, fp32 subnormals; -0 and negatives that round to zero
-    keep their sign."""
+ON_BOTH = pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.interpreter), pytest.param("cuda", marks=pytest.mark.gpu),
+])
+
+
+@ON_BOTH
+def test_e4m3_rounding_is_bit_exact(device):
+    """round_to_e4m3 (the shared helper: arithmetic in the interpreter, the hardware's conversion on
+    a GPU) against torch's cast: every e4m3 value of either sign, every midpoint between
+    neighbours (ties: to even, into the next binade, in the subnormals), the fp32 neighbours of
+    each midpoint, fp32 subnormals; -0 and negatives that round to zero keep their sign."""
     grid = e4m3_values()
     mids = (grid[1:] + grid[:-1]) / 2
     v = torch.cat([
         grid, mids, torch.nextafter(mids, torch.tensor(-1e3)), torch.nextafter(mids, torch.tensor(1e3)),
         torch.tensor([1e-40, -1e-40, 2.0**-149, -(2.0**-149)]),
     ])
+    v = v.to(device)
     out = torch.empty_like(v)
     _round_probe[(triton.cdiv(len(v), 256),)](v, out, len(v), BLOCK=256)
-    want = v.to(torch.float8_e4m3fn).float()
-    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    want = v.cpu().to(torch.float8_e4m3fn).float()
+    assert torch.equal(out.cpu().view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.interpreter
@@ -303,9 +309,9 @@ def test_e2m1_and_ue8m0_decoding():
     assert torch.equal(fp4_scale[:-1], want[:-1] * 2.0**14) and fp4_scale[-1].isnan()  # inf from 2^114 on
 
 
-@pytest.mark.interpreter
+@ON_BOTH
 @pytest.mark.parametrize("pow2", [True, False])
-def test_act_quant_pre_pass_is_bit_exact(pow2):
+def test_act_quant_pre_pass_is_bit_exact(pow2, device):
     """The shared pre-pass (the linear's from 17 rows, the experts' once per token) is
     ref.act_quant bit for bit: every e4m3 value and every midpoint between neighbours (ties: to
     even), e4m3's subnormal range, -0, random values over six decades, a block below the 1e-4
@@ -326,10 +332,10 @@ def test_act_quant_pre_pass_is_bit_exact(pow2):
         want, want_scale = act_quant(rows, pow2)
         assert (want[-2:].float() != 0).float().mean() > 0.9
         for layout in (rows, torch.cat([rows, rows], 1)[:, :512], rows.t().contiguous().t()):
-            got, got_scale = act_quant_triton(layout, pow2)
+            got, got_scale = act_quant_triton(layout.to(device), pow2)
             assert got.dtype == torch.float8_e4m3fn and got_scale.dtype == torch.float32
-            assert torch.equal(got_scale, want_scale)
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (dtype, layout.stride())
+            assert torch.equal(got_scale.cpu(), want_scale)
+            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), (dtype, layout.stride())
 
 
 @pytest.mark.interpreter

@@ -4,9 +4,10 @@ by the block-scaled linear (kernels/blockscale/triton.py) and the block-scaled e
 
 - act_quant: a 128-block's scale is its amax floored at 1e-4, times fp32(1 / 448), rounded up to a
   power of two with `pow2` (`pow2_ceil`, from the bits); its values are divided by it, clamped to
-  +-448 and rounded to the nearest e4m3 value, ties to even (`round_to_e4m3`). The rounding is
-  arithmetic on fp32 because Triton's interpreter converts fp32 to e4m3 wrongly (no ties to even,
-  no subnormals); exact e4m3 values convert exactly everywhere, which is all the kernels convert.
+  +-448 and rounded to the nearest e4m3 value, ties to even (`round_to_e4m3`). On a GPU that is
+  the hardware's conversion (one instruction for two values); under the interpreter, which
+  converts fp32 to e4m3 wrongly (no ties to even, no subnormals), it is arithmetic on the fp32
+  bits. Exact e4m3 values convert exactly everywhere.
 - e2m1 weights: `e2m1_pairs_to_fp16` places a code's bits into fp16 bits, which read as 2^-14 times
   its value (a few integer operations a code, no select); `weight_scale_to_fp32` folds the 2^14 back into
   the weight scale, applied in fp32 after the product. fp16 holds e4m3 and these values exactly
@@ -18,6 +19,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from kernels.triton_util import interpreting
+
+# Whether fp32 -> e4m3 conversions round as IEEE says (to nearest even, with subnormals): on a GPU.
+HARDWARE_E4M3 = tl.constexpr(not interpreting())
 
 
 @triton.jit
@@ -44,7 +50,10 @@ def round_to_e4m3(v):
     Exact: normals drop 20 mantissa bits by integer round-to-nearest-even on the bits (a carry moves
     the exponent up); below 2^-6 the fp32 ulp of 2^14 + |v| is 2^-9, e4m3's subnormal step, so one
     IEEE add rounds there (ties to even) and subtracting 2^14 back is exact. The sign is put back
-    from its bit, so -0 and negatives rounding to zero stay -0."""
+    from its bit, so -0 and negatives rounding to zero stay -0. On a GPU: the hardware's
+    conversion, which rounds the same way."""
+    if HARDWARE_E4M3:
+        return v.to(tl.float8e4nv).to(tl.float32)
     mag = tl.abs(v)
     bits = mag.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
