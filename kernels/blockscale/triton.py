@@ -171,7 +171,8 @@ class Plan:
 def plan_launch(rows: int, n: int, k: int, sms: int) -> Plan:
     """Tiles for `rows` x [n, k]: all rows in one tile up to 64 (the weight read once), 32 columns
     a program up to 16 rows (more programs for narrow weights) and 64 above (a program's x tile
-    costs no more L2 reads than its weight strip); K split when the tiles leave SMs idle."""
+    costs no more L2 reads than its weight strip); K split when the tiles leave SMs idle; the
+    product a sum for 1-2 rows, else the fp16 dot (`_product`)."""
     product = "sum" if rows <= SUM_MAX_ROWS else "fp16"
     block_m = triton.next_power_of_2(rows) if product == "sum" else min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
     block_n = 32 if rows <= IN_KERNEL_QUANT_MAX_ROWS else 64
