@@ -1,6 +1,6 @@
 """GPU sweep of the block-scaled FP8 product's launch plans (kernels/blockscale/triton.py `Plan`) at
 V4-Flash's FP8 shapes and batches 1, 16 and 64: the plan `plan_launch` picks against column tiles,
-warps, stages, the product (multiplies and a sum, fp16 dot, e4m3 dot) and where the activations
+warps, stages, the product (fp16 dot, e4m3 dot) and where the activations
 are quantised (in every program or by the pre-pass), K split as `plan_launch` would for the tile
 count. Every plan is checked against the reference first (a plan that fails to compile or to
 match is listed, not timed); times are chained as in kernels/bench/blockscale.py. What the
@@ -17,7 +17,7 @@ from kernels.bench.blockscale import SHAPES, relative_error
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import chained_time_us, rotation_count
 from kernels.blockscale import blockscale_linear_reference, quantize_fp8_weight
-from kernels.blockscale.triton import MIN_BLOCKS_PER_SPLIT, Plan, blockscale_linear_triton, plan_launch, split_plan
+from kernels.blockscale.triton import MIN_BLOCKS_PER_SPLIT, PRODUCTS, Plan, blockscale_linear_triton, plan_launch, split_plan
 from kernels.triton_util import num_sms
 
 BATCHES = (1, 16, 64)
@@ -29,14 +29,9 @@ def candidate_plans(batch: int, n: int, k: int, sms: int) -> dict[str, Plan]:
     """The default and the swept plans, by a short name."""
     default = plan_launch(batch, n, k, sms)
     plans = {"default": default}
-    products = ("sum", "fp16", "e4m3") if batch <= 2 else ("fp16", "e4m3")
     quantised = (False, True) if batch <= 16 else (True,)
-    for block_n, warps, stages, product, pre in itertools.product((16, 32, 64, 128), (4, 8), (2, 4), products, quantised):
-        if product == "sum" and (block_n > 32 or warps != 4):  # sums: narrow tiles, 4 warps
-            continue
-        if product != "sum" and block_n < 32:  # dots: 32 columns or more
-            continue
-        block_m = triton.next_power_of_2(batch) if product == "sum" else min(64, max(16, triton.next_power_of_2(batch)))
+    for block_n, warps, stages, product, pre in itertools.product((32, 64, 128), (4, 8), (2, 4), PRODUCTS, quantised):
+        block_m = min(64, max(16, triton.next_power_of_2(batch)))
         tiles = triton.cdiv(n, block_n) * triton.cdiv(batch, block_m)
         split = 1 if tiles >= sms else max(1, min(triton.cdiv(sms, tiles), (k // 128) // MIN_BLOCKS_PER_SPLIT))
         plan = replace(default, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, product=product, x_quantized=pre)
@@ -80,8 +75,7 @@ def run(copy_gbs: float) -> str:
     header = ["projection", "N x K", "B", "default plan", "default us (% copy)"] + [f"best {i + 1}: us (% copy)" for i in range(SHOWN)]
     text = (
         "## Block-scaled FP8 product: launch plans swept\n\n"
-        "Plans: rows x columns a program, the product (sum: multiplies and a sum; fp16: fp16 tensor-core dot; e4m3: "
-        "e4m3 tensor-core dot), warps, pipeline stages, where the activations are quantised, K split. Chained times "
+        "Plans: rows x columns a program, the product (fp16: fp16 tensor-core dot; e4m3: e4m3 tensor-core dot), warps, pipeline stages, where the activations are quantised, K split. Chained times "
         f"as in the main table; each plan matched the reference within {TOLERANCE:g} of the output scale first.\n\n"
         + markdown_table(header, rows) + "\n"
     )

@@ -56,17 +56,14 @@ def _weight_codes(w_ptr, cols, col_ok, k, stride_wn, SUB_K: tl.constexpr, FP4: t
 
 @triton.jit
 def _product(w, xq, PRODUCT: tl.constexpr):
-    """w [N, K] (weight codes) times xq [K, M] (e4m3 values): fp32 [N, M], as PRODUCT says
-    (PRODUCTS): an fp16 tensor-core dot (e4m3 and e2m1 values are exact in fp16, their products in
-    fp32); an e4m3 dot (FP8 weights, on the GPU: no conversion, but the tensor cores add each
-    product group with fewer bits than fp32); or products and a sum, so that a program quantises
-    only the rows there are, where a dot takes at least 16."""
-    if PRODUCT == 1:
+    """w [N, K] (weight codes) times xq [K, M] (e4m3 values): fp32 [N, M] by a tensor-core dot, as
+    PRODUCT says (PRODUCTS): fp16 (e4m3 and e2m1 values are exact in fp16, their products in fp32),
+    or e4m3 (FP8 weights, on the GPU: no conversion, but the tensor cores add each product group
+    with fewer bits than fp32)."""
+    if PRODUCT == 0:
         return tl.dot(w.to(tl.float16), xq.to(tl.float16))
-    elif PRODUCT == 2:
-        return tl.dot(w, xq.to(tl.float8e4nv))
     else:
-        return tl.sum(w.to(tl.float32)[:, :, None] * xq.to(tl.float32)[None, :, :], axis=1)
+        return tl.dot(w, xq.to(tl.float8e4nv))
 
 
 @triton.jit
@@ -144,9 +141,8 @@ def _blockscale_linear_kernel(
 # KB of L2 reads per program and the launch the pre-pass would add is most of a small product's
 # time at batch 1 (both HBM reads are the same: x stays in L2).
 IN_KERNEL_QUANT_MAX_ROWS = 16
-# How `_product` multiplies; up to SUM_MAX_ROWS rows with multiplies and a sum, not a 16-row dot.
-PRODUCTS = {"sum": 0, "fp16": 1, "e4m3": 2}
-SUM_MAX_ROWS = 2
+# How `_product` multiplies (Plan.product).
+PRODUCTS = {"fp16": 0, "e4m3": 1}
 MAX_BLOCK_M = 64
 # A split takes at least this many 128-blocks of K, so its pipeline is full most of the time.
 MIN_BLOCKS_PER_SPLIT = 4
@@ -172,9 +168,8 @@ def plan_launch(rows: int, n: int, k: int, sms: int) -> Plan:
     """Tiles for `rows` x [n, k]: all rows in one tile up to 64 (the weight read once), 32 columns
     a program up to 16 rows (more programs for narrow weights) and 64 above (a program's x tile
     costs no more L2 reads than its weight strip); K split when the tiles leave SMs idle; the
-    product a sum for 1-2 rows, else the fp16 dot (`_product`)."""
-    product = "sum" if rows <= SUM_MAX_ROWS else "fp16"
-    block_m = triton.next_power_of_2(rows) if product == "sum" else min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
+    product an fp16 dot (`_product`)."""
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
     block_n = 32 if rows <= IN_KERNEL_QUANT_MAX_ROWS else 64
     tiles = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
     k_blocks = k // FP8_BLOCK
@@ -182,7 +177,7 @@ def plan_launch(rows: int, n: int, k: int, sms: int) -> Plan:
     if tiles < sms:
         split = max(1, min(triton.cdiv(sms, tiles), k_blocks // MIN_BLOCKS_PER_SPLIT))
     per_split = triton.cdiv(k_blocks, split)
-    return Plan(block_m, block_n, triton.cdiv(k_blocks, per_split), per_split, rows > IN_KERNEL_QUANT_MAX_ROWS, product=product)
+    return Plan(block_m, block_n, triton.cdiv(k_blocks, per_split), per_split, rows > IN_KERNEL_QUANT_MAX_ROWS)
 
 
 def split_plan(plan: Plan, k: int, split: int) -> Plan:
