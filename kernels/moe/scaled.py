@@ -83,8 +83,9 @@ def choose_scaled_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, 
     UP_PROGRAMS_PER_SM programs K is split, each split at least MIN_BLOCKS_PER_SPLIT blocks."""
     active = max(1, min(num_pairs, num_experts))
     up_tiles = active * max(1, inter // UP_BLOCK_N)
-    split = min(triton.cdiv(UP_PROGRAMS_PER_SM * num_sms, up_tiles), max(1, dim // FP8_BLOCK // MIN_BLOCKS_PER_SPLIT))
-    return ScaledTiles(down_block_n=_widest_tile(dim, active, num_sms, (128, 64, 32), PROGRAMS_PER_SM), up_split=max(1, split))
+    split = min(triton.cdiv(UP_PROGRAMS_PER_SM * num_sms, up_tiles), dim // FP8_BLOCK // MIN_BLOCKS_PER_SPLIT)
+    down_block_n = _widest_tile(dim, active, num_sms, (128, 64, 32), PROGRAMS_PER_SM)
+    return ScaledTiles(down_block_n=down_block_n, up_split=max(1, split))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,12 +100,13 @@ def _scaled_product(
     k_begin, k_end,
     W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """[BLOCK_M, BLOCK_N] fp32 over inputs [k_begin, k_end): rows a_row of the quantised activations (e4m3 values [rows, K],
-    converted to fp16 on load, and one scale per 128) times weight rows offs_n (w_ptr, s_ptr at
-    the expert), dequantised on the fly: per weight scale group one fp16 dot, scaled by the weight
-    scales; per 128 inputs the sum of its groups scaled by the activation scales. MX (FP4 codes with
-    ue8m0 scales, the microscaling format): each 128 inputs are one `tl.dot_scaled` of the packed
-    codes and their scales with the e4m3 values, Triton's own decoding of the format."""
+    """[BLOCK_M, BLOCK_N] fp32 over inputs [k_begin, k_end): rows a_row of the quantised activations
+    (e4m3 values [rows, K], converted to fp16 on load, and one scale per 128) times weight rows
+    offs_n (w_ptr, s_ptr at the expert), dequantised on the fly: per weight scale group one fp16
+    dot, scaled by the weight scales; per 128 inputs the sum of its groups scaled by the
+    activation scales. MX (FP4 codes with ue8m0 scales, the microscaling format): each 128 inputs
+    are one `tl.dot_scaled` of the packed codes and their scales with the e4m3 values, Triton's
+    own decoding of the format."""
     # The weight is the dot's first operand (N x K) and the rows its second (K x rows), so the few
     # rows of a segment take the dot's narrow side; the tile comes out transposed.
     a_rows = a_ptr + a_row[None, :].to(tl.int64) * stride_am
