@@ -299,6 +299,17 @@ def test_scaled_matches_reference(fmt, scale_dtype, batch, dtype, shared):
         assert (out - without).abs().max() > 0.1 * out.abs().max(), "the shared expert added nothing"
 
 
+def test_scaled_gate_up_splits_only_where_tiles_leave_sms_idle():
+    """V4-Flash widths on 132 SMs: batch 1 (7 pairs: 112 gate/up tiles) splits K so that every SM
+    gets two programs, each split at least 4 blocks; batch 16 (96 experts: 1536 tiles) does not."""
+    from kernels.moe.scaled import MIN_BLOCKS_PER_SPLIT, choose_scaled_tiles
+
+    one = choose_scaled_tiles(7, 256, 4096, 2048, 132)
+    assert one.up_split > 1 and 7 * 16 * one.up_split >= 2 * 132 and 32 // one.up_split >= MIN_BLOCKS_PER_SPLIT
+    assert choose_scaled_tiles(96, 256, 4096, 2048, 132).up_split == 1
+    assert choose_scaled_tiles(7, 256, 256, 2048, 132).up_split == 1  # two blocks of K: nothing to split
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 @pytest.mark.parametrize("split", [2, 3])
