@@ -11,13 +11,12 @@ import itertools
 from dataclasses import replace
 
 import torch
-import triton
 
 from kernels.bench.blockscale import SHAPES, relative_error
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import chained_time_us, rotation_count
 from kernels.blockscale import blockscale_linear_reference, quantize_fp8_weight
-from kernels.blockscale.triton import MIN_BLOCKS_PER_SPLIT, PRODUCTS, Plan, blockscale_linear_triton, plan_launch, split_plan
+from kernels.blockscale.triton import PRODUCTS, Plan, blockscale_linear_triton, plan_launch, split_where_idle
 from kernels.triton_util import num_sms
 
 BATCHES = (1, 16, 64)
@@ -31,12 +30,9 @@ def candidate_plans(batch: int, n: int, k: int, sms: int) -> dict[str, Plan]:
     plans = {"default": default}
     quantised = (False, True) if batch <= 16 else (True,)
     for block_n, warps, stages, product, pre in itertools.product((32, 64, 128), (4, 8), (2, 4), PRODUCTS, quantised):
-        block_m = min(64, max(16, triton.next_power_of_2(batch)))
-        tiles = triton.cdiv(n, block_n) * triton.cdiv(batch, block_m)
-        split = 1 if tiles >= sms else max(1, min(triton.cdiv(sms, tiles), (k // 128) // MIN_BLOCKS_PER_SPLIT))
-        plan = replace(default, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, product=product, x_quantized=pre)
-        name = f"{block_m}x{block_n} {product} w{warps} s{stages} x {'pre-pass' if pre else 'in-kernel'} split {split}"
-        plans[name] = split_plan(plan, k, split)
+        plan = replace(default, block_n=block_n, num_warps=warps, num_stages=stages, product=product, x_quantized=pre)
+        plan = split_where_idle(plan, batch, n, k, sms)
+        plans[describe(plan)] = plan
     return plans
 
 
@@ -66,7 +62,7 @@ def run(copy_gbs: float) -> str:
                 except Exception as error:  # noqa: BLE001 - listed below, the sweep goes on
                     failed.append(f"{label} B={batch} {name}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
                     continue
-                timed.append((us, describe(plan) if name == "default" else name, name == "default"))
+                timed.append((us, describe(plan), name == "default"))
             timed.sort()
             default = next(((us, name) for us, name, is_default in timed if is_default), (float("nan"), "-"))
             share = lambda us: f"{us:.1f} ({100 * nbytes / us / 1e3 / copy_gbs:.0f}%)"  # noqa: E731

@@ -171,13 +171,16 @@ def plan_launch(rows: int, n: int, k: int, sms: int) -> Plan:
     product an fp16 dot (`_product`)."""
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
     block_n = 32 if rows <= IN_KERNEL_QUANT_MAX_ROWS else 64
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
-    k_blocks = k // FP8_BLOCK
-    split = 1
-    if tiles < sms:
-        split = max(1, min(triton.cdiv(sms, tiles), k_blocks // MIN_BLOCKS_PER_SPLIT))
-    per_split = triton.cdiv(k_blocks, split)
-    return Plan(block_m, block_n, triton.cdiv(k_blocks, per_split), per_split, rows > IN_KERNEL_QUANT_MAX_ROWS)
+    plan = Plan(block_m, block_n, 1, k // FP8_BLOCK, rows > IN_KERNEL_QUANT_MAX_ROWS)
+    return split_where_idle(plan, rows, n, k, sms)
+
+
+def split_where_idle(plan: Plan, rows: int, n: int, k: int, sms: int) -> Plan:
+    """`plan` with K split when its tiles leave SMs idle: enough splits to give every SM a
+    program, each at least MIN_BLOCKS_PER_SPLIT blocks of K."""
+    tiles = triton.cdiv(n, plan.block_n) * triton.cdiv(rows, plan.block_m)
+    split = 1 if tiles >= sms else max(1, min(triton.cdiv(sms, tiles), k // FP8_BLOCK // MIN_BLOCKS_PER_SPLIT))
+    return split_plan(plan, k, split)
 
 
 def split_plan(plan: Plan, k: int, split: int) -> Plan:
