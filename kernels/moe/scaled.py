@@ -104,15 +104,15 @@ def _scaled_product(
     (e4m3 values [rows, K], converted to fp16 on load, and one scale per 128) times weight rows
     offs_n (w_ptr, s_ptr at the expert), dequantised on the fly: per weight scale group one fp16
     dot, scaled by the weight scales; per 128 inputs the sum of its groups scaled by the
-    activation scales. MX (FP4 codes with ue8m0 scales, the microscaling format): each 128 inputs
-    are one `tl.dot_scaled` of the packed codes and their scales with the e4m3 values, Triton's
-    own decoding of the format."""
+    activation scales. With MX, FP4 codes with ue8m0 scales (the microscaling format) take one
+    `tl.dot_scaled` per 128 inputs instead: the packed codes and their scales with the e4m3
+    values, Triton's own decoding of the format."""
     # The weight is the dot's first operand (N x K) and the rows its second (K x rows), so the few
     # rows of a segment take the dot's narrow side; the tile comes out transposed.
     a_rows = a_ptr + a_row[None, :].to(tl.int64) * stride_am
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(k_begin, k_end, ACT_BLOCK):
-        if MX:
+        if MX and W_FP4 and S_E8M0:
             j = k // 2 + tl.arange(0, ACT_BLOCK // 2)
             packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + j[None, :] * stride_wk)
             groups = k // FP4_GROUP + tl.arange(0, ACT_BLOCK // FP4_GROUP)
@@ -409,7 +409,8 @@ def moe_experts_scaled_triton(
     launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     up_tiles = segments.num_blocks * (inter // UP_BLOCK_N)
     k_blocks = dim // FP8_BLOCK
-    split = triton.cdiv(k_blocks, triton.cdiv(k_blocks, max(1, min(tiles.up_split, k_blocks))))  # no empty split
+    per_split = triton.cdiv(k_blocks, min(max(1, tiles.up_split), k_blocks))
+    split = triton.cdiv(k_blocks, per_split)  # no split left without blocks
     partials, counters = hq, hq  # unused without a split
     if split > 1:
         partials = torch.empty((split, num_pairs, 2, inter), dtype=torch.float32, device=x.device)
@@ -421,8 +422,7 @@ def moe_experts_scaled_triton(
         num_pairs * 2 * inter, dim, inter, float(swiglu_limit),
         *w1.stride(), *s1.stride(), *w3.stride(), *s3.stride(),
         PICKS=picks, PAIRS_PER_TOKEN=pairs_per_token, HAS_LIMIT=swiglu_limit > 0, POW2=pow2,
-        W_FP4=up_fp4, S_E8M0=s1.dtype == torch.uint8, MX=tiles.mx and up_fp4 and s1.dtype == torch.uint8, SEGMENT=SEGMENT_ROWS,
-        SPLIT=split,
+        W_FP4=up_fp4, S_E8M0=s1.dtype == torch.uint8, MX=tiles.mx, SEGMENT=SEGMENT_ROWS, SPLIT=split,
         **launch,
     )
     _scaled_down_kernel[(segments.num_blocks * (dim // tiles.down_block_n),)](
@@ -430,8 +430,7 @@ def moe_experts_scaled_triton(
         segments.sorted_pair, segments.block_expert, segments.block_rows,
         dim, inter,
         *w2.stride(), *s2.stride(), y.stride(0),
-        W_FP4=down_fp4, S_E8M0=s2.dtype == torch.uint8, MX=tiles.mx and down_fp4 and s2.dtype == torch.uint8,
-        SEGMENT=SEGMENT_ROWS, BLOCK_N=tiles.down_block_n,
+        W_FP4=down_fp4, S_E8M0=s2.dtype == torch.uint8, MX=tiles.mx, SEGMENT=SEGMENT_ROWS, BLOCK_N=tiles.down_block_n,
         **launch,
     )
     return combine_pairs(y, ids, out, num_experts, pairs_per_token)
