@@ -10,6 +10,8 @@ INTERPRETER_NUM_SMS = 8
 # sm_90's opt-in maximum per program: the plans' assumption where the device cannot say.
 SM90_SHARED_MEMORY_PER_BLOCK = 227 * 1024
 COUNTER_SLOTS = 4096  # arrival counters of split-K tiles per device (split_counters)
+# A split of K takes at least this many 128-blocks, so its pipeline is full most of the time.
+MIN_BLOCKS_PER_SPLIT = 4
 
 
 def interpreting() -> bool:

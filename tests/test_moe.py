@@ -302,7 +302,8 @@ def test_scaled_matches_reference(fmt, scale_dtype, batch, dtype, shared):
 def test_scaled_gate_up_splits_only_where_tiles_leave_sms_idle():
     """V4-Flash widths on 132 SMs: batch 1 (7 pairs: 112 gate/up tiles) splits K so that every SM
     gets two programs, each split at least 4 blocks; batch 16 (96 experts: 1536 tiles) does not."""
-    from kernels.moe.scaled import MIN_BLOCKS_PER_SPLIT, choose_scaled_tiles
+    from kernels.moe.scaled import choose_scaled_tiles
+    from kernels.triton_util import MIN_BLOCKS_PER_SPLIT
 
     one = choose_scaled_tiles(7, 256, 4096, 2048, 132)
     assert one.up_split > 1 and 7 * 16 * one.up_split >= 2 * 132 and 32 // one.up_split >= MIN_BLOCKS_PER_SPLIT

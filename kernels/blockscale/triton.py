@@ -38,7 +38,7 @@ import triton.language as tl
 from kernels.blockscale.act_quant_pass import act_quant_triton
 from kernels.blockscale.device import act_scale, quantize_e4m3, unpack_e2m1, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
-from kernels.triton_util import interpreting, num_sms, split_counters
+from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, interpreting, num_sms, split_counters
 
 
 @triton.jit
@@ -144,8 +144,6 @@ IN_KERNEL_QUANT_MAX_ROWS = 16
 # How `_product` multiplies (Plan.product).
 PRODUCTS = {"fp16": 0, "e4m3": 1}
 MAX_BLOCK_M = 64
-# A split takes at least this many 128-blocks of K, so its pipeline is full most of the time.
-MIN_BLOCKS_PER_SPLIT = 4
 
 
 @dataclass(frozen=True)

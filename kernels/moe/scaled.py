@@ -47,14 +47,12 @@ from kernels.blockscale.device import act_quant_rows, e2m1_pairs_to_fp16, weight
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.moe.ref import check_shared_expert
 from kernels.moe.triton import PROGRAMS_PER_SM, UP_PROGRAMS_PER_SM, _routed_swiglu, _widest_tile, combine_pairs, route_pairs
-from kernels.triton_util import num_sms, split_counters
+from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, num_sms, split_counters
 
 # Rows of a routing segment: every expert with at most this many pairs is one segment, read once.
 SEGMENT_ROWS = 64
 # The gate/up N tile: one activation block, so that its epilogue quantises whole blocks of h.
 UP_BLOCK_N = FP8_BLOCK
-# A split of the gate/up product's K takes at least this many 128-blocks.
-MIN_BLOCKS_PER_SPLIT = 4
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Device-side constants (Triton reads module globals only as constexprs): activation blocks and
 # FP8 weight blocks are 128 wide, FP4 scale groups 32.
