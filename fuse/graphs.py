@@ -54,6 +54,10 @@ def build_buckets(
         for size in sorted(sizes, reverse=True):
             start = time.perf_counter()
             buckets[size] = _build_bucket(size, step, model, use_graphs, pool, stats, eager, first_call)
+            if pool is not None and size in stats.fallbacks:
+                # torch raises from a failed capture's end before the allocator stops recording
+                # into its pool, and no call undoes that: later buckets capture into a new pool.
+                pool = torch.cuda.graph_pool_handle()
             stats.warmup_seconds[size] = time.perf_counter() - start
             if progress:
                 how = "graph" if size in stats.captured else stats.fallbacks.get(size, "no graph")

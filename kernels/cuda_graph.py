@@ -15,7 +15,8 @@ def capture(
     the memory pool `pool` if given. Returns the graph and fn's output from the capture: the
     tensors each replay writes. `capture_error_mode` as torch.cuda.graph takes it ("thread_local"
     where other threads make CUDA calls during the capture, e.g. a communicator's watchdog).
-    A capture that fails raises, leaving the device as it was before it (`_abandon`)."""
+    A capture that fails raises, with the caller's stream current again (`_abandon`); its pool
+    cannot take another capture (torch still counts it as recording): capture into a new one."""
     if warmup:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -40,9 +41,9 @@ def _abandon(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream) -> No
     """Undo what a failed capture left behind. When the capture is invalidated (a synchronising
     call inside it, say), torch.cuda.graph's exit raises from capture_end before the caching
     allocator stops recording into the graph's pool and before the caller's stream is current
-    again: the next capture into that pool would fail ("already recording"), and later work
-    would run on the capture's stream. (The graph cannot name its pool: it raises for a capture
-    that did not end.)"""
+    again: later allocations would be routed to the dead capture, later work would run on the
+    capture's stream. Ending the recording does not make the pool usable again: torch refuses
+    a new capture into it ("already recording"), hence a new pool after a failure."""
     if torch.cuda.is_current_stream_capturing():
         with contextlib.suppress(RuntimeError):
             graph.capture_end()  # ends the stream's capture, then raises for the invalid graph
