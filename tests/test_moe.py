@@ -241,7 +241,11 @@ QUANTIZE = {"fp4": quantize_fp4_weight, "fp8": quantize_fp8_weight}
 def scaled_experts(fmt, scale_dtype, num_experts, dim, inter, device, seed):
     """w1, w2, w3 in `fmt` as the checkpoints store them, and their scales (w1, w2, w3)."""
     dense = expert_weights(num_experts, dim, inter, torch.float32, device, seed)
-    (w1, s1), (w2, s2), (w3, s3) = (QUANTIZE[fmt](w, scale_dtype) for w in dense)
+    # One expert at a time: the reference quantiser's fp32 temporaries of all experts at flash
+    # widths would take several GiB next to the other test processes on the GPU.
+    (w1, s1), (w2, s2), (w3, s3) = (
+        [torch.stack(parts) for parts in zip(*(QUANTIZE[fmt](e, scale_dtype) for e in w))] for w in dense
+    )
     return w1, w2, w3, (s1, s2, s3)
 
 

@@ -87,10 +87,10 @@ def round_to_e2m1(y: torch.Tensor) -> torch.Tensor:
 
 
 def _e2m1_codes(values: torch.Tensor) -> torch.Tensor:
-    """Grid values -> 4-bit codes (sign in bit 3)."""
+    """Grid values -> 4-bit codes (sign in bit 3). The grid (0, .5, 1, 1.5, 2, 3, 4, 6) is
+    2*m below 2, m + 2 below 4 and m/2 + 4 above: codes by arithmetic, no per-value table."""
     mag = values.abs()
-    grid = torch.tensor(E2M1_VALUES, device=values.device)
-    code = (mag[..., None] == grid).to(torch.uint8).argmax(-1).to(torch.uint8)
+    code = torch.where(mag < 2, mag * 2, torch.where(mag < 4, mag + 2, mag / 2 + 4)).to(torch.uint8)
     return code | ((values < 0).to(torch.uint8) << 3)
 
 
