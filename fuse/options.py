@@ -50,6 +50,9 @@ class CompileOptions:
     artifact: str | None = None
     artifact_mode: str = "refuse"  # one of ARTIFACT_MODES: what a mismatched or missing artifact does
     strict: bool = True  # a recompile after warm-up raises; False: it warns and is counted
+    # The custom ops' Triton kernels of every bucket compiled before the first calls, this many at
+    # a time (fuse/precompile.py; None: one per CPU; 0: each compiles at its first launch). CUDA only.
+    kernel_compile_workers: int | None = None
     progress: bool = True  # one log line per bucket with its warm-up time
     requested_compilation: str = field(default="auto", init=False, repr=False, compare=False)  # before resolving
 
@@ -61,6 +64,9 @@ class CompileOptions:
             raise ValueError(f"compilation must be one of {COMPILATIONS}, got {self.compilation!r}")
         object.__setattr__(self, "requested_compilation", self.compilation)
         object.__setattr__(self, "compilation", resolve_compilation(self.compilation))
+        workers = self.kernel_compile_workers
+        if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
+            raise ValueError(f"kernel_compile_workers must be >= 0 (0: none ahead) or None (one per CPU), got {self.kernel_compile_workers!r}")
         if self.skinny_product_columns < 0:
             raise ValueError(f"skinny_product_columns must be >= 0 (0: none), got {self.skinny_product_columns}")
         if self.inductor_options:  # only then: reading Inductor's whole config copies it

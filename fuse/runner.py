@@ -27,7 +27,7 @@ from fuse.output_code import Kernel
 from fuse.options import CompileOptions
 from fuse.padding import fill_padded
 from fuse.stats import RunnerStats, dynamo_totals
-from fuse.step import DecodeModel, build_step, check_decode_model, decode_mode
+from fuse.step import DecodeModel, build_step, check_decode_model, decode_mode, split_ranks
 
 
 log = logging.getLogger("fuse")
@@ -79,6 +79,13 @@ class DecodeRunner:
                 )
                 if dump:
                     dump.watch(self.step.once_per_step)
+                if self.device.type == "cuda" and options.kernel_compile_workers != 0 and split_ranks(decoder) is None:
+                    from fuse.precompile import compile_bucket_kernels  # imports Triton
+
+                    with self.stats.phase("kernel compiles ahead", self.device):
+                        self.stats.kernels_compiled_ahead = compile_bucket_kernels(
+                            decoder.step, decoder, buckets, options.kernel_compile_workers
+                        )
                 self._buckets = build_buckets(
                     self.step.run, decoder, buckets, self.use_graphs, self.stats, eager=decoder.step,
                     progress=options.progress, first_call=dump.first_call if dump else None,
@@ -198,6 +205,7 @@ class DecodeRunner:
             lines.append(
                 f"compiled rather than loaded from caches: Inductor {s.inductor_compiles}, AOTAutograd {s.aot_compiles}, "
                 f"Triton cache entries of the custom ops {s.triton_compiles}"
+                + (f" ({s.kernels_compiled_ahead} kernels compiled ahead)" if s.kernels_compiled_ahead else "")
             )
         if self.artifact is not None:
             lines.append(self.artifact.describe())

@@ -1,0 +1,33 @@
+"""The custom ops' Triton kernels of every bucket, compiled in parallel before the first calls.
+
+The buckets' first calls would compile each kernel variant at its first launch, one at a time.
+Instead the eager step of each bucket runs once on fake tensors (torch's FakeTensorMode: nothing
+executes, the model's caches are not touched) while kernels/precompile.py records its custom-op
+calls; their kernels are then compiled side by side (kernels.precompile.compile_ahead) and the
+first calls find them in memory."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fuse.padding import padding_rows
+from kernels.precompile import OpCall, compile_ahead, record_op_calls
+
+
+def bucket_op_calls(eager: Callable, model, sizes: tuple[int, ...]) -> list[OpCall]:
+    """The distinct custom-op calls of one eager step per bucket size, on fake tensors."""
+    inputs = [padding_rows(model, size) for size in sizes]
+    with FakeTensorMode(allow_non_fake_inputs=True), record_op_calls() as recorded:
+        for step_inputs in inputs:
+            eager(*step_inputs)
+    return list(recorded.calls)
+
+
+def compile_bucket_kernels(eager: Callable, model, sizes: tuple[int, ...], workers: int | None) -> int:
+    """Compile every Triton kernel the buckets' steps launch, `workers` at a time; the number of
+    compiles submitted. Only on a CUDA device (elsewhere the ops run their references)."""
+    if model.device.type != "cuda":
+        return 0
+    return compile_ahead([call.replay for call in bucket_op_calls(eager, model, sizes)], workers)
