@@ -1,7 +1,7 @@
 """Compile every Triton and Gluon kernel the ops launch on a Hopper GPU, for sm_90, on a machine
 without one, and never run them (tests/test_sm90_compile.py starts it in a new process):
 
-    python tests/sm90_compile.py OUT.json
+    python tests/sm90_compile.py OUT.json [--batches 1,16,64] [--ahead WORKERS]
 
 Triton compiles down to a cubin with its own ptxas for the target a stand-in driver names; every
 JIT launch becomes a warm-up (compile, no launch) and an autotuned kernel compiles every config.
@@ -10,14 +10,18 @@ sm_90 GPU, at the shapes one V4-Flash decode step gives them (recorded on the me
 checkpoint formats and bf16, batches 1, 16 and 64), plus each sparse MLA variant. What a GPU
 would reject at compile time fails here: an unsupported layout or type, a Triton API the
 installed version lacks, a program over the shared memory an SM has. OUT.json: per kernel the
-compiled variants with their shared memory; the calls that failed, with their errors."""
+compiled variants with their shared memory; the calls that failed, with their errors. With
+--ahead, kernels/precompile.py's compile_ahead compiles every kernel first, WORKERS at a time; the
+launches then compile nothing where its kernels are the ones they look up (compiled_in_launches)."""
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
 import pathlib
 import sys
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -26,17 +30,18 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import torch  # noqa: E402
 import triton  # noqa: E402
 from torch._library.custom_ops import CustomOpDef  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
-from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+
+from kernels.precompile import OpCall, compile_ahead, launches_compile_only, record_op_calls  # noqa: E402
 
 SMS = 132
 SHARED_MEMORY = 227 * 1024  # sm_90's opt-in maximum per program
 PACKAGES = ("blockscale", "hc_mix", "hc_sinkhorn", "indexer", "linear", "moe", "sparse_mla")
 BATCHES = (1, 16, 64)
 compiled: list[dict] = []
+count = {"compiles": 0}
 
 
 class Sm90Driver:
@@ -55,20 +60,22 @@ class Sm90Driver:
         return torch.device("cpu")
 
 
-def compile_only(run):
-    def warmup(self, *args, grid, warmup, **kwargs):
-        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+def recording_compiles():
+    """Each kernel a launch returns (compiled or from memory), with its shared memory, warps and
+    stages, appended to `compiled`; and the number of compiles (count["compiles"])."""
+    run, do_compile = JITFunction.run, JITFunction._do_compile
+
+    def recorded(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=warmup, **kwargs)
         compiled.append({"kernel": self.fn.__name__, "shared": kernel.metadata.shared,
                          "num_warps": kernel.metadata.num_warps, "num_stages": kernel.metadata.num_stages})
         return kernel
 
-    return warmup
+    def counted(self, *args, **kwargs):
+        count["compiles"] += 1
+        return do_compile(self, *args, **kwargs)
 
-
-def every_config(self, *args, **kwargs):
-    """An autotuned launch: every config compiled, as the GPU's first call would."""
-    for config in self.configs:
-        self.fn.run(*args, **{**kwargs, **config.all_kwargs()})
+    JITFunction.run, JITFunction._do_compile = recorded, counted
 
 
 class DeviceProperties:
@@ -79,8 +86,6 @@ class DeviceProperties:
 
 def stand_in_for_sm90() -> None:
     driver.set_active(Sm90Driver())
-    JITFunction.run = compile_only(JITFunction.run)
-    Autotuner.run = every_config
     torch.cuda.get_device_properties = lambda *a, **k: DeviceProperties()
     torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
     torch.cuda.is_current_stream_capturing = lambda: False
@@ -116,51 +121,20 @@ def stand_in_for_sm90() -> None:
                     setattr(module, name, on_gpu[name])
 
 
-class RecordOps(TorchDispatchMode):
-    """Every v4:: op call: its name, and per argument (shape, strides, dtype) or the value."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "v4":
-            self.calls.append((func.name().split("::")[1], [describe(a) for a in args]))
-        return func(*args, **(kwargs or {}))
-
-
-def describe(value):
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), tuple(value.stride()), value.dtype)
-    return ("value", value)
-
-
-def make(description):
-    """A CPU tensor of that layout, holding no chosen values (nothing runs); integers zero, as
-    host code may index with them."""
-    if description[0] == "value":
-        return description[1]
-    _, shape, stride, dtype = description
-    tensor = torch.empty_strided(shape, stride, dtype=dtype)
-    return tensor if dtype.is_floating_point else tensor.zero_()
-
-
-def decode_step_calls(batches) -> list[tuple]:
+def decode_step_calls(batches) -> list[OpCall]:
     """The op calls of one eager decode step of V4-Flash (checkpoint formats, then bf16) and of
     the bench preset, on the meta device: every layer kind, a 4096-token cache."""
     from model import Decoder, ModelConfig
 
     flash = ModelConfig.preset("flash").replace(n_layers=4, compress_ratios=(0, 0, 4, 128))
     configs = [flash, flash.replace(dtype="bf16", expert_dtype=None), ModelConfig.preset("bench").replace(n_layers=4)]
-    calls = {}
-    for cfg in configs:
-        for batch in batches:
-            decoder = Decoder(cfg, max_batch=batch, max_seq_len=4096, device="meta", check_device_values=False)
-            tokens = torch.zeros(batch, dtype=torch.long, device="meta")
-            with RecordOps() as record:
+    with record_op_calls() as record:
+        for cfg in configs:
+            for batch in batches:
+                decoder = Decoder(cfg, max_batch=batch, max_seq_len=4096, device="meta", check_device_values=False)
+                tokens = torch.zeros(batch, dtype=torch.long, device="meta")
                 decoder(tokens, torch.zeros_like(tokens), torch.arange(batch, device="meta"))
-            calls.update((repr(call), call) for call in record.calls)
-    return list(calls.values())
+    return list(record.calls)
 
 
 def op_kernels() -> dict:
@@ -210,26 +184,46 @@ def extra_calls(batches) -> list[tuple[str, object]]:
 
 
 def main() -> int:
-    out = pathlib.Path(sys.argv[1])
-    batches = tuple(int(b) for b in sys.argv[2].split(",")) if len(sys.argv) > 2 else BATCHES
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=pathlib.Path)
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--ahead", type=int, default=0, metavar="WORKERS",
+                        help="first compile every kernel through kernels.precompile.compile_ahead, WORKERS at a time")
+    args = parser.parse_args()
+    batches = tuple(int(b) for b in args.batches.split(","))
     stand_in_for_sm90()
     ops = op_kernels()
-    calls = [(f"{name} {[d[1] for d in args][:3]}", lambda n=name, a=args: ops[n](*map(make, a)))
-             for name, args in decode_step_calls(batches)]
+
+    def on_cpu(call: OpCall):
+        inputs, kw = call.arguments(device="cpu")
+        return ops[call.name](*inputs, **kw)
+
+    calls = [(f"{call.name} {[getattr(a, 'shape', a) for a in call.args][:3]}", lambda c=call: on_cpu(c))
+             for call in decode_step_calls(batches)] + extra_calls(batches)
+    ahead = {}
+    if args.ahead:
+        start = time.perf_counter()
+        ahead["submitted"] = compile_ahead([call for _, call in calls], args.ahead)
+        ahead["seconds"] = round(time.perf_counter() - start, 2)
+    recording_compiles()
     failures = []
-    for label, call in calls + extra_calls(batches):
-        try:
-            call()
-        except Exception as error:  # noqa: BLE001 - every failing call is reported
-            failures.append({"call": label, "error": f"{type(error).__name__}: {str(error)[:2000]}"})
+    with launches_compile_only():
+        for label, call in calls:
+            try:
+                call()
+            except Exception as error:  # noqa: BLE001 - every failing call is reported
+                failures.append({"call": label, "error": f"{type(error).__name__}: {str(error)[:2000]}"})
     kernels_compiled: dict[str, list] = {}
     for launch in compiled:
         variant = {k: launch[k] for k in ("shared", "num_warps", "num_stages")}
         if variant not in kernels_compiled.setdefault(launch["kernel"], []):
             kernels_compiled[launch["kernel"]].append(variant)
-    out.write_text(json.dumps({"triton": triton.__version__, "launches": len(compiled), "kernels": kernels_compiled,
-                               "failures": failures, "shared_memory_limit": SHARED_MEMORY}, indent=1))
-    print(f"sm90_compile: {len(compiled)} launches compiled, {len(kernels_compiled)} kernels, {len(failures)} failed calls")
+    args.out.write_text(json.dumps({
+        "triton": triton.__version__, "launches": len(compiled), "kernels": kernels_compiled, "failures": failures,
+        "shared_memory_limit": SHARED_MEMORY, "ahead": ahead, "compiled_in_launches": count["compiles"],
+    }, indent=1))
+    print(f"sm90_compile: {len(compiled)} launches, {count['compiles']} compiled there, {len(kernels_compiled)} kernels, "
+          f"{len(failures)} failed calls" + (f"; ahead: {ahead}" if ahead else ""))
     return 0
 
 
