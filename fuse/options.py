@@ -66,7 +66,7 @@ class CompileOptions:
         object.__setattr__(self, "compilation", resolve_compilation(self.compilation))
         workers = self.kernel_compile_workers
         if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
-            raise ValueError(f"kernel_compile_workers must be >= 0 (0: none ahead) or None (one per CPU), got {self.kernel_compile_workers!r}")
+            raise ValueError(f"kernel_compile_workers must be >= 0 (0: none ahead) or None (one per CPU), got {workers!r}")
         if self.skinny_product_columns < 0:
             raise ValueError(f"skinny_product_columns must be >= 0 (0: none), got {self.skinny_product_columns}")
         if self.inductor_options:  # only then: reading Inductor's whole config copies it

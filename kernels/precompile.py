@@ -69,7 +69,8 @@ class OpCall:
         return self.op.name().split("::")[1]
 
     def arguments(self, device: torch.device | None = None) -> tuple[list, dict]:
-        """Zeroed tensors of the recorded layouts (on `device` if given), the other values as recorded."""
+        """The real tensors the op only reads, else new tensors of the recorded layouts (on
+        `device` if given: then new ones only); the other values as recorded."""
         def made(value):
             if isinstance(value, Layout) and device is None and value in self.stand_ins:
                 return self.stand_ins[value]
