@@ -144,6 +144,15 @@ def test_gpu_matches_the_reference_in_bf16(rows, n, k):
     assert (out.float() - ref).abs().max() <= 8e-3 * ref.abs().max()
 
 
+def test_the_op_returns_the_contiguous_result_its_fake_promises():
+    """The CPU implementation (the reference, whose einsum leaves [M, G, N] strided) passes
+    opcheck, fake and strides included: compiled graphs assert the fake's strides."""
+    x, w = operands(8, 48, 64, torch.float32, device="cpu", seed=3)
+    grouped = (x.view(8, 1, 64).expand(8, 2, 64).contiguous(), w.view(2, 24, 64))
+    torch.library.opcheck(grouped_linear_op, grouped)
+    assert grouped_linear_op(*grouped).is_contiguous()
+
+
 @pytest.mark.gpu
 def test_gpu_opcheck():
     x, w = operands(8, 256, 256, torch.bfloat16, device="cuda", seed=1)

@@ -40,7 +40,13 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @torch.library.custom_op("v4::grouped_linear", mutates_args=())
 def grouped_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return grouped_linear_reference(x, weight)
+    return _contiguous_reference(x, weight)
+
+
+def _contiguous_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # einsum leaves [M, G, N] strided as its batched GEMM wrote it; the op (and its fake) promise
+    # a contiguous result, which compiled graphs assert.
+    return grouped_linear_reference(x, weight).contiguous()
 
 
 @grouped_linear_op.register_fake
@@ -52,7 +58,7 @@ def _(x, weight):
 def _(x, weight):
     strided_k = x.stride(-1) != 1 or weight.stride(-1) != 1
     if x.shape[0] > MAX_ROWS or x.dtype not in HALF_DTYPES or strided_k:
-        return grouped_linear_reference(x, weight)
+        return _contiguous_reference(x, weight)
     from kernels.linear.triton import linear_triton  # triton only where the kernel runs
 
     return linear_triton(x, weight)
