@@ -35,6 +35,14 @@ def compressed_capacity(max_seq_len: int, ratio: int) -> int:
     return -(-max_seq_len // ratio)
 
 
+def write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """cache[slots[i], rows[i]] = values[i] for every i, as one index_copy_ into the slot x row
+    view: the indexed assignment would have the compiler guard the batch against size 1, so
+    that batch 1 needed a graph of its own."""
+    flat = cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
+    flat.index_copy_(0, slots * cache.shape[1] + rows, values.to(cache.dtype))
+
+
 def kv_fp8_qdq(kv: torch.Tensor, rope_dim: int, pow2_scale: bool) -> torch.Tensor:
     """The KV cache stores the non-rope channels as fp8 (blocks of 64); rope channels stay exact."""
     return fp8_qdq(kv, 64, pow2_scale, keep_last=rope_dim)
@@ -74,8 +82,8 @@ class Compressor(nn.Module):
         # The state is a ring over the last `rows` positions (position p in row p % rows): a
         # step writes one row and moves nothing, so it compiles to one small scatter.
         row = pos % self.kv_state.shape[1]
-        self.kv_state[slots, row] = kv.float()
-        self.score_state[slots, row] = score.float() + self.ape[pos % r]
+        write_rows(self.kv_state, slots, row, kv)
+        write_rows(self.score_state, slots, row, score.float() + self.ape[pos % r])
         if self.overlap:
             # The window is the 2r positions ending with the current window, oldest first: the
             # previous window's first d channels, then the current window's last d channels.
@@ -98,7 +106,7 @@ class Compressor(nn.Module):
                 entry = fp4_qdq(entry, 32)
         elif self.qat:
             entry = kv_fp8_qdq(entry, self.rope_dim, self.pow2_scale)
-        cache[slots, first_row + pos // r] = entry
+        write_rows(cache, slots, first_row + pos // r, entry)
 
 
 class Indexer(nn.Module):
@@ -254,7 +262,7 @@ class Attention(nn.Module):
                 on_qr["indexer.wq_b"], on_x["indexer.weights_proj"],
                 on_x["indexer.compressor.wkv"], on_x["indexer.compressor.wgate"], step, hadamard,
             )
-        self.kv_cache[step.slots, step.positions % self.window] = kv
+        write_rows(self.kv_cache, step.slots, step.positions % self.window, kv)
         if self.ratio:
             self.compressor(on_x["compressor.wkv"], on_x["compressor.wgate"], step, self.kv_cache, self.window, hadamard)
 

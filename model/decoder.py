@@ -47,6 +47,7 @@ class Block(nn.Module):
         return fn, scale, base, getattr(self, f"{side}_norm"), self.sinkhorn_iters, self.hc_eps, self.norm_eps
 
     def forward(self, streams: torch.Tensor, step: DecodeStep, hadamard: torch.Tensor) -> torch.Tensor:
+        step.check_batch(streams)
         x, post, comb = hc_pre_norm(streams, *self._mix("attn"))
         out = self.attn(x, step, hadamard)
         streams, x, post, comb = hc_post_pre_norm(out, streams, post, comb, *self._mix("ffn"))

@@ -239,3 +239,9 @@ class DecodeStep(NamedTuple):
     def per_sequence(self) -> tuple[torch.Tensor, ...]:
         """The tensors whose dim 0 is the batch (a compiler may mark it symbolic)."""
         return self.tokens, self.positions, self.slots, self.rope_window, self.rope_compress
+
+    def check_batch(self, rows: torch.Tensor) -> None:
+        """States that every per-sequence tensor has `rows`' batch: a compiled block that gets each
+        input with a batch size of its own (unknown, to serve every size) must be told they agree."""
+        for t in self.per_sequence():
+            torch._check(t.shape[0] == rows.shape[0])
