@@ -160,6 +160,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     precompile.add_argument("--fp32-products", default="exact", choices=["exact", "fast"], help="ModelConfig.fp32_products")
     precompile.add_argument("--compilation", default="auto", choices=list(COMPILATIONS), help="CompileOptions.compilation")
     precompile.add_argument("--static-batch", action="store_true", help="one graph per bucket (CompileOptions.dynamic_batch=False)")
+    precompile.add_argument("--batch-one-shared", action="store_true", help="batch 1 in the symbolic batch's graph (CompileOptions.batch_one_shared)")
     precompile.add_argument("--skinny-product-columns", type=_non_negative, default=64, help="CompileOptions.skinny_product_columns")
     precompile.add_argument("--mode", default=None, help="an Inductor mode (CompileOptions.mode)")
     precompile.add_argument("--inductor-option", action="append", type=_inductor_option, default=[], metavar="KEY=VALUE",
@@ -305,7 +306,8 @@ def _precompile(command: argparse.ArgumentParser, args) -> int:
         command.error(f"argument --artifact: {args.artifact} is a folder; an artifact is one file")
     try:
         options = CompileOptions(
-            buckets=args.buckets, dynamic_batch=not args.static_batch, compilation=args.compilation,
+            buckets=args.buckets, dynamic_batch=not args.static_batch, batch_one_shared=args.batch_one_shared,
+            compilation=args.compilation,
             skinny_product_columns=args.skinny_product_columns, mode=args.mode,
             inductor_options=dict(args.inductor_option) or None, cache_dir=args.cache_dir,
             artifact=args.artifact, artifact_mode="rebuild" if args.rebuild else "refuse",

@@ -44,7 +44,7 @@ TORCH_CACHE = "torch/cache-artifacts"
 MATCH_FIELDS = (
     "format_version", "fuse_source", "torch", "triton", "python", "cuda", "device", "capability", "cpu_threads",
     "model_preset", "model_config", "dtype", "max_batch", "max_seq_len",
-    "buckets", "dynamic_batch", "compilation", "skinny_product_columns", "mode", "inductor_options",
+    "buckets", "dynamic_batch", "batch_one_shared", "compilation", "skinny_product_columns", "mode", "inductor_options",
 )
 PRESETS = ("tiny", "bench", "flash")
 # The manifest's "contents" keys (torch's cache artifact kinds, then fuse's), as describe() says them.
@@ -113,6 +113,7 @@ def expected_manifest(decoder, options, buckets: tuple[int, ...]) -> dict[str, o
         "max_seq_len": getattr(decoder, "max_seq_len", None),
         "buckets": list(buckets),
         "dynamic_batch": options.dynamic_batch,
+        "batch_one_shared": options.batch_one_shared,
         "compilation": options.compilation,
         "skinny_product_columns": options.skinny_product_columns,
         "mode": options.mode,

@@ -13,6 +13,8 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
   fuse-nested      `fuse.compile_decode(compilation="nested")` (not run by default).
   fuse-regional    `fuse.compile_decode(compilation="regional")`: each block and the head
                    compiled on their own (not run by default).
+  fuse-batch1-shared `fuse.compile_decode(batch_one_shared=True)`: batch 1 in the symbolic
+                   batch's graph, one compile per layer kind (not run by default).
 Caches are filled with random rows as if every sequence were `context` tokens in (decode cost
 depends on the positions, not on the values). The floor is the bytes a step must read (weights
 it touches, attended KV rows, the indexer cache; fuse/floor.py) over a copy bandwidth measured in
@@ -53,11 +55,12 @@ from kernels.bench.timing import back_to_back_ms, call_ms
 from model import Decoder, ModelConfig
 from model.parallel import ParallelError
 
-VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-nested", "fuse-regional")
+VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-nested", "fuse-regional", "fuse-batch1-shared")
 # The compile_decode variants and the CompileOptions each asks for.
 COMPILE_DECODE_VARIANTS = {
     "fuse": {}, "fuse-static": {"dynamic_batch": False},
     "fuse-nested": {"compilation": "nested"}, "fuse-regional": {"compilation": "regional"},
+    "fuse-batch1-shared": {"batch_one_shared": True},
 }
 DEFAULT_VARIANTS = VARIANTS[:4]
 START_BUCKETS = (1, 2, 4, 8, 16, 32, 64)

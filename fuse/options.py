@@ -37,6 +37,9 @@ class CompileOptions:
     cuda_graphs: bool = True  # False: no capture; ignored off CUDA
     # One graph with a symbolic batch for every bucket but batch 1, instead of one per bucket.
     dynamic_batch: bool = True
+    # Batch 1 runs that graph too (the batch unbacked: no size-1 specialisation), so that each
+    # layer kind compiles once instead of twice. Needs dynamic_batch.
+    batch_one_shared: bool = False
     # What one compile covers, one of COMPILATIONS; the options hold the resolved value.
     compilation: str = "auto"
     # Matrix products with at most this many output columns become Inductor reductions fused
@@ -64,6 +67,8 @@ class CompileOptions:
             raise ValueError(f"compilation must be one of {COMPILATIONS}, got {self.compilation!r}")
         object.__setattr__(self, "requested_compilation", self.compilation)
         object.__setattr__(self, "compilation", resolve_compilation(self.compilation))
+        if self.batch_one_shared and not self.dynamic_batch:
+            raise ValueError("batch_one_shared=True needs dynamic_batch=True (batch 1 shares the symbolic batch's graph)")
         workers = self.kernel_compile_workers
         if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
             raise ValueError(f"kernel_compile_workers must be >= 0 (0: none ahead) or None (one per CPU), got {workers!r}")

@@ -156,11 +156,11 @@ def build_step(
         blocks = []
         for index, layer in enumerate(model.layers):
             block = compile_(types.MethodType(forward, layer))
-            block = _batch_symbolic_block(block) if symbolic else block
+            block = _batch_symbolic_block(block, options.batch_one_shared) if symbolic else block
             blocks.append(block if after_block is None else _reporting(block, lambda i=index: after_block(i, forward.__code__)))
         head_fn = _fresh_function(type(model).logits)
         head = compile_(types.MethodType(head_fn, model))
-        head = _batch_symbolic(head) if symbolic else head
+        head = _batch_symbolic(head, options.batch_one_shared) if symbolic else head
         run = lambda tokens, positions, slots: model.step(tokens, positions, slots, layers=blocks, logits=head)  # noqa: E731
         return CompiledStep(run, (head_fn.__code__,), forward.__code__, compilation)
 
@@ -169,7 +169,8 @@ def build_step(
     else:  # "whole"
         fn = types.MethodType(_fresh_function(type(model).step), model)
     compiled = compile_(fn)
-    return CompiledStep(_batch_symbolic(compiled) if symbolic else compiled, (fn.__code__,), compilation=compilation)
+    compiled = _batch_symbolic(compiled, options.batch_one_shared) if symbolic else compiled
+    return CompiledStep(compiled, (fn.__code__,), compilation=compilation)
 
 
 def _shared_forward(model: DecodeModel) -> types.FunctionType:
@@ -200,29 +201,34 @@ def _fresh_function(fn: types.FunctionType) -> types.FunctionType:
     return fresh
 
 
-def mark_batch_dynamic(*tensors: torch.Tensor) -> None:
+def mark_batch_dynamic(*tensors: torch.Tensor, unbacked: bool = False) -> None:
     """Dim 0 (the batch) symbolic in the graph Dynamo compiles next. Without the mark the first
-    bucket compiles a static graph and only the second a symbolic one: one more graph per kind."""
+    bucket compiles a static graph and only the second a symbolic one: one more graph per kind.
+    `unbacked`: a size the compiler never learns, so that it cannot specialise size 1 either."""
     for t in tensors:
-        torch._dynamo.maybe_mark_dynamic(t, 0)
+        if unbacked:
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        else:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
-def _batch_symbolic(compiled: Callable) -> Callable:
+def _batch_symbolic(compiled: Callable, batch_one_shared: bool) -> Callable:
     """A compiled function of batch-major tensors whose batch is symbolic on every call but batch
-    1's (Dynamo specialises size 1, so batch 1 gets a graph of its own)."""
+    1's (Dynamo specialises size 1, so batch 1 gets a graph of its own), or with
+    `batch_one_shared` on every call, batch 1's too (the batch unbacked)."""
 
     def run(*inputs: torch.Tensor) -> torch.Tensor:
-        if inputs[0].shape[0] > 1:
-            mark_batch_dynamic(*inputs)
+        if batch_one_shared or inputs[0].shape[0] > 1:
+            mark_batch_dynamic(*inputs, unbacked=batch_one_shared)
         return compiled(*inputs)
 
     return run
 
 
-def _batch_symbolic_block(block: Callable) -> Callable:
+def _batch_symbolic_block(block: Callable, batch_one_shared: bool) -> Callable:
     def run(streams: torch.Tensor, step, hadamard: torch.Tensor) -> torch.Tensor:
-        if streams.shape[0] > 1:
-            mark_batch_dynamic(streams, *step.per_sequence())
+        if batch_one_shared or streams.shape[0] > 1:
+            mark_batch_dynamic(streams, *step.per_sequence(), unbacked=batch_one_shared)
         return block(streams, step, hadamard)
 
     return run

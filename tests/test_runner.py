@@ -166,6 +166,8 @@ def test_options_are_checked():
         fuse.CompileOptions(compilation="layers")
     with pytest.raises(ValueError, match="torch._inductor.config does not have: \\['combo_kernel'\\]"):
         fuse.CompileOptions(inductor_options={"combo_kernel": True, "combo_kernels": True})
+    with pytest.raises(ValueError, match="batch_one_shared=True needs dynamic_batch=True"):
+        fuse.CompileOptions(batch_one_shared=True, dynamic_batch=False)
 
 
 def test_auto_compilation_is_nested_only_where_dynamo_reuses_regions(monkeypatch):
@@ -217,6 +219,27 @@ def test_regional_compile_matches_eager(tiny_regional):
             assert ((actual - expected).abs().max() / expected.abs().max()).item() <= 1e-4
     finally:
         restore()
+
+
+@pytest.mark.parametrize("compilation", ["regional", "nested"])
+def test_batch_one_shares_the_symbolic_graph(compilation):
+    """batch_one_shared: batch 1 runs the symbolic batch's graph (the batch unbacked), so each
+    layer kind compiles once where batch 1 would add a second graph (the default: the nested
+    step compiles twice, test_compiled_matches_eager_over_mixed_batches); every batch size, 1
+    included, gives eager's logits."""
+    cfg = ModelConfig.preset("tiny")
+    eager = Decoder(cfg, **TINY_SHAPE).init_random(seed=31)
+    model = Decoder(cfg, **TINY_SHAPE)
+    model.load_state_dict(eager.state_dict())
+    runner = fuse.compile_decode(model, buckets=(1, 2, 4), compilation=compilation, batch_one_shared=True, progress=False)
+    graphs = layer_kinds(cfg) + 1 if compilation == "regional" else 1
+    assert runner.stats.compiles == graphs and runner.stats.graph_breaks == 0
+    for size in (1, 3, 4, 1, 2):
+        slots = torch.arange(size).flip(0)
+        inputs = torch.arange(size) * 3 + 1, torch.zeros(size, dtype=torch.long), slots
+        expected = eager(*inputs)
+        assert ((runner(*inputs) - expected).abs().max() / expected.abs().max()).item() <= 1e-4
+    assert runner.stats.recompiles == 0
 
 
 def test_failed_capture_falls_back_for_that_bucket_only(pair, monkeypatch):
