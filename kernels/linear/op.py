@@ -66,8 +66,10 @@ def _(x, weight):
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """x [M, G, K] and weight [G, N, K] -> [M, G, N], each group its own product. impl: "auto"
-    (the custom op where `takes_kernel` says so, else the einsum reference), "triton" (the
-    Triton kernel directly, e.g. on CPU under TRITON_INTERPRET=1) or "reference"."""
+    (the custom op: the Triton kernel where `takes_kernel` says so, else the einsum reference),
+    "triton" (the Triton kernel directly, e.g. on CPU under TRITON_INTERPRET=1) or "reference".
+    The grouped product stays opaque to the compiler on every device: Inductor's batched-product
+    lowering guards the row count against 1, which a graph shared by every batch size cannot have."""
     check_impl("grouped_linear", impl, IMPLS)
     check_grouped_inputs(x, weight)
     return _grouped_linear_checked(x, weight, impl)
@@ -78,7 +80,7 @@ def _grouped_linear_checked(x: torch.Tensor, weight: torch.Tensor, impl: str) ->
         from kernels.linear.triton import linear_triton
 
         return linear_triton(x, weight)
-    if impl == "reference" or not takes_kernel(x, weight):
+    if impl == "reference":
         return grouped_linear_reference(x, weight)
     return grouped_linear_op(x, weight)
 
