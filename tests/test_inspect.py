@@ -124,6 +124,7 @@ def test_index_names_the_model_modules_of_every_kernel(inspected, tiny_regional)
                 "v4.sparse_mla_decode": {f"layers.{i}.attn" for i in range(cfg.n_layers)},
                 "v4.moe_experts": {f"layers.{i}.ffn.experts" for i in range(cfg.n_layers)},
                 "v4.indexer_topk": {f"layers.{i}.attn.indexer" for i in range(cfg.n_layers) if cfg.layer_ratios[i] == 4},
+                "v4.grouped_linear": {f"layers.{i}.attn.wo_a" for i in range(cfg.n_layers)},
             }
     assert any("compressor" in m for k in nested.kernels for m in k.modules)
     rows = re.findall(r"^\| `cpp_fused\w+` \| cpp \| \d+ \| (layers\.[^|]*) \|", nested.index_md.read_text(), re.M)
@@ -174,7 +175,10 @@ def test_nested_compilation_is_one_graph_per_shape_with_shared_layer_functions(i
         assert len(functions) <= len(kinds) and all(n >= 1 for n in calls.values())
     ratios = Counter(decoder.config.layer_ratios)
     n_layers = decoder.config.n_layers
-    per_step = {"v4.indexer_topk": ratios[4], "v4.moe_experts": n_layers, "v4.sparse_mla_decode": n_layers}
+    per_step = {
+        "v4.indexer_topk": ratios[4], "v4.moe_experts": n_layers, "v4.sparse_mla_decode": n_layers,
+        "v4.grouped_linear": n_layers,
+    }
     assert result.custom_op_calls == {1: per_step, 2: per_step, 4: per_step}
 
 
@@ -197,10 +201,12 @@ def test_regional_graphs_per_layer_kind_and_the_compiled_head(tiny_regional, ins
         assert re.search(r"def __transformed_code_\d+_for_forward\(self, streams, step, hadamard\)", transformed)
         (kind,) = {kinds[i] for i in graph.layers}
         ratio = kind[0]
-        # Per run of the graph (one block): attention and experts once, the indexer on ratio-4 layers.
+        # Per run of the graph (one block): attention, its grouped output projection and the
+        # experts once, the indexer on ratio-4 layers.
         calls = graph.calls("custom op")
         assert calls == {
             "v4.sparse_mla_decode": 1,
+            "v4.grouped_linear": 1,
             "v4.moe_experts": 1,
             **({"v4.indexer_topk": 1} if ratio == 4 else {}),
         }, (graph.name, graph.layers)

@@ -32,9 +32,10 @@ IMPLS = COMMON_IMPLS
 
 
 def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a product goes through the custom op: a CUDA half-precision weight with K >= N
-    (per group). Depends on the weight and the device only, never on the batch, so a graph
-    compiled for a symbolic batch holds no batch-size guard for it."""
+    """Whether a product runs the Triton kernel: a CUDA half-precision weight with K >= N (per
+    group). Only then does `linear` go through the custom op (grouped products always do).
+    Depends on the weight and the device only, never on the batch, so a graph compiled for a
+    symbolic batch holds no batch-size guard for it."""
     return x.is_cuda and weight.dtype in HALF_DTYPES and weight.shape[-1] >= weight.shape[-2]
 
 
@@ -57,7 +58,7 @@ def _(x, weight):
 @grouped_linear_op.register_kernel("cuda")
 def _(x, weight):
     strided_k = x.stride(-1) != 1 or weight.stride(-1) != 1
-    if x.shape[0] > MAX_ROWS or x.dtype not in HALF_DTYPES or strided_k:
+    if not takes_kernel(x, weight) or x.shape[0] > MAX_ROWS or strided_k:
         return _contiguous_reference(x, weight)
     from kernels.linear.triton import linear_triton  # triton only where the kernel runs
 
