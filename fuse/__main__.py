@@ -275,7 +275,10 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
         return 0  # under torchrun: rank 0 writes and prints
     bench.write_outputs(result, settings.out_dir)
     if args.results:
-        write_section(args.results, f"fuse bench {args.preset} {result['layers']} layers", bench.to_markdown(result))
+        # A run with variants beyond the default ones (a comparison) gets a section of its own.
+        extra = [v for v in settings.variants if v not in bench.DEFAULT_VARIANTS]
+        section = f"fuse bench {args.preset} {result['layers']} layers" + (f" ({', '.join(extra)})" if extra else "")
+        write_section(args.results, section, bench.to_markdown(result))
     print(bench.to_markdown(result))
     print(f"wrote bench.json, bench.md, bench.png to {settings.out_dir}")
     return 0
