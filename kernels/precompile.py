@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping
@@ -130,14 +131,22 @@ def compile_ahead(calls: Iterable[Callable[[], object]], workers: int | None = N
     """Run each call with its Triton launches made compile-only, the compiles `workers` at a time
     (by default one per CPU this process may use), and return when every kernel is compiled: the
     number of compiles submitted (variants already in memory are not; those in Triton's disk
-    cache load instead of compiling)."""
+    cache load instead of compiling). Compiling ahead only saves time: a call that raises is
+    skipped with a warning, and a kernel that fails to compile here compiles again at its launch,
+    whose error then names the call."""
     workers = workers or len(os.sched_getaffinity(0))
-    # A kernel that fails to compile here compiles again at its launch, whose error names the call.
+    failed = []
     with ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool, AsyncCompileMode(pool, ignore_errors=True) as mode:
         with launches_compile_only():
             for call in calls:
-                call()
-        return len(mode.future_kernels)  # read before the mode's exit waits for them and forgets them
+                try:
+                    call()
+                except Exception as error:  # noqa: BLE001 - its kernels compile at their first launch instead
+                    failed.append(f"{getattr(call, '__self__', call)}: {type(error).__name__}: {error}".splitlines()[0][:300])
+        submitted = len(mode.future_kernels)  # read before the mode's exit waits for them and forgets them
+    if failed:
+        warnings.warn(f"compiling kernels ahead: {len(failed)} call(s) skipped, their kernels compile at first launch; first: {failed[0]}")
+    return submitted
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import torch
 import fuse
 from fuse.precompile import bucket_op_calls
 from fuse.padding import padding_rows
-from kernels.precompile import Layout, OpCall, record_op_calls
+from kernels.precompile import Layout, OpCall, compile_ahead, record_op_calls
 from kernels.sparse_mla import sparse_mla_decode_reference
 from model import Decoder, ModelConfig
 
@@ -109,3 +109,26 @@ def test_gpu_first_calls_compile_no_kernel_after_the_compiles_ahead(monkeypatch)
     runner = fuse.compile_decode(model, buckets=(1, 2, 4), compile=False, progress=False)
     assert runner.stats.kernels_compiled_ahead > 0
     assert compiles_in_first_calls == [], compiles_in_first_calls
+
+
+def test_a_step_that_cannot_run_on_fake_tensors_costs_only_the_compiles_ahead():
+    """Compiling ahead only saves time: a step that fails on fake tensors keeps what it recorded
+    before the failure and warns; a replayed call that raises is skipped, the others still run."""
+    model = tiny(3)
+
+    def failing_after_one_bucket(tokens, positions, slots):
+        if tokens.shape[0] > 1:
+            raise RuntimeError("cannot run here")
+        return model.step(tokens, positions, slots)
+
+    with pytest.warns(UserWarning, match="did not run on fake tensors \\(RuntimeError: cannot run here\\)"):
+        calls = bucket_op_calls(failing_after_one_bucket, model, (1, 4))
+    assert calls and {call.args[0].shape[0] for call in calls if call.name == "moe_experts"} == {1}
+    ran = []
+
+    def failing():
+        raise ValueError("bad call")
+
+    with pytest.warns(UserWarning, match="1 call\\(s\\) skipped.*ValueError: bad call"):
+        assert compile_ahead([lambda: ran.append(1), failing, lambda: ran.append(2)], workers=1) == 0
+    assert ran == [1, 2]
