@@ -10,7 +10,6 @@ from __future__ import annotations
 import warnings
 from typing import Callable
 
-import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fuse.padding import padding_rows
