@@ -46,7 +46,9 @@ from kernels.blockscale.act_quant_pass import act_quant_triton
 from kernels.blockscale.device import act_quant_rows, e2m1_pairs_to_fp16, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.moe.ref import check_shared_expert
-from kernels.moe.triton import PROGRAMS_PER_SM, UP_PROGRAMS_PER_SM, _routed_swiglu, _widest_tile, combine_pairs, route_pairs
+from kernels.moe.triton import (
+    PROGRAMS_PER_SM, UP_PROGRAMS_PER_SM, PairBlocks, _routed_swiglu, _widest_tile, combine_pairs, route_pairs,
+)
 from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, num_sms, split_counters
 
 # Rows of a routing segment: every expert with at most this many pairs is one segment, read once.
@@ -54,6 +56,8 @@ SEGMENT_ROWS = 64
 # The gate/up N tile: one activation block, so that its epilogue quantises whole blocks of h.
 UP_BLOCK_N = FP8_BLOCK
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PRODUCTS = ("dot_scaled", "codes", "mma")
+TRITON_PRODUCTS = PRODUCTS[:2]
 # Device-side constants (Triton reads module globals only as constexprs): activation blocks and
 # FP8 weight blocks are 128 wide, FP4 scale groups 32.
 ACT_BLOCK = tl.constexpr(FP8_BLOCK)
@@ -63,13 +67,15 @@ FP4_GROUP = tl.constexpr(FP4_BLOCK)
 @dataclass(frozen=True)
 class ScaledTiles:
     """Launch shape: the down product's N tile (the gate/up tile is fixed: UP_BLOCK_N), how many
-    ways the gate/up product splits K, and whether FP4 weights with ue8m0 scales go through
-    `tl.dot_scaled` (else the codes are decoded here)."""
+    ways the gate/up product splits K, and how FP4 weights are multiplied (`product`, one of
+    PRODUCTS): "dot_scaled" (with ue8m0 scales: `tl.dot_scaled`, else as "codes"), "codes" (the
+    codes decoded here, then an fp16 dot) or "mma" (kernels/moe/scaled_gluon.py: decoded into
+    the tensor-core instruction's registers; FP4 only)."""
 
     down_block_n: int
     num_warps: int = 4
     num_stages: int = 3
-    mx: bool = True
+    product: str = "dot_scaled"
     up_split: int = 1  # K of the gate/up product split this many ways (few experts picked)
 
 
@@ -197,36 +203,72 @@ def _gate_up_tile(
         w3_ptr, s3_ptr, offs_n, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
         k_begin, k_end, W_FP4, S_E8M0, MX, BLOCK_M, BLOCK_N,
     )
+    _finish_gate_up(
+        gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, partial_ptr, counter_ptr, token, pair, row_ok, offs_n,
+        segment, tile_n, split, split_stride, inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, SPLIT,
+    )
+
+
+@triton.jit
+def _finish_gate_up(
+    gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, partial_ptr, counter_ptr, token, pair, row_ok, offs_n,
+    segment, tile_n, split, split_stride, inter, swiglu_limit,
+    PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr, POW2: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """A gate/up tile's fp32 products ([rows, 128]; the rows' pairs and tokens, the columns
+    offs_n): the epilogue, or with K split this split's partials stored and, by the last split of
+    the tile to arrive, their sum in split order (the same sum whichever arrives last), the
+    epilogue and the tile's counter set back to zero for the next launch."""
     if SPLIT == 1:
-        _gate_up_epilogue(
+        gate_up_epilogue(
             gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n, inter, swiglu_limit,
             PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2,
         )
     else:
-        # Each split's partial gate and up rows go to scratch [SPLIT, pairs, 2, inter]; the last
-        # split of the tile to arrive sums them in split order (the same sum whichever arrives
-        # last), runs the epilogue and sets the tile's counter back to zero for the next launch.
-        rows_at = (pair.to(tl.int64)[:, None] * 2) * inter + offs_n[None, :]
-        tl.store(partial_ptr + split * split_stride + rows_at, gate, mask=row_ok[:, None])
-        tl.store(partial_ptr + split * split_stride + rows_at + inter, up, mask=row_ok[:, None])
-        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        store_partials(gate, up, partial_ptr, pair, row_ok, offs_n, split, split_stride, inter)
         counter = counter_ptr + segment * (inter // ACT_BLOCK) + tile_n
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
-            gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in range(SPLIT):
-                at = partial_ptr + s * split_stride + rows_at
-                gate += tl.load(at, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-                up += tl.load(at + inter, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-            _gate_up_epilogue(
+        if arrives_last(counter, SPLIT):
+            gate, up = summed_partials(partial_ptr, pair, row_ok, offs_n, split_stride, inter, SPLIT)
+            gate_up_epilogue(
                 gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n, inter, swiglu_limit,
                 PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2,
             )
             tl.atomic_xchg(counter, 0)
 
 
+# The split-K steps, no layout-bound operation in them: the Gluon products (kernels/moe/
+# scaled_gluon.py) call them as well.
 @triton.jit
-def _gate_up_epilogue(
+def store_partials(gate, up, partial_ptr, pair, row_ok, offs_n, split, split_stride, inter):
+    """This split's partial gate and up rows into the scratch [SPLIT, pairs, 2, inter]."""
+    rows_at = (pair.to(tl.int64)[:, None] * 2) * inter + offs_n[None, :]
+    tl.store(partial_ptr + split * split_stride + rows_at, gate, mask=row_ok[:, None])
+    tl.store(partial_ptr + split * split_stride + rows_at + inter, up, mask=row_ok[:, None])
+
+
+@triton.jit
+def arrives_last(counter, SPLIT: tl.constexpr):
+    """Count this program's arrival at its tile once its partials are written: whether it is the
+    last of the SPLIT (which then sums them and sets the counter back to zero)."""
+    tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+    return tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1
+
+
+@triton.jit
+def summed_partials(partial_ptr, pair, row_ok, offs_n, split_stride, inter, SPLIT: tl.constexpr):
+    """The gate and up rows summed over the splits, in split order."""
+    rows_at = (pair.to(tl.int64)[:, None] * 2) * inter + offs_n[None, :]
+    gate = tl.load(partial_ptr + rows_at, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+    up = tl.load(partial_ptr + rows_at + inter, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+    for s in range(1, SPLIT):
+        at = partial_ptr + s * split_stride + rows_at
+        gate += tl.load(at, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        up += tl.load(at + inter, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+    return gate, up
+
+
+@triton.jit
+def gate_up_epilogue(
     gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n, inter, swiglu_limit,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr, POW2: tl.constexpr,
 ):
@@ -366,6 +408,72 @@ def _check_formats(x, expert_ids, w1, w2, w3, scales) -> None:
             raise ValueError(f"moe_experts: {name} must be contiguous along its inputs")
 
 
+@dataclass(frozen=True)
+class ScaledLaunch:
+    """What the launches of one call share, whichever kernels compute the products: the
+    quantised activations, the pairs grouped by expert, the buffers between the kernels and the
+    gate/up product's K split (with its scratch and arrival counters)."""
+
+    xq: torch.Tensor  # act_quant(x): e4m3 values [B, D]
+    xs: torch.Tensor  # and their scales [B, D / 128]
+    segments: PairBlocks
+    route_w: torch.Tensor  # routing weights, flat fp32
+    hq: torch.Tensor  # act_quant of the weighted SwiGLU: e4m3 [pairs, I]
+    hs: torch.Tensor  # fp32 [pairs, I / 128]
+    y: torch.Tensor  # each pair's down product [pairs, D], x's dtype
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # as the kernels read them (_kernel_scale)
+    split: int
+    partials: torch.Tensor  # [split, pairs, 2, I] fp32 where split > 1
+    counters: torch.Tensor
+    picks: int
+    pairs_per_token: int
+
+
+def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow2, tiles) -> ScaledLaunch:
+    """The routing, the activations' quantisation and the buffers of one call (batch > 0)."""
+    batch, dim = x.shape
+    picks = expert_ids.shape[1]
+    pairs_per_token = picks + (shared_expert >= 0)
+    num_experts, inter = w1.shape[:2]
+    num_pairs = batch * pairs_per_token
+    xq, xs = act_quant_triton(x, pow2)
+    segments = route_pairs(expert_ids, num_experts, SEGMENT_ROWS, "auto", shared_expert)
+    k_blocks = dim // FP8_BLOCK
+    per_split = triton.cdiv(k_blocks, min(max(1, tiles.up_split), k_blocks))
+    split = triton.cdiv(k_blocks, per_split)  # no split left without blocks
+    hq = torch.empty((num_pairs, inter), dtype=torch.float8_e4m3fn, device=x.device)
+    partials, counters = hq, hq  # unused without a split
+    if split > 1:
+        partials = torch.empty((split, num_pairs, 2, inter), dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device, segments.num_blocks * (inter // UP_BLOCK_N))
+    return ScaledLaunch(
+        xq=xq, xs=xs, segments=segments,
+        route_w=expert_weights.reshape(-1).to(torch.float32).contiguous(),
+        hq=hq, hs=torch.empty((num_pairs, inter // FP8_BLOCK), dtype=torch.float32, device=x.device),
+        y=torch.empty((num_pairs, dim), dtype=x.dtype, device=x.device),
+        scales=tuple(_kernel_scale(s) for s in scales), split=split, partials=partials, counters=counters,
+        picks=picks, pairs_per_token=pairs_per_token,
+    )
+
+
+def scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products) -> torch.Tensor:
+    """The steps every product path shares around its launches: checks, tiles, the preparation
+    (prepare_launch), `launch_products(run, tiles)` (the gate/up and down kernels, filling run.y),
+    and the combine. [B, D] fp32."""
+    _check_formats(x, expert_ids, w1, w2, w3, scales)
+    check_shared_expert(shared_expert, w1.shape[0])
+    batch, dim = x.shape
+    out = torch.empty((batch, dim), dtype=torch.float32, device=x.device)
+    pairs_per_token = expert_ids.shape[1] + (shared_expert >= 0)
+    if batch == 0 or pairs_per_token == 0:
+        return out.zero_()
+    if tiles is None:
+        tiles = choose_scaled_tiles(batch * pairs_per_token, w1.shape[0], dim, w1.shape[1], num_sms(x.device))
+    ids = expert_ids.contiguous()
+    run = launch_products(ids, tiles)
+    return combine_pairs(run.y, ids, out, w1.shape[0], pairs_per_token)
+
+
 def moe_experts_scaled_triton(
     x: torch.Tensor,
     expert_ids: torch.Tensor,
@@ -381,54 +489,36 @@ def moe_experts_scaled_triton(
 ) -> torch.Tensor:
     """Weighted sum of each token's block-scaled experts, [B, D] fp32 (arguments as
     moe_experts_reference with `scales`; shapes checked by check_moe_inputs). Expert ids outside
-    [0, E) contribute nothing. `tiles` overrides choose_scaled_tiles (tuning and tests)."""
-    _check_formats(x, expert_ids, w1, w2, w3, scales)
-    check_shared_expert(shared_expert, w1.shape[0])
-    batch, dim = x.shape
-    picks = expert_ids.shape[1]
-    pairs_per_token = picks + (shared_expert >= 0)
-    num_experts, inter = w1.shape[:2]
-    out = torch.empty((batch, dim), dtype=torch.float32, device=x.device)
-    if batch == 0 or pairs_per_token == 0:
-        return out.zero_()
-    num_pairs = batch * pairs_per_token
-    if tiles is None:
-        tiles = choose_scaled_tiles(num_pairs, num_experts, dim, inter, num_sms(x.device))
+    [0, E) contribute nothing. `tiles` overrides choose_scaled_tiles (tuning and tests); its
+    product "mma" is kernels/moe/scaled_gluon.py's."""
 
-    ids = expert_ids.contiguous()
-    route_w = expert_weights.reshape(-1).to(torch.float32).contiguous()
-    xq, xs = act_quant_triton(x, pow2)
-    segments = route_pairs(ids, num_experts, SEGMENT_ROWS, "auto", shared_expert)
-    hq = torch.empty((num_pairs, inter), dtype=torch.float8_e4m3fn, device=x.device)
-    hs = torch.empty((num_pairs, inter // FP8_BLOCK), dtype=torch.float32, device=x.device)
-    y = torch.empty((num_pairs, dim), dtype=x.dtype, device=x.device)
-    s1, s2, s3 = (_kernel_scale(s) for s in scales)
-    up_fp4, down_fp4 = w1.dtype == torch.uint8, w2.dtype == torch.uint8
-    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    up_tiles = segments.num_blocks * (inter // UP_BLOCK_N)
-    k_blocks = dim // FP8_BLOCK
-    per_split = triton.cdiv(k_blocks, min(max(1, tiles.up_split), k_blocks))
-    split = triton.cdiv(k_blocks, per_split)  # no split left without blocks
-    partials, counters = hq, hq  # unused without a split
-    if split > 1:
-        partials = torch.empty((split, num_pairs, 2, inter), dtype=torch.float32, device=x.device)
-        counters = split_counters(x.device, up_tiles)
+    def launch_products(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
+        if tiles.product not in TRITON_PRODUCTS:
+            raise ValueError(f"moe_experts (triton): product must be one of {TRITON_PRODUCTS}, got {tiles.product!r}")
+        run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles)
+        num_experts, inter = w1.shape[:2]
+        dim = x.shape[1]
+        segments = run.segments
+        s1, s2, s3 = run.scales
+        launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        mx = tiles.product == "dot_scaled"
+        _scaled_gate_up_kernel[(segments.num_blocks * (inter // UP_BLOCK_N), run.split)](
+            x, run.xq, run.xs, w1, s1, w3, s3, run.route_w, run.hq, run.hs,
+            segments.sorted_pair, segments.block_expert, segments.block_rows, run.partials, run.counters,
+            run.hq.shape[0] * 2 * inter, dim, inter, float(swiglu_limit),
+            *w1.stride(), *s1.stride(), *w3.stride(), *s3.stride(),
+            PICKS=run.picks, PAIRS_PER_TOKEN=run.pairs_per_token, HAS_LIMIT=swiglu_limit > 0, POW2=pow2,
+            W_FP4=w1.dtype == torch.uint8, S_E8M0=s1.dtype == torch.uint8, MX=mx, SEGMENT=SEGMENT_ROWS, SPLIT=run.split,
+            **launch,
+        )
+        _scaled_down_kernel[(segments.num_blocks * (dim // tiles.down_block_n),)](
+            run.hq, run.hs, w2, s2, run.y,
+            segments.sorted_pair, segments.block_expert, segments.block_rows,
+            dim, inter,
+            *w2.stride(), *s2.stride(), run.y.stride(0),
+            W_FP4=w2.dtype == torch.uint8, S_E8M0=s2.dtype == torch.uint8, MX=mx, SEGMENT=SEGMENT_ROWS,
+            BLOCK_N=tiles.down_block_n, **launch,
+        )
+        return run
 
-    _scaled_gate_up_kernel[(up_tiles, split)](
-        x, xq, xs, w1, s1, w3, s3, route_w, hq, hs,
-        segments.sorted_pair, segments.block_expert, segments.block_rows, partials, counters,
-        num_pairs * 2 * inter, dim, inter, float(swiglu_limit),
-        *w1.stride(), *s1.stride(), *w3.stride(), *s3.stride(),
-        PICKS=picks, PAIRS_PER_TOKEN=pairs_per_token, HAS_LIMIT=swiglu_limit > 0, POW2=pow2,
-        W_FP4=up_fp4, S_E8M0=s1.dtype == torch.uint8, MX=tiles.mx, SEGMENT=SEGMENT_ROWS, SPLIT=split,
-        **launch,
-    )
-    _scaled_down_kernel[(segments.num_blocks * (dim // tiles.down_block_n),)](
-        hq, hs, w2, s2, y,
-        segments.sorted_pair, segments.block_expert, segments.block_rows,
-        dim, inter,
-        *w2.stride(), *s2.stride(), y.stride(0),
-        W_FP4=down_fp4, S_E8M0=s2.dtype == torch.uint8, MX=tiles.mx, SEGMENT=SEGMENT_ROWS, BLOCK_N=tiles.down_block_n,
-        **launch,
-    )
-    return combine_pairs(y, ids, out, num_experts, pairs_per_token)
+    return scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products)
