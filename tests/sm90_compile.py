@@ -150,16 +150,23 @@ def op_kernels() -> dict:
 def extra_calls(batches) -> list[tuple[str, object]]:
     """Launches the decode step does not make in one process: the split + Sinkhorn kernel on its
     own (the model fuses it into the boundary op), the indexer's halves (index heads split two
-    ways), and every sparse MLA variant, with and without a workspace, at the index counts of
-    the window-only, ratio-128 and ratio-4 layers."""
+    ways), the FP4 experts' Gluon product, and every sparse MLA variant, with and without a
+    workspace, at the index counts of the window-only, ratio-128 and ratio-4 layers."""
     from kernels.hc_sinkhorn import hc_split_sinkhorn
     from kernels.indexer import indexer_scores, indexer_select
     from kernels.sparse_mla import sparse_mla_decode, sparse_mla_workspace
     from kernels.sparse_mla.gluon import sparse_mla_decode_wgmma
 
+    from kernels.moe.scaled_gluon import moe_experts_scaled_mma
+
     ops = op_kernels()
     calls = []
+    experts = [torch.empty(8, 2048, 4096 // 2, dtype=torch.uint8), torch.empty(8, 4096, 2048 // 2, dtype=torch.uint8)]
+    scales = [torch.empty(8, 2048, 4096 // 32, dtype=torch.float8_e8m0fnu), torch.empty(8, 4096, 2048 // 32, dtype=torch.float8_e8m0fnu)]
     for batch in batches:
+        routed = (torch.empty(batch, 4096, dtype=torch.bfloat16), torch.zeros(batch, 6, dtype=torch.long), torch.empty(batch, 6))
+        calls.append((f"moe_experts_scaled_mma B={batch}", lambda r=routed: moe_experts_scaled_mma(
+            *r, experts[0], experts[1], experts[0], (scales[0], scales[1], scales[0]), 10.0)))
         mixes = torch.empty(batch, 24)
         calls.append((f"hc_split_sinkhorn B={batch}",
                       lambda m=mixes: hc_split_sinkhorn(m, torch.empty(3), torch.empty(24), 4, 20, 1e-6, impl="triton")))

@@ -348,7 +348,7 @@ def test_scaled_fp4_both_products(product):
     w1, w2, w3, scales = scaled_experts("fp4", E8M0, num_experts, SCALED["dim"], SCALED["inter"], "cpu", seed=220)
     ids, weights = routed_ids("random", batch, picks, num_experts, seed=221)
     x = torch.randn(batch, SCALED["dim"], generator=torch.Generator().manual_seed(222)).to(torch.float16)
-    tiles = dataclasses.replace(choose_scaled_tiles(batch * picks, num_experts, SCALED["dim"], SCALED["inter"], 8), mx=mx)
+    tiles = dataclasses.replace(choose_scaled_tiles(batch * picks, num_experts, SCALED["dim"], SCALED["inter"], 8), product=product)
     out = moe_experts_scaled_triton(x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles)
     assert_scaled_close(out, moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, -1, scales), torch.float16)
 
@@ -590,3 +590,45 @@ def test_scaled_no_host_sync_and_opcheck_cuda(flash_scaled):
         torch.cuda.set_sync_debug_mode("default")
     args = (x, ids, weights, w1, w2, w3, *scales, LIMIT, shared, True)
     torch.library.opcheck(torch.ops.v4.moe_experts_scaled.default, args, test_utils=SCALED_OPCHECKS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "batch,pattern,split",
+    [(1, "random", None), (16, "random", None), (64, "random", None), (64, "one_hot_expert", None),
+     (12, "one_hot_expert", 3)],  # 12 pairs on one expert in chunks of 8, with K split 3 ways
+)
+def test_scaled_mma_product_matches_reference(flash_scaled, batch, pattern, split):
+    """The Gluon product (codes decoded into the tensor-core fragments) against the reference, the
+    routed experts alone and with the shared one, every chunk and split path; the same result
+    twice (the split sums in a fixed order)."""
+    from kernels.moe.scaled import choose_scaled_tiles
+    from kernels.moe.scaled_gluon import moe_experts_scaled_mma
+
+    w1, w2, w3, scales = flash_scaled
+    if w1.dtype != torch.uint8:
+        pytest.skip("the mma product takes FP4 experts")
+    c = SCALED_FLASH
+    x, ids, weights = scaled_flash_inputs(batch, 350 + batch, pattern)
+    tiles = None
+    if split is not None:
+        tiles = dataclasses.replace(choose_scaled_tiles(batch * c["picks"], c["num_experts"], c["dim"], c["inter"], 132),
+                                    product="mma", up_split=split)
+    for shared_expert in (-1, c["num_experts"] - 1):
+        out = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert, tiles=tiles)
+        ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared_expert, scales)
+        assert_scaled_close(out, ref, torch.bfloat16)
+        assert torch.equal(moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert, tiles=tiles), out)
+
+
+def test_scaled_mma_product_refuses_other_formats():
+    """FP8 experts (or a width that is not whole 128-blocks) are refused by name before any launch."""
+    from kernels.moe.scaled_gluon import moe_experts_scaled_mma
+
+    w1, w2, w3, scales = scaled_experts("fp8", E8M0, 4, 256, 128, "cpu", seed=360)
+    ids, weights = routed_ids("random", 2, 2, 4, seed=361)
+    with pytest.raises(ValueError, match="mma product takes FP4 experts"):
+        moe_experts_scaled_mma(torch.randn(2, 256), ids, weights, w1, w2, w3, scales, LIMIT)
+    w1, w2, w3, scales = scaled_experts("fp4", E8M0, 4, 256, 96, "cpu", seed=362)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        moe_experts_scaled_mma(torch.randn(2, 256), ids, weights, w1, w2, w3, scales, LIMIT)

@@ -1,6 +1,7 @@
 """Routed experts: `ref` (the plain-torch reference, SwiGLU, the shared-expert helpers, input
 checks), `triton` (the CUDA grouped GEMM), `scaled` (the CUDA grouped GEMV of block-scaled FP4 /
-FP8 experts), `op` (the custom ops `v4::moe_experts` and `v4::moe_experts_scaled` and the choice
+FP8 experts), `scaled_gluon` (its FP4 products with the codes decoded into tensor-core
+registers), `op` (the custom ops `v4::moe_experts` and `v4::moe_experts_scaled` and the choice
 of implementation)."""
 from kernels.moe.op import IMPLS, moe_experts, moe_experts_op
 from kernels.moe.ref import moe_experts_reference, swiglu
