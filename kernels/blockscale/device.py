@@ -63,15 +63,21 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def quantize_e4m3(x, scale, POW2: tl.constexpr):
-    """x / scale clamped to +-448 and rounded to e4m3 (fp32). A power-of-two scale divides exactly
-    as a product with its inverse, 2^-e from the bits of 2^e (a normal power of two: act_scale's
-    floor keeps it one); any other takes the IEEE division, as the reference's."""
+def divide_and_clamp(x, scale, POW2: tl.constexpr):
+    """x / scale clamped to +-448 (fp32). A power-of-two scale divides exactly as a product with
+    its inverse, 2^-e from the bits of 2^e (a normal power of two: act_scale's floor keeps it one);
+    any other takes the IEEE division, as the reference's."""
     if POW2:
         y = x * (0x7F000000 - scale.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
     else:
         y = tl.math.div_rn(x, scale)
-    return round_to_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
+    return tl.minimum(tl.maximum(y, -448.0), 448.0)
+
+
+@triton.jit
+def quantize_e4m3(x, scale, POW2: tl.constexpr):
+    """x / scale clamped to +-448 and rounded to e4m3 (fp32)."""
+    return round_to_e4m3(divide_and_clamp(x, scale, POW2))
 
 
 @triton.jit

@@ -118,19 +118,27 @@ def _blockscale_linear_kernel(
 
     mask = col_ok[:, None] & row_ok[None, :]
     out_ptrs = out_ptr + rows[None, :] * stride_om + cols[:, None]
+    counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
+    write_tile(acc, out_ptrs, partial_ptr + rows[None, :] * N + cols[:, None], mask, counter, pid_k, M * N, SPLIT)
+
+
+# No layout-bound operation in it: the Gluon product (kernels/blockscale/gluon.py) calls it too.
+@triton.jit
+def write_tile(acc, out_ptrs, partial_ptrs, mask, counter, split, split_stride, SPLIT: tl.constexpr):
+    """The fp32 tile `acc` into the output, or with K split, this split's partial into the scratch
+    (partial_ptrs: the tile's first split, split_stride apart) and, from the last program of the
+    tile to arrive, the partials summed in split order (deterministic whichever arrives last)
+    into the output, the arrival counter set back to zero for the next launch."""
     if SPLIT == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
     else:
-        tile = rows[None, :] * N + cols[:, None]
-        tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask)
+        tl.store(partial_ptrs + split * split_stride, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-        counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:  # the last of the tile: sum the partials in split order
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in range(SPLIT):
-                total += tl.load(partial_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.load(partial_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, SPLIT):
+                total += tl.load(partial_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
             tl.atomic_xchg(counter, 0)
 
 
@@ -141,7 +149,7 @@ def _blockscale_linear_kernel(
 # KB of L2 reads per program and the launch the pre-pass would add is most of a small product's
 # time at batch 1 (both HBM reads are the same: x stays in L2).
 IN_KERNEL_QUANT_MAX_ROWS = 16
-# How `_product` multiplies (Plan.product).
+# How `_product` multiplies (Plan.product); "mma" is kernels/blockscale/gluon.py's product.
 PRODUCTS = {"fp16": 0, "e4m3": 1}
 MAX_BLOCK_M = 64
 
@@ -150,7 +158,8 @@ MAX_BLOCK_M = 64
 class Plan:
     """Launch shape: rows and columns per program, K's 128-blocks split `split` ways
     (`blocks_per_split` each), whether a pre-pass quantises the activations, and how the product
-    is computed (a key of PRODUCTS; "e4m3" for FP8 weights on a GPU only)."""
+    is computed (a key of PRODUCTS, "e4m3" for FP8 weights on a GPU only; or "mma", the Gluon
+    product of kernels/blockscale/gluon.py)."""
 
     block_m: int
     block_n: int
@@ -173,11 +182,13 @@ def plan_launch(rows: int, n: int, k: int, sms: int) -> Plan:
     return split_where_idle(plan, rows, n, k, sms)
 
 
-def split_where_idle(plan: Plan, rows: int, n: int, k: int, sms: int) -> Plan:
-    """`plan` with K split when its tiles leave SMs idle: enough splits to give every SM a
-    program, each at least MIN_BLOCKS_PER_SPLIT blocks of K."""
+def split_where_idle(plan: Plan, rows: int, n: int, k: int, sms: int, programs_per_sm: int = 1,
+                     min_blocks: int = MIN_BLOCKS_PER_SPLIT) -> Plan:
+    """`plan` with K split when its tiles leave SMs idle: enough splits to give every SM
+    `programs_per_sm` programs, each at least `min_blocks` blocks of K."""
     tiles = triton.cdiv(n, plan.block_n) * triton.cdiv(rows, plan.block_m)
-    split = 1 if tiles >= sms else max(1, min(triton.cdiv(sms, tiles), k // FP8_BLOCK // MIN_BLOCKS_PER_SPLIT))
+    wanted = programs_per_sm * sms
+    split = 1 if tiles >= wanted else max(1, min(triton.cdiv(wanted, tiles), k // FP8_BLOCK // min_blocks))
     return split_plan(plan, k, split)
 
 
@@ -188,43 +199,70 @@ def split_plan(plan: Plan, k: int, split: int) -> Plan:
     return replace(plan, split=triton.cdiv(k_blocks, per_split), blocks_per_split=per_split)
 
 
+@dataclass(frozen=True)
+class LinearLaunch:
+    """What a launch of either product takes, made on the host from shapes only: the rows of x
+    ([M, K], unit stride along K), the output [M, N], the pre-pass's e4m3 values and fp32 scales
+    (the rows again without it: unused), the weight scales (ue8m0 as their bytes) and the split-K
+    scratch and counters (the output again without a split: unused)."""
+
+    rows: torch.Tensor
+    out: torch.Tensor
+    xq: torch.Tensor
+    xs: torch.Tensor
+    scale_bits: torch.Tensor
+    scale_e8m0: bool
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+
+def launch_rows(x: torch.Tensor, weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as rows [M, K] with unit stride along K, and the empty output [M, N] in x's dtype."""
+    if weight.stride(-1) != 1:
+        raise ValueError(f"blockscale_linear ({name}): the weight must be contiguous along its inputs")
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows, torch.empty((rows.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+
+
+def prepare_launch(rows: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, pow2: bool, plan: Plan) -> LinearLaunch:
+    """The buffers of a launch of `plan` on rows -> out (launch_rows')."""
+    m, n = out.shape
+    e8m0 = scale.dtype == torch.float8_e8m0fnu
+    xq, xs = act_quant_triton(rows, pow2) if plan.x_quantized else (rows, rows)
+    partials, counters = out, out
+    if plan.split > 1:
+        partials = torch.empty((plan.split, m, n), dtype=torch.float32, device=rows.device)
+        counters = split_counters(rows.device, triton.cdiv(n, plan.block_n) * triton.cdiv(m, plan.block_m))
+    return LinearLaunch(rows, out, xq, xs, scale.view(torch.uint8) if e8m0 else scale, e8m0, partials, counters)
+
+
 def blockscale_linear_triton(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool = True, plan: Plan | None = None
 ) -> torch.Tensor:
     """act_quant(x) @ dequantised(weight)^T in x's dtype (see blockscale_linear_reference); inputs
     as `check_blockscale_inputs` takes them, the weight contiguous along K. plan: `plan_launch`'s
-    unless given (tests, benchmarks)."""
-    k = x.shape[-1]
-    n = weight.shape[0]
-    if weight.stride(-1) != 1:
-        raise ValueError("blockscale_linear (triton): the weight must be contiguous along its inputs")
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    m = rows.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    unless given (tests, benchmarks); its product one of PRODUCTS (kernels/blockscale/gluon.py
+    runs "mma")."""
+    rows, out = launch_rows(x, weight, "triton")
+    m, n, k = out.shape[0], out.shape[1], rows.shape[1]
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     if plan is None:
         plan = plan_launch(m, n, k, num_sms(x.device))
-    k_blocks = k // FP8_BLOCK
     fp4 = weight.dtype == torch.uint8
+    if plan.product not in PRODUCTS:
+        raise ValueError(f"blockscale_linear (triton): product {plan.product!r} is not one of {sorted(PRODUCTS)}")
     if plan.product == "e4m3" and (fp4 or interpreting()):
         raise ValueError("blockscale_linear (triton): the e4m3 product takes FP8 weights on a GPU")
-    e8m0 = scale.dtype == torch.float8_e8m0fnu
-    scale_bits = scale.view(torch.uint8) if e8m0 else scale
-    xq, xs = act_quant_triton(rows, pow2) if plan.x_quantized else (rows, rows)  # unused without the pre-pass
-    tiles_n, tiles_m = triton.cdiv(n, plan.block_n), triton.cdiv(m, plan.block_m)
-    partials, counters = out, out  # unused without a split
-    if plan.split > 1:
-        partials = torch.empty((plan.split, m, n), dtype=torch.float32, device=x.device)
-        counters = split_counters(x.device, tiles_n * tiles_m)
+    run = prepare_launch(rows, out, scale, pow2, plan)
     launch = {} if interpreting() else {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
-    _blockscale_linear_kernel[(tiles_n, plan.split, tiles_m)](
-        rows, xq, xs, weight, scale_bits, out, partials, counters,
-        m, n, k_blocks, plan.blocks_per_split,
+    _blockscale_linear_kernel[(triton.cdiv(n, plan.block_n), plan.split, triton.cdiv(m, plan.block_m))](
+        rows, run.xq, run.xs, weight, run.scale_bits, out, run.partials, run.counters,
+        m, n, k // FP8_BLOCK, plan.blocks_per_split,
         rows.stride(0), weight.stride(0), scale.stride(0), scale.stride(1), out.stride(0),
-        FP4=fp4, SCALE_E8M0=e8m0, POW2=pow2, X_QUANTIZED=plan.x_quantized,
+        FP4=fp4, SCALE_E8M0=run.scale_e8m0, POW2=pow2, X_QUANTIZED=plan.x_quantized,
         SUB_K=FP4_BLOCK if fp4 else FP8_BLOCK, SCALE_ROWS=1 if fp4 else FP8_BLOCK, SPLIT=plan.split,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, PRODUCT=PRODUCTS[plan.product], **launch,
     )
