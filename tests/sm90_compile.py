@@ -150,13 +150,14 @@ def op_kernels() -> dict:
 def extra_calls(batches) -> list[tuple[str, object]]:
     """Launches the decode step does not make in one process: the split + Sinkhorn kernel on its
     own (the model fuses it into the boundary op), the indexer's halves (index heads split two
-    ways), the FP4 experts' Gluon product, and every sparse MLA variant, with and without a
+    ways), the Gluon products of the FP4 experts and the FP8 linear, and every sparse MLA variant, with and without a
     workspace, at the index counts of the window-only, ratio-128 and ratio-4 layers."""
     from kernels.hc_sinkhorn import hc_split_sinkhorn
     from kernels.indexer import indexer_scores, indexer_select
     from kernels.sparse_mla import sparse_mla_decode, sparse_mla_workspace
     from kernels.sparse_mla.gluon import sparse_mla_decode_wgmma
 
+    from kernels.blockscale.gluon import blockscale_linear_mma
     from kernels.moe.scaled_gluon import moe_experts_scaled_mma
 
     ops = op_kernels()
@@ -167,6 +168,10 @@ def extra_calls(batches) -> list[tuple[str, object]]:
         routed = (torch.empty(batch, 4096, dtype=torch.bfloat16), torch.zeros(batch, 6, dtype=torch.long), torch.empty(batch, 6))
         calls.append((f"moe_experts_scaled_mma B={batch}", lambda r=routed: moe_experts_scaled_mma(
             *r, experts[0], experts[1], experts[0], (scales[0], scales[1], scales[0]), 10.0)))
+        for n, k in ((1536, 4096), (4096, 8192), (32768, 1024), (4160, 4096)):  # 4160: tiles of 64
+            fp8 = (torch.empty(batch, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.float8_e4m3fn),
+                   torch.empty(-(-n // 128), k // 128, dtype=torch.float8_e8m0fnu))
+            calls.append((f"blockscale_linear_mma B={batch} {n}x{k}", lambda f=fp8: blockscale_linear_mma(*f)))
         mixes = torch.empty(batch, 24)
         calls.append((f"hc_split_sinkhorn B={batch}",
                       lambda m=mixes: hc_split_sinkhorn(m, torch.empty(3), torch.empty(24), 4, 20, 1e-6, impl="triton")))

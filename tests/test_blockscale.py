@@ -195,7 +195,7 @@ def test_triton_split_k_and_the_pre_pass(fmt, split, x_quantized):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("rows", [1, 16])
 def test_every_plan_the_benchmark_sweeps_computes_the_product(rows):
-    """The plans kernels/bench/blockscale_plans.py times (all but the e4m3 dot, GPU only) give the
+    """The plans kernels/bench/blockscale_plans.py times (but the e4m3 dot's and mma's, GPU only) give the
     reference's result: a plan the sweep finds fastest can become the default as it is."""
     from kernels.bench.blockscale_plans import candidate_plans
     from kernels.blockscale.triton import blockscale_linear_triton
@@ -203,9 +203,10 @@ def test_every_plan_the_benchmark_sweeps_computes_the_product(rows):
     n, k = 160, 512
     x, q, scale = triton_operands("fp8", torch.float8_e8m0fnu, rows, n, k, torch.float16, seed=rows)
     plans = candidate_plans(rows, n, k, sms=8)
-    assert "default" in plans and {p.product for p in plans.values()} >= {"fp16", "e4m3"}
+    assert "default" in plans and {p.product for p in plans.values()} == {"fp16", "e4m3"}  # no mma tiles of 160
+    assert "mma" in {p.product for p in candidate_plans(rows, 256, k, sms=8).values()}
     for name, plan in plans.items():
-        if plan.product != "e4m3":
+        if plan.product not in ("e4m3", "mma"):  # GPU only (the mma plans: test_gpu_mma_sweep_plans_compute_the_product)
             assert_matches_reference(blockscale_linear_triton(x, q, scale, True, plan), x, q, scale, True)
 
 
@@ -386,6 +387,92 @@ def test_gpu_e4m3_tensor_core_product(rows):
     with pytest.raises(ValueError, match="e4m3 product takes FP8 weights"):
         x, q, scale = gpu_operands(rows, 256, 512, "fp4")
         blockscale_linear_triton(x, q, scale, True, plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64])
+def test_gpu_mma_product_matches_the_reference(rows):
+    """The Gluon product (e4m3 codes converted into the tensor-core fragments) at V4-Flash's
+    widths with its own plans (activations quantised in-kernel up to 16 rows, by the pre-pass
+    above; 64 rows as two tiles); then column tiles of 64 (a width of 4160), K split 3 ways,
+    fp32 scales that are not powers of two, one all-zero activation block and blocks whose sizes
+    differ by 10^4. The same bits twice (the split sums in a fixed order)."""
+    from dataclasses import replace
+
+    from kernels.blockscale.gluon import blockscale_linear_mma, plan_mma
+    from kernels.blockscale.triton import split_plan
+
+    for n, k in V4_SHAPES:
+        x, q, scale = gpu_operands(rows, n, k, seed=rows + n)
+        y = blockscale_linear_mma(x, q, scale)
+        assert_matches_reference(y, x, q, scale, True)
+        assert torch.equal(blockscale_linear_mma(x, q, scale), y)
+    n, k = 4160, 1280
+    x, q, scale = gpu_operands(rows, n, k, scale_dtype=torch.float32, seed=rows)
+    x = x * torch.logspace(-2, 2, k // FP8_BLOCK, device="cuda").repeat_interleave(FP8_BLOCK).to(x.dtype)
+    x[0, 256:384] = 0
+    scale = scale * (1 + torch.rand(scale.shape, device="cuda"))
+    plan = split_plan(plan_mma(rows, n, k, 132), k, 3)
+    assert plan.block_n == 64 and plan.split == 3
+    for pow2 in (True, False):
+        y = blockscale_linear_mma(x, q, scale, pow2, plan)
+        assert_matches_reference(y, x, q, scale, pow2)
+        assert torch.equal(blockscale_linear_mma(x, q, scale, pow2, replace(plan)), y)
+
+
+@pytest.mark.gpu
+def test_gpu_mma_sweep_plans_compute_the_product():
+    """Every mma plan kernels/bench/blockscale_plans.py times gives the reference's result."""
+    from kernels.bench.blockscale_plans import candidate_plans, run_plan
+
+    n, k = 1536, 4096
+    for rows in (1, 16, 64):
+        x, q, scale = gpu_operands(rows, n, k, seed=rows)
+        for plan in candidate_plans(rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count).values():
+            if plan.product == "mma":
+                assert_matches_reference(run_plan(x, q, scale, plan), x, q, scale, True)
+
+
+def test_mma_product_refuses_what_it_cannot_run(monkeypatch):
+    """FP4 weights, a plan of the Triton products, column tiles the weight does not fill and the
+    Triton interpreter are refused by name before any launch."""
+    from dataclasses import replace
+
+    from kernels.blockscale.gluon import blockscale_linear_mma, plan_mma
+    from kernels.blockscale.triton import plan_launch
+
+    x = torch.randn(2, 256)
+    q, scale = quantize_fp4_weight(weight(128, 256, seed=1))
+    with pytest.raises(ValueError, match="takes FP8"):
+        blockscale_linear_mma(x, q, scale)
+    q, scale = quantize_fp8_weight(weight(192, 256, seed=2))
+    with pytest.raises(ValueError, match="not a plan of the mma product"):
+        blockscale_linear_mma(x, q, scale, plan=plan_launch(2, 192, 256, 8))
+    with pytest.raises(ValueError, match="not whole tiles of 128"):
+        blockscale_linear_mma(x, q, scale, plan=replace(plan_mma(2, 192, 256, 8), block_n=128))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="interpreter"):
+        blockscale_linear_mma(x, q, scale)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 64])
+@pytest.mark.parametrize("n,k", V4_SHAPES)
+def test_mma_plans_cover_the_product(rows, n, k):
+    """plan_mma's tiles: the instruction's token tiles, column tiles the weight fills, every
+    128-block of K in exactly one split, the pre-pass from more than 16 rows, and K split until
+    two programs an SM of 132 (as far as whole blocks allow) or two blocks a split."""
+    from kernels.blockscale.gluon import COLUMN_TILES, TOKEN_TILES, plan_mma
+
+    plan = plan_mma(rows, n, k, 132)
+    assert plan.product == "mma" and plan.block_m in TOKEN_TILES and plan.block_n in COLUMN_TILES
+    assert n % plan.block_n == 0 and plan.block_m >= min(rows, TOKEN_TILES[-1])
+    blocks = k // FP8_BLOCK
+    assert (plan.split - 1) * plan.blocks_per_split < blocks <= plan.split * plan.blocks_per_split
+    assert plan.x_quantized == (rows > 16)
+    tiles = (n // plan.block_n) * -(-rows // plan.block_m)
+    assert plan.split == 1 or plan.blocks_per_split >= 2
+    # Fewer blocks a split would exceed the programs wanted, or could not be that small.
+    assert plan.blocks_per_split <= 2 or tiles * -(-blocks // (plan.blocks_per_split - 1)) >= 264
 
 
 @pytest.mark.gpu

@@ -3,7 +3,9 @@ kernels/blockscale/triton.py) at V4-Flash's FP8 shapes: the fused wq_a + wkv (40
 wq_b (1024 -> 32768), wo_b (8192 -> 4096) and the shared expert's w1 / w3 (4096 -> 2048) and w2
 (2048 -> 4096), for batches 1, 16 and 64, ue8m0 scales, bf16 activations.
 
-Beside it, the same weights dequantised to bf16 (exact: e4m3 times a power of two) through the
+Beside it, the Gluon product (kernels/blockscale/gluon.py, Plan.product "mma": the codes converted
+straight into the tensor-core fragments; a failure to compile or match is reported in its column,
+not timed) and the same weights dequantised to bf16 (exact: e4m3 times a power of two) through the
 `kernels.linear` Triton decode kernel and through cuBLAS (`F.linear`): what the FP8 format saves
 over a bf16 copy of the checkpoint. Every variant is checked first (the FP8 kernel against
 `blockscale_linear_reference`, the bf16 ones against an fp64 product of their operands). Times are
@@ -18,7 +20,8 @@ import torch.nn.functional as F
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import chained_time_us, rotation_count
 from kernels.blockscale import blockscale_linear, blockscale_linear_reference, dequantize_fp8_weight, quantize_fp8_weight
-from kernels.blockscale.triton import plan_launch
+from kernels.blockscale.gluon import blockscale_linear_mma, plan_mma
+from kernels.blockscale.triton import Plan, plan_launch
 from kernels.linear import linear
 from kernels.triton_util import num_sms
 
@@ -42,15 +45,36 @@ def check(label: str, batch: int, name: str, y: torch.Tensor, expected: torch.Te
         raise AssertionError(f"{label} B={batch} {name}: relative error {err:.2e} > {TOLERANCE}")
 
 
-def describe_plan(batch: int, n: int, k: int) -> str:
-    plan = plan_launch(batch, n, k, num_sms(torch.device("cuda")))
+def describe_plan(plan: Plan) -> str:
     quant = "pre-pass" if plan.x_quantized else "in-kernel"
     return f"{plan.block_m}x{plan.block_n}, split {plan.split}, x {quant}"
+
+
+def mma_cells(label: str, batch: int, args: list, nbytes: int, fp8_us: float, rate) -> tuple[list[str], float | None]:
+    """The mma product's plan, time, bandwidth and speedup over the default FP8 kernel; a failure
+    in place of the time (the table still lists every shape)."""
+    x, q, scale = args[0]
+    plan = plan_mma(batch, q.shape[0], q.shape[1], num_sms(x.device))
+    try:
+        check(label, batch, "fp8 mma", blockscale_linear_mma(x, q, scale), blockscale_linear_reference(x, q, scale))
+        us = chained_time_us(blockscale_linear_mma, args)
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        return [describe_plan(plan), f"fails: {type(error).__name__}: {str(error).splitlines()[0][:100]}", "-", "-"], None
+    return [describe_plan(plan), f"{us:.1f}", rate(nbytes, us), f"{fp8_us / us:.2f}x"], nbytes / us / 1e3
+
+
+def verdict(shares: dict[int, list[float]]) -> str:
+    """The worst share of the copy bandwidth per batch against its target."""
+    return ", ".join(
+        f"B={batch}: worst {100 * min(shares[batch]):.0f}% of copy bandwidth (target {100 * target:.0f}%)"
+        for batch, target in TARGETS.items() if batch in shares
+    )
 
 
 def run(copy_gbs: float) -> str:
     rows_out = []
     fractions: dict[int, list[float]] = {}
+    mma_fractions: dict[int, list[float]] = {}
     for label, (n, k) in SHAPES.items():
         fp8_sets, bf16_sets = [], []
         for _ in range(rotation_count(n * k)):
@@ -83,24 +107,26 @@ def run(copy_gbs: float) -> str:
                 return f"{gbs:.0f} ({100 * gbs / copy_gbs:.0f}%)"
 
             fractions.setdefault(batch, []).append(fp8_bytes / times["fp8"] / 1e3 / copy_gbs)
+            mma, mma_gbs = mma_cells(label, batch, fp8_args, fp8_bytes, times["fp8"], rate)
+            mma_fractions.setdefault(batch, []).append((mma_gbs or 0.0) / copy_gbs)
             rows_out.append([
-                label, f"{n} x {k}", batch, describe_plan(batch, n, k),
-                f"{times['fp8']:.1f}", rate(fp8_bytes, times["fp8"]),
+                label, f"{n} x {k}", batch, describe_plan(plan_launch(batch, n, k, num_sms(x.device))),
+                f"{times['fp8']:.1f}", rate(fp8_bytes, times["fp8"]), *mma,
                 f"{times['bf16 triton']:.1f}", rate(bf16_bytes, times["bf16 triton"]),
                 f"{times['bf16 cublas']:.1f}", rate(bf16_bytes, times["bf16 cublas"]),
             ])
     header = [
         "projection", "N x K", "B", "FP8 plan (rows x cols, K split, x quantised)", "FP8 us", "FP8 GB/s (% copy)",
+        "FP8 mma plan", "FP8 mma us", "FP8 mma GB/s (% copy)", "mma speedup",
         "bf16 triton us", "bf16 triton GB/s (% copy)", "bf16 cuBLAS us", "bf16 cuBLAS GB/s (% copy)",
     ]
-    verdict = ", ".join(
-        f"B={batch}: worst {100 * min(fractions[batch]):.0f}% of copy bandwidth (target {100 * target:.0f}%)"
-        for batch, target in TARGETS.items() if batch in fractions
-    )
     return (
         "## Block-scaled FP8 products (`v4::blockscale_linear` vs bf16 Triton and cuBLAS)\n\n"
         "Chained: one CUDA graph calling the variant on every rotating weight set, time per call. Bytes: "
         "weight (+ scales) + activations + output; bf16 variants read the same weights dequantised (twice the "
-        f"bytes). Every case matched its reference within {TOLERANCE:g} of the output scale first.\n\n"
-        + markdown_table(header, rows_out) + f"\n\nFP8 kernel: {verdict}.\n"
+        f"bytes). Every case matched its reference within {TOLERANCE:g} of the output scale first (an 'FP8 mma' "
+        "case that did not is reported instead of timed). 'FP8 mma': the Gluon product with its own plan; 'mma "
+        "speedup': the FP8 (default) time over its time.\n\n"
+        + markdown_table(header, rows_out)
+        + f"\n\nFP8 kernel: {verdict(fractions)}.\nFP8 mma: {verdict(mma_fractions)}.\n"
     )

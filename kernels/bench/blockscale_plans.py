@@ -1,6 +1,7 @@
 """GPU sweep of the block-scaled FP8 product's launch plans (kernels/blockscale/triton.py `Plan`) at
 V4-Flash's FP8 shapes and batches 1, 16 and 64: the plan `plan_launch` picks against column tiles,
-warps, stages, the product (fp16 dot, e4m3 dot) and where the activations
+warps, stages, the product (fp16 dot, e4m3 dot, or the Gluon mma product of
+kernels/blockscale/gluon.py with its token and column tiles and programs per SM) and where the activations
 are quantised (in every program or by the pre-pass), K split as `plan_launch` would for the tile
 count. Every plan is checked against the reference first (a plan that fails to compile or to
 match is listed, not timed); times are chained as in kernels/bench/blockscale.py. What the
@@ -16,6 +17,7 @@ from kernels.bench.blockscale import SHAPES, relative_error
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import chained_time_us, rotation_count
 from kernels.blockscale import blockscale_linear_reference, quantize_fp8_weight
+from kernels.blockscale import gluon
 from kernels.blockscale.triton import PRODUCTS, Plan, blockscale_linear_triton, plan_launch, split_where_idle
 from kernels.triton_util import num_sms
 
@@ -33,12 +35,25 @@ def candidate_plans(batch: int, n: int, k: int, sms: int) -> dict[str, Plan]:
         plan = replace(default, block_n=block_n, num_warps=warps, num_stages=stages, product=product, x_quantized=pre)
         plan = split_where_idle(plan, batch, n, k, sms)
         plans[describe(plan)] = plan
+    mma = gluon.plan_mma(batch, n, k, sms)
+    for block_n, block_m, per_sm, pre in itertools.product(gluon.COLUMN_TILES, gluon.TOKEN_TILES, (1, 2), quantised):
+        if n % block_n or (block_m > max(batch, gluon.TOKEN_TILES[0]) and block_m != mma.block_m):
+            continue  # no tile wider than the rows but the default's
+        plan = replace(mma, block_n=block_n, block_m=block_m, x_quantized=pre)
+        plan = split_where_idle(plan, batch, n, k, sms, per_sm, gluon.MIN_BLOCKS_PER_SPLIT)
+        plans[describe(plan)] = plan
     return plans
+
+
+def run_plan(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, plan: Plan) -> torch.Tensor:
+    product = gluon.blockscale_linear_mma if plan.product == "mma" else blockscale_linear_triton
+    return product(x, q, scale, True, plan)
 
 
 def describe(plan: Plan) -> str:
     quant = "pre-pass" if plan.x_quantized else "in-kernel"
-    return f"{plan.block_m}x{plan.block_n} {plan.product} w{plan.num_warps} s{plan.num_stages} x {quant} split {plan.split}"
+    launch = "" if plan.product == "mma" else f" w{plan.num_warps} s{plan.num_stages}"
+    return f"{plan.block_m}x{plan.block_n} {plan.product}{launch} x {quant} split {plan.split}"
 
 
 def run(copy_gbs: float) -> str:
@@ -53,7 +68,7 @@ def run(copy_gbs: float) -> str:
             nbytes = n * k + scale_bytes + batch * (k + n) * 2
             timed = []
             for name, plan in candidate_plans(batch, n, k, sms).items():
-                call = lambda x, q, s, plan=plan: blockscale_linear_triton(x, q, s, True, plan)  # noqa: E731
+                call = lambda x, q, s, plan=plan: run_plan(x, q, s, plan)  # noqa: E731
                 try:
                     err = relative_error(call(*args[0]), expected)
                     if err > TOLERANCE:
@@ -71,7 +86,8 @@ def run(copy_gbs: float) -> str:
     header = ["projection", "N x K", "B", "default plan", "default us (% copy)"] + [f"best {i + 1}: us (% copy)" for i in range(SHOWN)]
     text = (
         "## Block-scaled FP8 product: launch plans swept\n\n"
-        "Plans: rows x columns a program, the product (fp16: fp16 tensor-core dot; e4m3: e4m3 tensor-core dot), warps, pipeline stages, where the activations are quantised, K split. Chained times "
+        "Plans: rows x columns a program, the product (fp16: fp16 tensor-core dot; e4m3: e4m3 tensor-core dot; "
+        "mma: the Gluon product), warps, pipeline stages, where the activations are quantised, K split. Chained times "
         f"as in the main table; each plan matched the reference within {TOLERANCE:g} of the output scale first.\n\n"
         + markdown_table(header, rows) + "\n"
     )
