@@ -101,7 +101,7 @@ def _step(w, v, acc, MMA: gl.constexpr):
 
 
 @gluon.jit
-def _block_product(codes, values, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):
+def _fp8_block_product(codes, values, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):
     """codes [BLOCK_N, 128] (codes_layout) times values [128, TOKENS] (values_layout), both fp16:
     fp32 [BLOCK_N, TOKENS] (mma_layout). Input 32q + 4t + 2h + n goes to step t, k-slot
     8h + 2q + n, so that each thread's fragments are the registers it loaded."""
@@ -163,7 +163,7 @@ def _mma_linear_kernel(
             # act_quant's rounding is the hardware's (to nearest even, saturating at the clamp).
             values = divide_and_clamp(x, scale[None, :], POW2).to(gl.float8e4nv)
             x_scale = gl.convert_layout(scale, gl.SliceLayout(0, MMA))
-        block_sum = _block_product(codes.to(gl.float16), values.to(gl.float16), BLOCK_N, BLOCK_M)
+        block_sum = _fp8_block_product(codes.to(gl.float16), values.to(gl.float16), BLOCK_N, BLOCK_M)
         acc += block_sum * (x_scale * w_scale)[None, :]
 
     cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
