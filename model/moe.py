@@ -18,7 +18,7 @@ import kernels
 from kernels.moe import swiglu
 from model.config import ModelConfig
 from model.formats import from_checkpoint, logical_in_features, project, scale_dtype_of, to_checkpoint
-from model.layers import Linear, LinearView, empty_scale, empty_weight, fp32_linear
+from model.layers import FusedLinear, Linear, LinearView, empty_scale, empty_weight, fp32_linear
 from model.parallel import ONE_PROCESS, Parallel, all_reduce
 
 
@@ -179,20 +179,26 @@ class ExpertView(LinearView):
 class SharedExpert(nn.Module):
     """The shared expert: the last row of the Experts stacks where it has the routed experts'
     format (MoE then runs it inside the grouped kernel, and forward() is the unfused product, for
-    comparison), otherwise three Linears of its own that MoE runs after the routed experts."""
+    comparison), otherwise projections of its own that MoE runs after the routed experts: w1 and
+    w3 read the same input and run as one product (`gate_up`), w2 on its own."""
 
-    def __init__(self, experts: Experts, swiglu_limit: float, linears: dict[str, Linear] | None = None):
+    def __init__(self, experts: Experts, swiglu_limit: float, linears: dict[str, nn.Module] | None = None):
         super().__init__()
         self.swiglu_limit = swiglu_limit
         self.stacked = linears is None
         if self.stacked:
             self.w1, self.w2, self.w3 = (ExpertView(experts, name) for name in Experts.NAMES)
         else:
+            self.gate_up = linears["gate_up"]
             self.w1, self.w2, self.w3 = (linears[name] for name in Experts.NAMES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = swiglu(self.w1(x), self.w3(x), self.swiglu_limit)
-        return self.w2(h.to(x.dtype))
+        if self.stacked:
+            gate, up = self.w1(x), self.w3(x)
+        else:
+            projected = self.gate_up(x)
+            gate, up = projected["w1"], projected["w3"]
+        return self.w2(swiglu(gate, up, self.swiglu_limit).to(x.dtype))
 
 
 class MoE(nn.Module):
@@ -211,8 +217,9 @@ class MoE(nn.Module):
         linears = None
         if not stacked:
             dim, inter = cfg.dim, cfg.moe_inter_dim
-            shapes = {"w1": (dim, inter), "w2": (inter, dim), "w3": (dim, inter)}
-            linears = {name: Linear(*shape, dtype, device, fmt=cfg.linear_format, **stored) for name, shape in shapes.items()}
+            gate_up = {"w1": LinearView(dim, inter), "w3": LinearView(dim, inter)}
+            linears = dict(gate_up, w2=Linear(inter, dim, dtype, device, fmt=cfg.linear_format, **stored))
+            linears["gate_up"] = FusedLinear(gate_up, dtype, device, fmt=cfg.linear_format, **stored)
         self.shared_experts = SharedExpert(self.experts, cfg.swiglu_limit, linears)
         if parallel.world_size > 1:
             # The first expert held, as a buffer rather than a number in the code: every rank

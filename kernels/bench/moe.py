@@ -211,7 +211,7 @@ def fp4_expert_bytes() -> int:
 def make_scaled_experts() -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """256 FP4 experts (packed w1, w2, w3 and their ue8m0 scales, quantised from random weights a
     few experts at a time), the same experts dequantised to bf16, and the FP8 shared expert
-    (w1, w2, w3, then their 128 x 128 block scales)."""
+    ([w1; w3] and its 128 x 128 block scales, w2 and its)."""
     shapes = {"w1": (INTER, DIM), "w2": (DIM, INTER), "w3": (INTER, DIM)}
     packed = {n: torch.empty(SCALED_EXPERTS, o, i // 2, dtype=torch.uint8, device="cuda") for n, (o, i) in shapes.items()}
     scales = {n: torch.empty(SCALED_EXPERTS, o, i // FP4_BLOCK, dtype=torch.float8_e8m0fnu, device="cuda") for n, (o, i) in shapes.items()}
@@ -223,16 +223,18 @@ def make_scaled_experts() -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor,
             w = torch.randn(chunk, out, inp, device="cuda") * inp**-0.5
             packed[name][rows], scales[name][rows] = quantize_fp4_weight(w)
             dense[name][rows] = dequantize_fp4_weight(packed[name][rows], scales[name][rows]).to(torch.bfloat16)
-    shared = [quantize_fp8_weight(torch.randn(o, i, device="cuda") * i**-0.5) for o, i in shapes.values()]
+    # The shared expert as the model stores it: w1 and w3 stacked along the outputs (one product), w2.
+    gate_up = quantize_fp8_weight(torch.randn(2 * INTER, DIM, device="cuda") * DIM**-0.5)
+    down = quantize_fp8_weight(torch.randn(DIM, INTER, device="cuda") * INTER**-0.5)
     fp4 = (packed["w1"], packed["w2"], packed["w3"], (scales["w1"], scales["w2"], scales["w3"]))
-    shared_fp8 = (*(w for w, _ in shared), *(s for _, s in shared))
-    return fp4, (dense["w1"], dense["w2"], dense["w3"]), shared_fp8
+    return fp4, (dense["w1"], dense["w2"], dense["w3"]), (*gate_up, *down)
 
 
-def shared_expert_fp8(x, w1, w2, w3, s1, s2, s3):
-    """The shared expert as model/moe.py runs it when its format (FP8) is not the routed experts'."""
-    h = swiglu(blockscale_linear(x, w1, s1), blockscale_linear(x, w3, s3), LIMIT)
-    return blockscale_linear(h.to(x.dtype), w2, s2)
+def shared_expert_fp8(x, w13, s13, w2, s2):
+    """The shared expert as model/moe.py runs it when its format (FP8) is not the routed experts':
+    w1 and w3 as one product, then w2."""
+    gate, up = blockscale_linear(x, w13, s13).split(INTER, dim=-1)
+    return blockscale_linear(swiglu(gate, up, LIMIT).to(x.dtype), w2, s2)
 
 
 def scaled_routing_sets(batch: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -318,7 +320,7 @@ def scaled_table(copy_gbs: float) -> str:
         "Both paths matched their references (max error <= 2% of the output scale) before timing. One CUDA graph per "
         f"routing set, {SCALED_ROUTINGS} sets rotated. MB and GB/s count what each must move: the distinct picked experts' "
         "weights (FP4: packed codes and scales), x and the fp32 output. '+ FP8 shared (model)': the routed experts, then "
-        "the shared expert in FP8 through three `blockscale_linear` products, as model/moe.py runs it when the formats "
+        "the shared expert in FP8 through two `blockscale_linear` products (w1 and w3 as one), as model/moe.py runs it when the formats "
         "differ (its bytes added). 'bf16 dequantised': the same experts dequantised to bf16 through the dense Triton kernel. "
         "'FP4 codes decoded': the FP4 kernel with the codes decoded in the kernel instead of through `tl.dot_scaled`. "
         "'FP4 mma': the Gluon product (kernels/moe/scaled_gluon.py), the codes decoded straight into the tensor-core "
