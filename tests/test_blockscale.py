@@ -394,9 +394,10 @@ def test_gpu_e4m3_tensor_core_product(rows):
 def test_gpu_mma_product_matches_the_reference(rows):
     """The Gluon product (e4m3 codes converted into the tensor-core fragments) at V4-Flash's
     widths with its own plans (activations quantised in-kernel up to 16 rows, by the pre-pass
-    above; 64 rows as two tiles); then column tiles of 64 (a width of 4160), K split 3 ways,
-    fp32 scales that are not powers of two, one all-zero activation block and blocks whose sizes
-    differ by 10^4. The same bits twice (the split sums in a fixed order)."""
+    above; 64 rows as two tiles); then column tiles of 64 (a width of 4160), K split 3 ways
+    (one split of an odd number of blocks), one or two blocks loaded ahead, fp32 scales that are
+    not powers of two, one all-zero activation block and blocks whose sizes differ by 10^4. The
+    same bits twice (the split sums in a fixed order)."""
     from dataclasses import replace
 
     from kernels.blockscale.gluon import blockscale_linear_mma, plan_mma
@@ -407,17 +408,17 @@ def test_gpu_mma_product_matches_the_reference(rows):
         y = blockscale_linear_mma(x, q, scale)
         assert_matches_reference(y, x, q, scale, True)
         assert torch.equal(blockscale_linear_mma(x, q, scale), y)
-    n, k = 4160, 1280
+    n, k = 4160, 1408  # eleven blocks: splits of 4, 4 and 3 (an odd last one)
     x, q, scale = gpu_operands(rows, n, k, scale_dtype=torch.float32, seed=rows)
     x = x * torch.logspace(-2, 2, k // FP8_BLOCK, device="cuda").repeat_interleave(FP8_BLOCK).to(x.dtype)
     x[0, 256:384] = 0
     scale = scale * (1 + torch.rand(scale.shape, device="cuda"))
     plan = split_plan(plan_mma(rows, n, k, 132), k, 3)
     assert plan.block_n == 64 and plan.split == 3
-    for pow2 in (True, False):
-        y = blockscale_linear_mma(x, q, scale, pow2, plan)
+    for pow2, ahead in ((True, 1), (True, 2), (False, 2)):
+        y = blockscale_linear_mma(x, q, scale, pow2, replace(plan, blocks_per_step=ahead))
         assert_matches_reference(y, x, q, scale, pow2)
-        assert torch.equal(blockscale_linear_mma(x, q, scale, pow2, replace(plan)), y)
+        assert torch.equal(blockscale_linear_mma(x, q, scale, pow2, replace(plan, blocks_per_step=ahead)), y)
 
 
 @pytest.mark.gpu
@@ -459,7 +460,8 @@ def test_mma_product_refuses_what_it_cannot_run(monkeypatch):
 @pytest.mark.parametrize("n,k", V4_SHAPES)
 def test_mma_plans_cover_the_product(rows, n, k):
     """plan_mma's tiles: the instruction's token tiles, column tiles the weight fills, every
-    128-block of K in exactly one split, the pre-pass from more than 16 rows, and K split until
+    128-block of K in exactly one split, the pre-pass (and one block loaded ahead, not two) from
+    more than 16 rows, and K split until
     two programs an SM of 132 (as far as whole blocks allow) or two blocks a split."""
     from kernels.blockscale.gluon import COLUMN_TILES, TOKEN_TILES, plan_mma
 
@@ -468,7 +470,7 @@ def test_mma_plans_cover_the_product(rows, n, k):
     assert n % plan.block_n == 0 and plan.block_m >= min(rows, TOKEN_TILES[-1])
     blocks = k // FP8_BLOCK
     assert (plan.split - 1) * plan.blocks_per_split < blocks <= plan.split * plan.blocks_per_split
-    assert plan.x_quantized == (rows > 16)
+    assert plan.x_quantized == (rows > 16) and plan.blocks_per_step == (2 if rows <= 16 else 1)
     tiles = (n // plan.block_n) * -(-rows // plan.block_m)
     assert plan.split == 1 or plan.blocks_per_split >= 2
     # Fewer blocks a split would exceed the programs wanted, or could not be that small.

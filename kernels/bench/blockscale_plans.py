@@ -1,7 +1,7 @@
 """GPU sweep of the block-scaled FP8 product's launch plans (kernels/blockscale/triton.py `Plan`) at
 V4-Flash's FP8 shapes and batches 1, 16 and 64: the plan `plan_launch` picks against column tiles,
 warps, stages, the product (fp16 dot, e4m3 dot, or the Gluon mma product of
-kernels/blockscale/gluon.py with its token and column tiles and programs per SM) and where the activations
+kernels/blockscale/gluon.py with its token and column tiles, programs per SM and blocks loaded ahead) and where the activations
 are quantised (in every program or by the pre-pass), K split as `plan_launch` would for the tile
 count. Every plan is checked against the reference first (a plan that fails to compile or to
 match is listed, not timed); times are chained as in kernels/bench/blockscale.py. What the
@@ -36,10 +36,10 @@ def candidate_plans(batch: int, n: int, k: int, sms: int) -> dict[str, Plan]:
         plan = split_where_idle(plan, batch, n, k, sms)
         plans[describe(plan)] = plan
     mma = gluon.plan_mma(batch, n, k, sms)
-    for block_n, block_m, per_sm, pre in itertools.product(gluon.COLUMN_TILES, gluon.TOKEN_TILES, (1, 2), quantised):
+    for block_n, block_m, per_sm, pre, ahead in itertools.product(gluon.COLUMN_TILES, gluon.TOKEN_TILES, (1, 2), quantised, (1, 2)):
         if n % block_n or (block_m > max(batch, gluon.TOKEN_TILES[0]) and block_m != mma.block_m):
             continue  # no tile wider than the rows but the default's
-        plan = replace(mma, block_n=block_n, block_m=block_m, x_quantized=pre)
+        plan = replace(mma, block_n=block_n, block_m=block_m, x_quantized=pre, blocks_per_step=ahead)
         plan = split_where_idle(plan, batch, n, k, sms, per_sm, gluon.MIN_BLOCKS_PER_SPLIT)
         plans[describe(plan)] = plan
     return plans
@@ -52,7 +52,7 @@ def run_plan(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, plan: Plan) 
 
 def describe(plan: Plan) -> str:
     quant = "pre-pass" if plan.x_quantized else "in-kernel"
-    launch = "" if plan.product == "mma" else f" w{plan.num_warps} s{plan.num_stages}"
+    launch = f" {plan.blocks_per_step} ahead" if plan.product == "mma" else f" w{plan.num_warps} s{plan.num_stages}"
     return f"{plan.block_m}x{plan.block_n} {plan.product}{launch} x {quant} split {plan.split}"
 
 

@@ -22,6 +22,8 @@ weight bytes, so they are laid out for the instruction rather than for the dot o
 - Activations: from up to IN_KERNEL_QUANT_MAX_ROWS rows every program quantises its own (act_quant
   bit for bit: kernels/blockscale/device.py's arithmetic and the hardware's rounding to e4m3), from
   more the pre-pass's e4m3 values are read.
+- Up to 16 rows a program issues the loads of two 128-blocks (Plan.blocks_per_step) before their
+  products: at decode a split holds a few blocks, and each wait for memory is then shared by two.
 - Split K as the Triton kernel's (`write_tile`).
 
 sm_89 or newer (the e4m3 conversions); CUDA only (Gluon: no interpreter path).
@@ -48,6 +50,10 @@ TOKEN_TILES = (8, 16, 32)  # rows a program: the instruction's N, once to four t
 # Programs an SM is given before K is split no further (each holds a few K blocks' bytes in flight).
 PROGRAMS_PER_SM = 2
 MIN_BLOCKS_PER_SPLIT = 2
+# 128-blocks whose loads a program issues before their products, up to 16 rows: a split of few
+# blocks (most at decode) then waits for memory fewer times. Above, the wider tiles' registers
+# leave no room for a second block.
+BLOCKS_PER_STEP = 2
 BLOCK_K = gl.constexpr(STEP)
 
 
@@ -121,12 +127,44 @@ def _fp8_block_product(codes, values, BLOCK_N: gl.constexpr, TOKENS: gl.constexp
 
 
 @gluon.jit
+def _block_operands(block, w_ptrs, s_row, v_ptrs, token_ok, xs_ptr, acc_tokens, acc_ok, stride_sk, K_BLOCKS,
+                    X_QUANTIZED: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The loads of one 128-block of K: the tile's codes and weight scale (as stored), and the
+    activations: the pre-pass's e4m3 values and scales, or x as it is (its scales then found by
+    _accumulate_block; zeros here)."""
+    k0 = block * BLOCK_K
+    codes = gl.load(w_ptrs + k0)
+    w_scale = gl.load(s_row + block * stride_sk)
+    values = gl.load(v_ptrs + k0, mask=token_ok[None, :], other=0.0)
+    if X_QUANTIZED:
+        x_scale = gl.load(xs_ptr + acc_tokens * K_BLOCKS + block, mask=acc_ok, other=0.0)
+    else:
+        x_scale = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(0, mma_layout()))
+    return codes, w_scale, values, x_scale
+
+
+@gluon.jit
+def _accumulate_block(acc, codes, w_scale, values, x_scale, SCALE_E8M0: gl.constexpr, POW2: gl.constexpr,
+                      X_QUANTIZED: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """acc plus one block's product (_block_operands' loads) times its weight and activation scales."""
+    if not X_QUANTIZED:
+        x = values.to(gl.float32)
+        scale = act_scale(gl.max(gl.abs(x), axis=0), POW2)
+        # act_quant's rounding is the hardware's (to nearest even, saturating at the clamp).
+        values = divide_and_clamp(x, scale[None, :], POW2).to(gl.float8e4nv)
+        x_scale = gl.convert_layout(scale, gl.SliceLayout(0, mma_layout()))
+    w_scale = weight_scale_to_fp32(w_scale, SCALE_E8M0, False)
+    block_sum = _fp8_block_product(codes.to(gl.float16), values.to(gl.float16), BLOCK_N, BLOCK_M)
+    return acc + block_sum * (x_scale * w_scale)[None, :]
+
+
+@gluon.jit
 def _mma_linear_kernel(
     x_ptr, xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counter_ptr,
     M, N, K_BLOCKS, BLOCKS_PER_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_sk, stride_om,
     SCALE_E8M0: gl.constexpr, POW2: gl.constexpr, X_QUANTIZED: gl.constexpr, SPLIT: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCKS_PER_STEP: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
@@ -150,21 +188,24 @@ def _mma_linear_kernel(
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     first = pid_k * BLOCKS_PER_SPLIT
     last = gl.minimum(first + BLOCKS_PER_SPLIT, K_BLOCKS)
-    for block in range(first, last):
-        k0 = block * BLOCK_K
-        codes = gl.load(w_ptrs + k0)
-        w_scale = weight_scale_to_fp32(gl.load(s_row + block * stride_sk), SCALE_E8M0, False)
-        if X_QUANTIZED:
-            values = gl.load(v_ptrs + k0, mask=token_ok[None, :], other=0.0)
-            x_scale = gl.load(xs_ptr + acc_tokens * K_BLOCKS + block, mask=acc_ok, other=0.0)
-        else:
-            x = gl.load(v_ptrs + k0, mask=token_ok[None, :], other=0.0).to(gl.float32)
-            scale = act_scale(gl.max(gl.abs(x), axis=0), POW2)
-            # act_quant's rounding is the hardware's (to nearest even, saturating at the clamp).
-            values = divide_and_clamp(x, scale[None, :], POW2).to(gl.float8e4nv)
-            x_scale = gl.convert_layout(scale, gl.SliceLayout(0, MMA))
-        block_sum = _fp8_block_product(codes.to(gl.float16), values.to(gl.float16), BLOCK_N, BLOCK_M)
-        acc += block_sum * (x_scale * w_scale)[None, :]
+    if BLOCKS_PER_STEP == 2:
+        # Both blocks' loads are issued before either product: twice the bytes in flight a warp.
+        for block in range(first, last - 1, 2):
+            c0, s0, v0, x0 = _block_operands(block, w_ptrs, s_row, v_ptrs, token_ok, xs_ptr, acc_tokens, acc_ok,
+                                             stride_sk, K_BLOCKS, X_QUANTIZED, BLOCK_M)
+            c1, s1, v1, x1 = _block_operands(block + 1, w_ptrs, s_row, v_ptrs, token_ok, xs_ptr, acc_tokens, acc_ok,
+                                             stride_sk, K_BLOCKS, X_QUANTIZED, BLOCK_M)
+            acc = _accumulate_block(acc, c0, s0, v0, x0, SCALE_E8M0, POW2, X_QUANTIZED, BLOCK_N, BLOCK_M)
+            acc = _accumulate_block(acc, c1, s1, v1, x1, SCALE_E8M0, POW2, X_QUANTIZED, BLOCK_N, BLOCK_M)
+        if (last - first) % 2 == 1:
+            c0, s0, v0, x0 = _block_operands(last - 1, w_ptrs, s_row, v_ptrs, token_ok, xs_ptr, acc_tokens, acc_ok,
+                                             stride_sk, K_BLOCKS, X_QUANTIZED, BLOCK_M)
+            acc = _accumulate_block(acc, c0, s0, v0, x0, SCALE_E8M0, POW2, X_QUANTIZED, BLOCK_N, BLOCK_M)
+    else:
+        for block in range(first, last):
+            c0, s0, v0, x0 = _block_operands(block, w_ptrs, s_row, v_ptrs, token_ok, xs_ptr, acc_tokens, acc_ok,
+                                             stride_sk, K_BLOCKS, X_QUANTIZED, BLOCK_M)
+            acc = _accumulate_block(acc, c0, s0, v0, x0, SCALE_E8M0, POW2, X_QUANTIZED, BLOCK_N, BLOCK_M)
 
     cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     mask = (cols < N)[:, None] & acc_ok[None, :]
@@ -177,10 +218,11 @@ def plan_mma(rows: int, n: int, k: int, sms: int) -> Plan:
     """Tiles of the mma product for `rows` x [n, k]: 8, 16 or 32 rows a program (64 as two tiles
     of 32), 128 columns (64 where the weight has no whole tiles of 128: per weight byte, a wider
     tile converts fewer activations and quantises them for more columns); K split until every SM
-    has PROGRAMS_PER_SM programs."""
+    has PROGRAMS_PER_SM programs; BLOCKS_PER_STEP blocks' loads at a time up to 16 rows."""
     block_m = min(TOKEN_TILES[-1], max(TOKEN_TILES[0], triton.next_power_of_2(rows)))
     block_n = COLUMN_TILES[-1] if n % COLUMN_TILES[-1] == 0 else COLUMN_TILES[0]
-    plan = Plan(block_m, block_n, 1, k // FP8_BLOCK, rows > IN_KERNEL_QUANT_MAX_ROWS, num_warps=WARPS, product="mma")
+    plan = Plan(block_m, block_n, 1, k // FP8_BLOCK, rows > IN_KERNEL_QUANT_MAX_ROWS, num_warps=WARPS, product="mma",
+                blocks_per_step=BLOCKS_PER_STEP if rows <= IN_KERNEL_QUANT_MAX_ROWS else 1)
     return split_where_idle(plan, rows, n, k, sms, PROGRAMS_PER_SM, MIN_BLOCKS_PER_SPLIT)
 
 
@@ -188,7 +230,8 @@ def check_mma_inputs(weight: torch.Tensor, plan: Plan) -> None:
     """What the mma product takes: FP8 weights whose rows fill the plan's column tiles, on a GPU."""
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"blockscale_linear (mma): the mma product takes FP8 (e4m3) weights, got {weight.dtype}")
-    if plan.product != "mma" or plan.block_n not in COLUMN_TILES or plan.block_m not in TOKEN_TILES or plan.num_warps != WARPS:
+    if (plan.product != "mma" or plan.block_n not in COLUMN_TILES or plan.block_m not in TOKEN_TILES
+            or plan.num_warps != WARPS or plan.blocks_per_step not in (1, 2)):
         raise ValueError(f"blockscale_linear (mma): not a plan of the mma product: {plan}")
     if weight.shape[0] % plan.block_n:
         raise ValueError(f"blockscale_linear (mma): {weight.shape[0]} output columns are not whole tiles of {plan.block_n}")
@@ -215,6 +258,6 @@ def blockscale_linear_mma(
         m, n, k // FP8_BLOCK, plan.blocks_per_split,
         rows.stride(0), weight.stride(0), scale.stride(0), scale.stride(1), out.stride(0),
         SCALE_E8M0=run.scale_e8m0, POW2=pow2, X_QUANTIZED=plan.x_quantized, SPLIT=plan.split,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=WARPS,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCKS_PER_STEP=plan.blocks_per_step, num_warps=WARPS,
     )
     return out.view(*x.shape[:-1], n)

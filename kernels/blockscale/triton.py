@@ -169,6 +169,7 @@ class Plan:
     num_warps: int = 4
     num_stages: int = 4
     product: str = "fp16"
+    blocks_per_step: int = 1  # mma: 128-blocks of K whose loads are issued together (1 or 2)
 
 
 def plan_launch(rows: int, n: int, k: int, sms: int) -> Plan:
