@@ -202,13 +202,11 @@ def split_plan(plan: Plan, k: int, split: int) -> Plan:
 
 @dataclass(frozen=True)
 class LinearLaunch:
-    """What a launch of either product takes, made on the host from shapes only: the rows of x
-    ([M, K], unit stride along K), the output [M, N], the pre-pass's e4m3 values and fp32 scales
-    (the rows again without it: unused), the weight scales (ue8m0 as their bytes) and the split-K
-    scratch and counters (the output again without a split: unused)."""
+    """What a launch of either product takes besides x's rows and the output (launch_rows'), made
+    on the host from shapes only: the pre-pass's e4m3 values and fp32 scales (the rows again
+    without it: unused), the weight scales (ue8m0 as their bytes) and the split-K scratch and
+    counters (the output again without a split: unused)."""
 
-    rows: torch.Tensor
-    out: torch.Tensor
     xq: torch.Tensor
     xs: torch.Tensor
     scale_bits: torch.Tensor
@@ -236,7 +234,7 @@ def prepare_launch(rows: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, p
     if plan.split > 1:
         partials = torch.empty((plan.split, m, n), dtype=torch.float32, device=rows.device)
         counters = split_counters(rows.device, triton.cdiv(n, plan.block_n) * triton.cdiv(m, plan.block_m))
-    return LinearLaunch(rows, out, xq, xs, scale.view(torch.uint8) if e8m0 else scale, e8m0, partials, counters)
+    return LinearLaunch(xq, xs, scale.view(torch.uint8) if e8m0 else scale, e8m0, partials, counters)
 
 
 def blockscale_linear_triton(
