@@ -179,18 +179,20 @@ class ExpertView(LinearView):
 class SharedExpert(nn.Module):
     """The shared expert: the last row of the Experts stacks where it has the routed experts'
     format (MoE then runs it inside the grouped kernel, and forward() is the unfused product, for
-    comparison), otherwise projections of its own that MoE runs after the routed experts: w1 and
-    w3 read the same input and run as one product (`gate_up`), w2 on its own."""
+    comparison), otherwise projections of its own, stored as `own_format` says (Linear's keyword
+    arguments), that MoE runs after the routed experts: w1 and w3 read the same input and run as
+    one product (`gate_up`), w2 on its own."""
 
-    def __init__(self, experts: Experts, swiglu_limit: float, linears: dict[str, nn.Module] | None = None):
+    def __init__(self, experts: Experts, swiglu_limit: float, dim: int, inter: int, own_format: dict | None = None):
         super().__init__()
         self.swiglu_limit = swiglu_limit
-        self.stacked = linears is None
+        self.stacked = own_format is None
         if self.stacked:
             self.w1, self.w2, self.w3 = (ExpertView(experts, name) for name in Experts.NAMES)
         else:
-            self.gate_up = linears["gate_up"]
-            self.w1, self.w2, self.w3 = (linears[name] for name in Experts.NAMES)
+            self.w1, self.w3 = LinearView(dim, inter), LinearView(dim, inter)
+            self.w2 = Linear(inter, dim, **own_format)
+            self.gate_up = FusedLinear({"w1": self.w1, "w3": self.w3}, **own_format)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.stacked:
@@ -214,13 +216,8 @@ class MoE(nn.Module):
             parallel.local(cfg.n_routed_experts), cfg.dim, cfg.moe_inter_dim, dtype, device, fmt=cfg.expert_format,
             with_shared=stacked, first=parallel.first(cfg.n_routed_experts), **stored,
         )
-        linears = None
-        if not stacked:
-            dim, inter = cfg.dim, cfg.moe_inter_dim
-            gate_up = {"w1": LinearView(dim, inter), "w3": LinearView(dim, inter)}
-            linears = dict(gate_up, w2=Linear(inter, dim, dtype, device, fmt=cfg.linear_format, **stored))
-            linears["gate_up"] = FusedLinear(gate_up, dtype, device, fmt=cfg.linear_format, **stored)
-        self.shared_experts = SharedExpert(self.experts, cfg.swiglu_limit, linears)
+        own_format = None if stacked else dict(dtype=dtype, device=device, fmt=cfg.linear_format, **stored)
+        self.shared_experts = SharedExpert(self.experts, cfg.swiglu_limit, cfg.dim, cfg.moe_inter_dim, own_format)
         if parallel.world_size > 1:
             # The first expert held, as a buffer rather than a number in the code: every rank
             # traces the same graph (fuse/step.py).
