@@ -13,9 +13,9 @@ weight bytes, so they are laid out for the instruction rather than for the dot o
   same 32 activations of each token for its B fragments. `convert_layout(..., assert_trivial=True)`
   checks when it compiles that no value moves between threads.
 - Program (row tile of 8, 16 or 32 rows, 128 or 64 output columns, K split): 4 warps, each 16 of
-  every 64 columns; the instruction's N is 8 of the tile's rows (tokens) at a time. Row tiles of one column strip
-  are launched next to each other, so a strip read for several tiles comes from L2 after the
-  first.
+  every 64 columns; the instruction's N is 8 of the tile's rows (tokens) at a time. Row tiles of
+  one column strip are launched next to each other, so a strip read for several tiles comes from
+  L2 after the first.
 - Codes and activations become fp16 by the hardware's e4m3x2 -> f16x2 conversion (exact). The
   block's product is taken in fp32, times the block's weight scale and each row's activation scale,
   and added to the fp32 accumulator: the Triton kernel's arithmetic in another summation order.
@@ -47,7 +47,7 @@ WARPS = 4
 STEP = FP8_BLOCK  # inputs per step: one weight-scale block, one activation block
 COLUMN_TILES = (64, 128)  # output columns a program: 16 or 32 a warp
 TOKEN_TILES = (8, 16, 32)  # rows a program: the instruction's N, once to four times
-# Programs an SM is given before K is split no further (each holds a few K blocks' bytes in flight).
+# K is split until every SM has this many programs (each keeps a block or two of bytes in flight).
 PROGRAMS_PER_SM = 2
 MIN_BLOCKS_PER_SPLIT = 2
 # 128-blocks whose loads a program issues before their products, up to 16 rows: a split of few
