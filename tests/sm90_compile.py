@@ -10,8 +10,9 @@ sm_90 GPU, at the shapes one V4-Flash decode step gives them (recorded on the me
 checkpoint formats and bf16, batches 1, 16 and 64), plus each sparse MLA variant. What a GPU
 would reject at compile time fails here: an unsupported layout or type, a Triton API the
 installed version lacks, a program over the shared memory an SM has. OUT.json: per kernel the
-compiled variants with their shared memory; the calls that failed, with their errors. With
---ahead, kernels/precompile.py's compile_ahead compiles every kernel first, WORKERS at a time; the
+compiled variants with their shared memory, registers and local memory (ptxas's spills and
+stack: what a variant costs an SM, read without one); the calls that failed, with their errors.
+With --ahead, kernels/precompile.py's compile_ahead compiles every kernel first, WORKERS at a time; the
 launches then compile nothing where its kernels are the ones they look up (compiled_in_launches)."""
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ import importlib
 import json
 import os
 import pathlib
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -37,6 +41,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from kernels.precompile import OpCall, compile_ahead, launches_compile_only, record_op_calls  # noqa: E402
 
 SMS = 132
+CUOBJDUMP = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 SHARED_MEMORY = 227 * 1024  # sm_90's opt-in maximum per program
 PACKAGES = ("blockscale", "hc_mix", "hc_sinkhorn", "indexer", "linear", "moe", "sparse_mla")
 BATCHES = (1, 16, 64)
@@ -60,6 +65,25 @@ class Sm90Driver:
         return torch.device("cpu")
 
 
+_USAGE: dict[int, dict] = {}
+
+
+def resource_usage(kernel) -> dict:
+    """Registers a thread and bytes of local memory (spilled registers and stack) of a compiled
+    kernel, as ptxas reports them in its cubin (cuobjdump -res-usage, shipped with Triton)."""
+    key = id(kernel.asm["cubin"])
+    if key not in _USAGE:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(kernel.asm["cubin"])
+            cubin.flush()
+            report = subprocess.run([str(CUOBJDUMP), "-res-usage", cubin.name], capture_output=True, text=True).stdout
+        regs, stack = re.search(r"REG:(\d+)", report), re.search(r"STACK:(\d+)", report)
+        local = re.search(r"LOCAL:(\d+)", report)
+        _USAGE[key] = {"registers": int(regs.group(1)) if regs else None,
+                       "local_bytes": int(stack.group(1)) + (int(local.group(1)) if local else 0) if stack else None}
+    return _USAGE[key]
+
+
 def recording_compiles():
     """Each kernel a launch returns (compiled or from memory), with its shared memory, warps and
     stages, appended to `compiled`; and the number of compiles (count["compiles"])."""
@@ -68,7 +92,8 @@ def recording_compiles():
     def recorded(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=warmup, **kwargs)
         compiled.append({"kernel": self.fn.__name__, "shared": kernel.metadata.shared,
-                         "num_warps": kernel.metadata.num_warps, "num_stages": kernel.metadata.num_stages})
+                         "num_warps": kernel.metadata.num_warps, "num_stages": kernel.metadata.num_stages,
+                         **resource_usage(kernel)})
         return kernel
 
     def counted(self, *args, **kwargs):
@@ -227,15 +252,18 @@ def main() -> int:
                 failures.append({"call": label, "error": f"{type(error).__name__}: {str(error)[:2000]}"})
     kernels_compiled: dict[str, list] = {}
     for launch in compiled:
-        variant = {k: launch[k] for k in ("shared", "num_warps", "num_stages")}
+        variant = {k: launch[k] for k in ("shared", "num_warps", "num_stages", "registers", "local_bytes")}
         if variant not in kernels_compiled.setdefault(launch["kernel"], []):
             kernels_compiled[launch["kernel"]].append(variant)
     args.out.write_text(json.dumps({
         "triton": triton.__version__, "launches": len(compiled), "kernels": kernels_compiled, "failures": failures,
         "shared_memory_limit": SHARED_MEMORY, "ahead": ahead, "compiled_in_launches": count["compiles"],
     }, indent=1))
+    spilling = {name: max(v["local_bytes"] or 0 for v in variants) for name, variants in kernels_compiled.items()
+                if any(v["local_bytes"] for v in variants)}
     print(f"sm90_compile: {len(compiled)} launches, {count['compiles']} compiled there, {len(kernels_compiled)} kernels, "
-          f"{len(failures)} failed calls" + (f"; ahead: {ahead}" if ahead else ""))
+          f"{len(failures)} failed calls" + (f"; ahead: {ahead}" if ahead else "")
+          + (f"; local memory (spills, stack), most bytes a thread: {spilling}" if spilling else ""))
     return 0
 
 
