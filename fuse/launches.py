@@ -169,16 +169,19 @@ class LaunchReport:
         total = sum(self.time_us.values())
         return sum(self.time_us.get(c, 0.0) for c in GLUE) / total if total else None
 
+    def category_time_us(self, category: str) -> float:
+        """Time per call of a category's kernels; "glue" and "total" sum theirs."""
+        if category in ("glue", "total"):
+            return sum(self.time_us.get(c, 0.0) for c in (GLUE if category == "glue" else CATEGORIES))
+        return self.time_us.get(category, 0.0)
+
     def rows(self) -> list[tuple[str, float, float | None, float | None]]:
         """(category, kernels per call, per layer, share of device (CUDA) or CPU time)."""
-        total_time = sum(self.time_us.values())
+        total_time = self.category_time_us("total")
         out = []
         for c in CATEGORIES + ("glue", "total"):
             count = self.glue if c == "glue" else self.total if c == "total" else self.counts.get(c, 0.0)
-            if c in ("glue", "total"):
-                t = sum(self.time_us.get(k, 0.0) for k in (GLUE if c == "glue" else CATEGORIES))
-            else:
-                t = self.time_us.get(c, 0.0)
+            t = self.category_time_us(c)
             out.append((c, count, count / self.layers if self.layers else None, t / total_time if total_time else None))
         return out
 
@@ -251,6 +254,25 @@ def diff_markdown(eager: LaunchReport, compiled: LaunchReport) -> str:
         fmt = lambda v: "" if v is None else f"{v:.1f}"
         lines.append(f"| {c} | {a:g} | {b:g} | {ratio} | {fmt(apl)} | {fmt(bpl)} |")
     return "\n".join(lines)
+
+
+def time_markdown(eager: LaunchReport, compiled: LaunchReport) -> str:
+    """Eager against compiled, per category: time per call (device time on CUDA, CPU time on the
+    CPU) and its share of the call's time; glue and total sum their categories."""
+    unit = "device" if compiled.device == "cuda" else "CPU"
+    lines = [
+        f"| category | {eager.label} {unit} us | {eager.label} share | {compiled.label} {unit} us | {compiled.label} share |",
+        "|---|---|---|---|---|",
+    ]
+    for (c, *_, eager_share), (*_, compiled_share) in zip(eager.rows(), compiled.rows()):
+        cells = [f"{eager.category_time_us(c):.1f}", _percent(eager_share),
+                 f"{compiled.category_time_us(c):.1f}", _percent(compiled_share)]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.1f}%"
 
 
 def _cpu_kernel_events(events) -> list:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fuse.floor import copy_bandwidth_gbs, step_floor
-from fuse.launches import CATEGORIES, LaunchReport, count_launches, diff_markdown
+from fuse.launches import CATEGORIES, LaunchReport, count_launches, diff_markdown, time_markdown
 from fuse.numerics import (
     StreamedReference, Verdict, check_step, copy_state, fp32_reference, judge, one_step_errors, relative_error,
 )
@@ -273,6 +273,10 @@ def summary_markdown(result: dict, eager: LaunchReport, compiled: LaunchReport) 
         "## Kernels per decode step",
         "",
         diff_markdown(eager, compiled),
+        "",
+        f"## Time per decode step by category ({'device' if compiled.device == 'cuda' else 'CPU'} time)",
+        "",
+        time_markdown(eager, compiled),
         "",
         "## Compiled step: the kernels that take the most time",
         "",

@@ -109,6 +109,27 @@ def test_report_json_and_markdown_agree(report):
     assert table["total"] == (data["eager"]["total"], data["compiled"]["total"])
 
 
+def test_time_by_category_agrees_with_the_json_and_adds_up(report):
+    """The time table: each category's time per step as report.json has it, shares of the step
+    that add up to the total, and glue the sum of its categories."""
+    folder, _ = report
+    data = json.loads((folder / "report.json").read_text())
+    md = (folder / "report.md").read_text().split("## Time per decode step by category")[1].split("\n## ")[0]
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in md.splitlines()
+                                              if line.startswith("| ") and not line.startswith("| category"))}
+    for column, side in ((0, "eager"), (2, "compiled")):
+        times = data[side]["time_us"]
+        total = sum(times.values())
+        assert total > 0
+        for category, us in times.items():
+            assert abs(float(rows[category][column]) - us) < 0.06
+            assert abs(float(rows[category][column + 1].rstrip("%")) - 100 * us / total) < 0.06
+        assert abs(float(rows["total"][column]) - total) < 0.06 and rows["total"][column + 1] == "100.0%"
+        glue = sum(float(rows[c][column]) for c in ("elementwise", "copy", "reduce"))
+        assert abs(float(rows["glue"][column]) - glue) < 0.2
+    assert abs(float(rows["glue"][3].rstrip("%")) - 100 * data["compiled"]["glue_time_share"]) < 0.06
+
+
 def test_per_kernel_counts_add_up_and_the_top_table_lists_the_slowest(report):
     folder, _ = report
     data = json.loads((folder / "report.json").read_text())
