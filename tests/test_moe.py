@@ -621,6 +621,25 @@ def test_scaled_mma_product_matches_reference(flash_scaled, batch, pattern, spli
         assert torch.equal(moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert, tiles=tiles), out)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_dtype", [E8M0, torch.float32])
+def test_scaled_mma_product_odd_step_counts(scale_dtype):
+    """Widths of an odd number of 128-input steps (the down product's two-steps-ahead loop and
+    its last single step; the gate/up K split 2 ways into 2 + 1 steps), both scale dtypes."""
+    from kernels.moe.scaled import choose_scaled_tiles
+    from kernels.moe.scaled_gluon import moe_experts_scaled_mma
+
+    num_experts, dim, inter = 6, 384, 384
+    w1, w2, w3, scales = scaled_experts("fp4", scale_dtype, num_experts, dim, inter, "cuda", seed=370)
+    for batch in (1, 9):
+        x = torch.randn(batch, dim, device="cuda").to(torch.bfloat16)
+        ids, weights = routed_ids("random", batch, 2, num_experts, seed=371 + batch, device="cuda")
+        tiles = dataclasses.replace(choose_scaled_tiles(batch * 3, num_experts, dim, inter, 132), product="mma", up_split=2)
+        out = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, num_experts - 1, tiles=tiles)
+        assert_scaled_close(out, moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, num_experts - 1, scales),
+                            torch.bfloat16)
+
+
 def test_scaled_mma_product_refuses_other_formats():
     """FP8 experts (or a width that is not whole 128-blocks) are refused by name before any launch."""
     from kernels.moe.scaled_gluon import moe_experts_scaled_mma

@@ -14,8 +14,9 @@ both are laid out for the instruction rather than for the dot of a generic tile.
   fragment. `convert_layout(..., assert_trivial=True)` checks when it compiles that no value
   moves between threads.
 - Program (segment, 128 output columns, K split): 4 warps, each 16 of every 64 columns; the
-  instruction's N is 8 of the segment's pairs at a time.
-  Gate and up share the activations' loads and conversion.
+  instruction's N is 8 of the segment's pairs at a time. Gate and up share the activations'
+  loads and conversion. The down product (64 columns, K whole) issues the loads of two steps
+  before their products: a step of its tile is few bytes, too few in flight at batch 1 otherwise.
 - Decoding: a byte's two codes become e4m3 bytes (sign to bit 7, exponent and mantissa bits to
   bits 4..2: 2^-6 times the code's value, exact, the subnormal 0.5 included) in three or four
   integer operations per 4 codes, then the hardware's e4m3x2 -> f16x2 conversion. The 2^6 is
@@ -42,12 +43,16 @@ WARPS = 4
 STEP = FP8_BLOCK  # inputs per step: one activation block, four FP4 scale groups
 # Output columns per down program: twice the programs of 128 for the few experts picked at batch 1.
 DOWN_N = 64
+# Steps of the down product whose loads are issued before their products: its tiles hold few
+# bytes a step (64 rows of 64 bytes), and at batch 1 all of them together a step are ~12 KB an SM.
+DOWN_STEPS_AHEAD = 2
 # The instruction's N: pairs of a segment taken at a time (wider tiles would raise every
 # program's registers for the few segments with more pairs).
 TOKENS_PER_STEP = 8
 # Device-side constants (Gluon reads module globals only as constexprs).
 TOKENS = gl.constexpr(TOKENS_PER_STEP)
 DOWN_BLOCK_N = gl.constexpr(DOWN_N)
+DOWN_AHEAD = gl.constexpr(DOWN_STEPS_AHEAD)
 GATE_UP_BLOCK_N = gl.constexpr(UP_BLOCK_N)  # one activation block of h, as scaled.py's
 SEGMENT = gl.constexpr(SEGMENT_ROWS)
 BLOCK_K = gl.constexpr(STEP)
@@ -201,18 +206,49 @@ def _block_product(codes, v0, v1, v2, v3, s_ptrs, group, stride_sk,
 
 
 @gluon.jit
+def _step_loads(code_ptrs, other_code_ptrs, value_ptrs, value_ok, a_scale_ptr, acc_rows, acc_ok, stride_as, k, k_begin,
+                PAIRED: gl.constexpr):
+    """The loads of the 128 inputs from k: the codes of the weight rows (and of the second
+    weight's with PAIRED), the activations' e4m3 bytes and their scales."""
+    step = k - k_begin
+    codes = gl.load(code_ptrs + step // 2)
+    if PAIRED:
+        other_codes = gl.load(other_code_ptrs + step // 2)
+    else:
+        other_codes = codes
+    values = gl.load(value_ptrs + step, mask=value_ok[None, :], other=0)
+    a_scale = gl.load(a_scale_ptr + acc_rows * stride_as + k // BLOCK_K, mask=acc_ok, other=0.0)
+    return codes, other_codes, values, a_scale
+
+
+@gluon.jit
+def _step_products(acc, acc_other, codes, other_codes, values, a_scale, k, s_ptrs, s_other_ptrs, stride_sk, stride_other_sk,
+                   S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, PAIRED: gl.constexpr):
+    """acc (and acc_other with PAIRED) plus the products of one step's loads (_step_loads)."""
+    MMA: gl.constexpr = mma_layout()
+    v0, v1, v2, v3 = _value_groups(values, TOKENS, MMA)
+    group = k // FP4_GROUP
+    acc += _block_product(codes, v0, v1, v2, v3, s_ptrs, group, stride_sk, S_E8M0, BLOCK_N, TOKENS) * a_scale[None, :]
+    if PAIRED:
+        block = _block_product(other_codes, v0, v1, v2, v3, s_other_ptrs, group, stride_other_sk, S_E8M0, BLOCK_N, TOKENS)
+        acc_other += block * a_scale[None, :]
+    return acc, acc_other
+
+
+@gluon.jit
 def _fp4_products(
     a_ptr, a_scale_ptr, a_row, row_ok, stride_am, stride_as,
     w_ptr, s_ptr, w_other_ptr, s_other_ptr, col0, stride_wn, stride_sn, stride_sk,
     stride_other_wn, stride_other_sn, stride_other_sk, k_begin, k_end,
     S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, PAIRED: gl.constexpr,
+    STEPS_AHEAD: gl.constexpr,
 ):
     """[BLOCK_N, TOKENS] fp32 each: weight rows col0 + [0, BLOCK_N) (w_ptr, s_ptr at the expert) and,
     with PAIRED, the same rows of a second weight (w_other_ptr, s_other_ptr: gate and up share
     the activations) times the quantised activation rows a_row (e4m3 bytes [rows, K] and one
     scale per 128; row_ok masks the padding) over inputs [k_begin, k_end), a multiple of 128.
-    Each step's loads are all issued before its products (no values carried across steps: a
-    carried tensor of bytes is kept a byte a register)."""
+    The loads of STEPS_AHEAD steps (1 or 2) are issued before their products (no values carried
+    across iterations: a carried tensor of bytes is kept a byte a register)."""
     MMA: gl.constexpr = mma_layout()
     VALUES: gl.constexpr = values_layout(TOKENS)
     code_ptrs = _code_pointers(w_ptr, col0, stride_wn, k_begin, BLOCK_N)
@@ -228,19 +264,23 @@ def _fp4_products(
     acc_ok = gl.convert_layout(row_ok, gl.SliceLayout(0, MMA))
     acc = gl.zeros([BLOCK_N, TOKENS], gl.float32, MMA)
     acc_other = gl.zeros([BLOCK_N, TOKENS], gl.float32, MMA)
-    for k in range(k_begin, k_end, BLOCK_K):
-        step = k - k_begin
-        codes = gl.load(code_ptrs + step // 2)
-        if PAIRED:
-            other_codes = gl.load(other_code_ptrs + step // 2)
-        values = gl.load(value_ptrs + step, mask=value_ok[None, :], other=0)
-        a_scale = gl.load(a_scale_ptr + acc_rows * stride_as + k // BLOCK_K, mask=acc_ok, other=0.0)
-        v0, v1, v2, v3 = _value_groups(values, TOKENS, MMA)
-        group = k // FP4_GROUP
-        acc += _block_product(codes, v0, v1, v2, v3, s_ptrs, group, stride_sk, S_E8M0, BLOCK_N, TOKENS) * a_scale[None, :]
-        if PAIRED:
-            block = _block_product(other_codes, v0, v1, v2, v3, s_other_ptrs, group, stride_other_sk, S_E8M0, BLOCK_N, TOKENS)
-            acc_other += block * a_scale[None, :]
+    first = k_begin
+    if STEPS_AHEAD == 2:
+        for k in range(k_begin, k_end - BLOCK_K, 2 * BLOCK_K):
+            c0, o0, v0, a0 = _step_loads(code_ptrs, other_code_ptrs, value_ptrs, value_ok, a_scale_ptr, acc_rows, acc_ok,
+                                         stride_as, k, k_begin, PAIRED)
+            c1, o1, v1, a1 = _step_loads(code_ptrs, other_code_ptrs, value_ptrs, value_ok, a_scale_ptr, acc_rows, acc_ok,
+                                         stride_as, k + BLOCK_K, k_begin, PAIRED)
+            acc, acc_other = _step_products(acc, acc_other, c0, o0, v0, a0, k, s_ptrs, s_other_ptrs, stride_sk,
+                                            stride_other_sk, S_E8M0, BLOCK_N, TOKENS, PAIRED)
+            acc, acc_other = _step_products(acc, acc_other, c1, o1, v1, a1, k + BLOCK_K, s_ptrs, s_other_ptrs, stride_sk,
+                                            stride_other_sk, S_E8M0, BLOCK_N, TOKENS, PAIRED)
+        first = k_end - ((k_end - k_begin) // BLOCK_K) % 2 * BLOCK_K  # an odd last step, if any
+    for k in range(first, k_end, BLOCK_K):
+        c0, o0, v0, a0 = _step_loads(code_ptrs, other_code_ptrs, value_ptrs, value_ok, a_scale_ptr, acc_rows, acc_ok,
+                                     stride_as, k, k_begin, PAIRED)
+        acc, acc_other = _step_products(acc, acc_other, c0, o0, v0, a0, k, s_ptrs, s_other_ptrs, stride_sk,
+                                        stride_other_sk, S_E8M0, BLOCK_N, TOKENS, PAIRED)
     return acc, acc_other
 
 
@@ -273,7 +313,7 @@ def _gate_up_chunk(
     gate, up = _fp4_products(
         xq_ptr, xs_ptr, token, row_ok, dim, dim // BLOCK_K,
         w1_ptr, s1_ptr, w3_ptr, s3_ptr, col0, stride_w1n, stride_s1n, stride_s1k, stride_w3n, stride_s3n, stride_s3k,
-        k_begin, k_end, S_E8M0, BLOCK_N, TOKENS, True,
+        k_begin, k_end, S_E8M0, BLOCK_N, TOKENS, True, 1,
     )
     gate = gl.convert_layout(gate.permute(1, 0), EPILOGUE)
     up = gl.convert_layout(up.permute(1, 0), EPILOGUE)
@@ -353,7 +393,7 @@ def _mma_down_kernel(
             acc, _ = _fp4_products(
                 hq_ptr, hs_ptr, pair, row_ok, inter, inter // BLOCK_K,
                 w2_ptr, s2_ptr, w2_ptr, s2_ptr, col0, stride_wn, stride_sn, stride_sk, stride_wn, stride_sn, stride_sk,
-                0, inter, S_E8M0, DOWN_BLOCK_N, TOKENS, False,
+                0, inter, S_E8M0, DOWN_BLOCK_N, TOKENS, False, DOWN_AHEAD,
             )
             y = gl.convert_layout(acc.permute(1, 0), EPILOGUE)
             y_ptrs = y_ptr + pair.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
