@@ -320,15 +320,16 @@ def test_scaled_gate_up_splits_only_where_tiles_leave_sms_idle():
 @pytest.mark.parametrize("split", [2, 3])
 def test_scaled_gate_up_split_k(fmt, split):
     """K of the gate/up product split 2 or 3 ways (4 blocks: 2 + 2, and 2 + 1 + 1): the last split
-    of each tile sums the partials and runs the epilogue; the same result twice (the sum's order
+    of each tile sums the partials and runs the epilogue, for every 16-row chunk of its segment
+    (20 tokens on one expert: two chunks, one arrival); the same result twice (the sum's order
     does not depend on which split arrives last) and the arrival counters back at zero."""
     from kernels.moe.scaled import choose_scaled_tiles, moe_experts_scaled_triton
     from kernels.triton_util import split_counters
 
     picks, num_experts, dim, inter = 3, 8, 512, 256
     w1, w2, w3, scales = scaled_experts(fmt, E8M0, num_experts, dim, inter, "cpu", seed=230 + split)
-    for batch in (1, 5):
-        ids, weights = routed_ids("random", batch, picks, num_experts, seed=231 + batch)
+    for batch, pattern in ((1, "random"), (5, "random"), (20, "one_hot_expert")):
+        ids, weights = routed_ids(pattern, batch, picks, num_experts, seed=231 + batch)
         x = torch.randn(batch, dim, generator=torch.Generator().manual_seed(232 + batch)).to(torch.float32)
         tiles = dataclasses.replace(choose_scaled_tiles(batch * picks, num_experts, dim, inter, 8), up_split=split)
         out = moe_experts_scaled_triton(x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles)
@@ -357,14 +358,14 @@ def test_scaled_fp4_both_products(product):
 @pytest.mark.parametrize(
     "batch,pattern,shared,dtype",
     [
-        (20, "one_hot_expert", -1, torch.float32),  # 20 pairs on one expert: the 32-row tile
-        (40, "random", 15, torch.float16),  # the shared expert's 40 pairs: the 64-row tile
+        (20, "one_hot_expert", -1, torch.float32),  # 20 pairs on one expert: two 16-row chunks
+        (40, "random", 15, torch.float16),  # the shared expert's 40 pairs: three chunks
         (70, "random", 15, torch.float32),  # 70 pairs: two segments of the shared expert
     ],
 )
 def test_scaled_experts_picked_by_many_tokens(batch, pattern, shared, dtype):
-    """An expert several tokens picked: all of its pairs in one program's row tile (up to 64),
-    beyond that in several segments; the same sums as the reference."""
+    """An expert several tokens picked: its pairs in one program's segment (up to 64), 16 rows at
+    a time, beyond that in several segments; the same sums as the reference."""
     picks, num_experts = 3, SCALED["num_experts"]
     w1, w2, w3, scales = scaled_experts("fp4", E8M0, num_experts, SCALED["dim"], SCALED["inter"], "cpu", seed=210 + batch)
     ids, weights = routed_ids(pattern, batch, picks, num_experts, seed=211 + batch)

@@ -29,9 +29,10 @@ FP4 with ue8m0 scales, the MX format, instead one `tl.dot_scaled` per 128 inputs
 scaled in fp32 by its weight scale; each 128-input step by the activations' scale. act_quant,
 the e4m3 rounding and the e2m1 and scale decoding are the shared arithmetic of
 kernels/blockscale/device.py. Results differ from the reference by summation order only, and by
-what that does to the roundings the semantics prescribe. The row tile of a segment is chosen at
-run time from its pair count (16, 32 or 64 rows), so an expert with one token does not pay 64
-rows of matrix work.
+what that does to the roundings the semantics prescribe. A program takes its segment's pairs 16
+at a time (CHUNK_ROWS): an expert with one token pays 16 rows of matrix work, and the rare one
+with more re-reads its strip from L2. With K split, a program stores every chunk's partials and
+counts its arrival once; the last to arrive sums and finishes each chunk.
 """
 from __future__ import annotations
 
@@ -51,8 +52,12 @@ from kernels.moe.triton import (
 )
 from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, num_sms, split_counters
 
-# Rows of a routing segment: every expert with at most this many pairs is one segment, read once.
+# Rows of a routing segment: every expert with at most this many pairs is one segment.
 SEGMENT_ROWS = 64
+# Rows of a segment a program multiplies at a time (the dot's narrow side; rows beyond read the
+# expert's strip again, from L2). One chunk shape keeps every launch's registers at what 16 rows
+# need: a 64-row tile in the same kernel made every launch pay its registers and spills.
+CHUNK_ROWS = 16
 # The gate/up N tile: one activation block, so that its epilogue quantises whole blocks of h.
 UP_BLOCK_N = FP8_BLOCK
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -62,6 +67,7 @@ TRITON_PRODUCTS = PRODUCTS[:2]
 # FP8 weight blocks are 128 wide, FP4 scale groups 32.
 ACT_BLOCK = tl.constexpr(FP8_BLOCK)
 FP4_GROUP = tl.constexpr(FP4_BLOCK)
+CHUNK = tl.constexpr(CHUNK_ROWS)
 
 
 @dataclass(frozen=True)
@@ -163,10 +169,11 @@ def _group_products(
 
 
 @triton.jit
-def _segment_rows(sorted_pair_ptr, segment, rows, SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The real-row mask of the first BLOCK_M rows of a segment and their pair indices."""
-    row_ok = tl.arange(0, BLOCK_M) < rows
-    pair = tl.load(sorted_pair_ptr + segment * SEGMENT + tl.arange(0, BLOCK_M), mask=row_ok, other=0)
+def _segment_rows(sorted_pair_ptr, segment, first, rows, SEGMENT: tl.constexpr):
+    """The real-row mask of rows [first, first + CHUNK) of a segment and their pair indices."""
+    offs = first + tl.arange(0, CHUNK)
+    row_ok = offs < rows
+    pair = tl.load(sorted_pair_ptr + segment * SEGMENT + offs, mask=row_ok, other=0)
     return row_ok, pair
 
 
@@ -176,17 +183,17 @@ def _segment_rows(sorted_pair_ptr, segment, rows, SEGMENT: tl.constexpr, BLOCK_M
 
 
 @triton.jit
-def _gate_up_tile(
-    x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr, sorted_pair_ptr,
-    partial_ptr, counter_ptr, segment, rows, tile_n, split, split_stride, dim, inter, swiglu_limit,
+def _gate_up_chunk(
+    xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, sorted_pair_ptr, segment, first, rows, tile_n, split, dim,
     stride_w1n, stride_w1k, stride_s1n, stride_s1k,
     stride_w3n, stride_w3k, stride_s3n, stride_s3k,
-    PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr, POW2: tl.constexpr,
-    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr, SEGMENT: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    PAIRS_PER_TOKEN: tl.constexpr, W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr,
+    SEGMENT: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    """Gate and up [CHUNK, 128] fp32 of a segment's rows [first, first + CHUNK) over this
+    program's K split; with their pairs, tokens, real-row mask and columns."""
     BLOCK_N: tl.constexpr = ACT_BLOCK
-    row_ok, pair = _segment_rows(sorted_pair_ptr, segment, rows, SEGMENT, BLOCK_M)
+    row_ok, pair = _segment_rows(sorted_pair_ptr, segment, first, rows, SEGMENT)
     token = pair // PAIRS_PER_TOKEN
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     blocks_in = dim // ACT_BLOCK
@@ -196,44 +203,14 @@ def _gate_up_tile(
     gate = _scaled_product(
         xq_ptr, xs_ptr, token, row_ok, dim, blocks_in,
         w1_ptr, s1_ptr, offs_n, stride_w1n, stride_w1k, stride_s1n, stride_s1k,
-        k_begin, k_end, W_FP4, S_E8M0, MX, BLOCK_M, BLOCK_N,
+        k_begin, k_end, W_FP4, S_E8M0, MX, CHUNK, BLOCK_N,
     )
     up = _scaled_product(
         xq_ptr, xs_ptr, token, row_ok, dim, blocks_in,
         w3_ptr, s3_ptr, offs_n, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
-        k_begin, k_end, W_FP4, S_E8M0, MX, BLOCK_M, BLOCK_N,
+        k_begin, k_end, W_FP4, S_E8M0, MX, CHUNK, BLOCK_N,
     )
-    _finish_gate_up(
-        gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, partial_ptr, counter_ptr, token, pair, row_ok, offs_n,
-        segment, tile_n, split, split_stride, inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, SPLIT,
-    )
-
-
-@triton.jit
-def _finish_gate_up(
-    gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, partial_ptr, counter_ptr, token, pair, row_ok, offs_n,
-    segment, tile_n, split, split_stride, inter, swiglu_limit,
-    PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr, POW2: tl.constexpr, SPLIT: tl.constexpr,
-):
-    """A gate/up tile's fp32 products ([rows, 128]; the rows' pairs and tokens, the columns
-    offs_n): the epilogue, or with K split this split's partials stored and, by the last split of
-    the tile to arrive, their sum in split order (the same sum whichever arrives last), the
-    epilogue and the tile's counter set back to zero for the next launch."""
-    if SPLIT == 1:
-        gate_up_epilogue(
-            gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n, inter, swiglu_limit,
-            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2,
-        )
-    else:
-        store_partials(gate, up, partial_ptr, pair, row_ok, offs_n, split, split_stride, inter)
-        counter = counter_ptr + segment * (inter // ACT_BLOCK) + tile_n
-        if arrives_last(counter, SPLIT):
-            gate, up = summed_partials(partial_ptr, pair, row_ok, offs_n, split_stride, inter, SPLIT)
-            gate_up_epilogue(
-                gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n, inter, swiglu_limit,
-                PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2,
-            )
-            tl.atomic_xchg(counter, 0)
+    return gate, up, pair, token, row_ok, offs_n
 
 
 # The split-K steps, no layout-bound operation in them: the Gluon products (kernels/moe/
@@ -305,47 +282,28 @@ def _scaled_gate_up_kernel(
     s1_ptr += expert * stride_s1e
     w3_ptr += expert * stride_w3e
     s3_ptr += expert * stride_s3e
-    # The row tile fits the segment's pairs: matrix work for the rows there are, weights read once.
-    if rows <= 16:
-        _gate_up_tile(
-            x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr, sorted_pair_ptr,
-            partial_ptr, counter_ptr, segment, rows, tile_n, split, split_stride, dim, inter, swiglu_limit,
+    for first in range(0, rows, CHUNK):
+        gate, up, pair, token, row_ok, offs_n = _gate_up_chunk(
+            xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, sorted_pair_ptr, segment, first, rows, tile_n, split, dim,
             stride_w1n, stride_w1k, stride_s1n, stride_s1k, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
-            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, MX, SEGMENT, SPLIT, 16,
+            PAIRS_PER_TOKEN, W_FP4, S_E8M0, MX, SEGMENT, SPLIT,
         )
-    elif rows <= 32:
-        _gate_up_tile(
-            x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr, sorted_pair_ptr,
-            partial_ptr, counter_ptr, segment, rows, tile_n, split, split_stride, dim, inter, swiglu_limit,
-            stride_w1n, stride_w1k, stride_s1n, stride_s1k, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
-            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, MX, SEGMENT, SPLIT, 32,
-        )
-    else:
-        _gate_up_tile(
-            x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr, sorted_pair_ptr,
-            partial_ptr, counter_ptr, segment, rows, tile_n, split, split_stride, dim, inter, swiglu_limit,
-            stride_w1n, stride_w1k, stride_s1n, stride_s1k, stride_w3n, stride_w3k, stride_s3n, stride_s3k,
-            PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, W_FP4, S_E8M0, MX, SEGMENT, SPLIT, SEGMENT,
-        )
-
-
-@triton.jit
-def _down_tile(
-    hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr,
-    segment, rows, tile_n, inter,
-    stride_wn, stride_wk, stride_sn, stride_sk, stride_ym,
-    W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    row_ok, pair = _segment_rows(sorted_pair_ptr, segment, rows, SEGMENT, BLOCK_M)
-    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _scaled_product(
-        hq_ptr, hs_ptr, pair, row_ok, inter, inter // ACT_BLOCK,
-        w2_ptr, s2_ptr, offs_n, stride_wn, stride_wk, stride_sn, stride_sk,
-        0, inter, W_FP4, S_E8M0, MX, BLOCK_M, BLOCK_N,
-    )
-    y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if SPLIT == 1:
+            gate_up_epilogue(gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n,
+                             inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2)
+        else:
+            store_partials(gate, up, partial_ptr, pair, row_ok, offs_n, split, split_stride, inter)
+    if SPLIT > 1:
+        # One arrival for all of the program's chunks; the last of the tile sums each chunk's partials.
+        counter = counter_ptr + segment * tiles_n + tile_n
+        if arrives_last(counter, SPLIT):
+            offs_n = tile_n * ACT_BLOCK + tl.arange(0, ACT_BLOCK)
+            for first in range(0, rows, CHUNK):
+                row_ok, pair = _segment_rows(sorted_pair_ptr, segment, first, rows, SEGMENT)
+                gate, up = summed_partials(partial_ptr, pair, row_ok, offs_n, split_stride, inter, SPLIT)
+                gate_up_epilogue(gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, pair // PAIRS_PER_TOKEN, pair, row_ok,
+                                 offs_n, tile_n, inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2)
+            tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -367,21 +325,16 @@ def _scaled_down_kernel(
     expert = expert.to(tl.int64)
     w2_ptr += expert * stride_we
     s2_ptr += expert * stride_se
-    if rows <= 16:
-        _down_tile(
-            hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr, segment, rows, tile_n, inter,
-            stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, W_FP4, S_E8M0, MX, SEGMENT, BLOCK_N, 16,
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    for first in range(0, rows, CHUNK):
+        row_ok, pair = _segment_rows(sorted_pair_ptr, segment, first, rows, SEGMENT)
+        acc = _scaled_product(
+            hq_ptr, hs_ptr, pair, row_ok, inter, inter // ACT_BLOCK,
+            w2_ptr, s2_ptr, offs_n, stride_wn, stride_wk, stride_sn, stride_sk,
+            0, inter, W_FP4, S_E8M0, MX, CHUNK, BLOCK_N,
         )
-    elif rows <= 32:
-        _down_tile(
-            hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr, segment, rows, tile_n, inter,
-            stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, W_FP4, S_E8M0, MX, SEGMENT, BLOCK_N, 32,
-        )
-    else:
-        _down_tile(
-            hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr, segment, rows, tile_n, inter,
-            stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, W_FP4, S_E8M0, MX, SEGMENT, BLOCK_N, SEGMENT,
-        )
+        y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 # ---------------------------------------------------------------------------------------------
