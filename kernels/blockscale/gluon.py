@@ -226,6 +226,13 @@ def plan_mma(rows: int, n: int, k: int, sms: int) -> Plan:
     return split_where_idle(plan, rows, n, k, sms, PROGRAMS_PER_SM, MIN_BLOCKS_PER_SPLIT)
 
 
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the op runs this product: FP8 weights whose outputs fill tiles of 64, on a GPU with
+    the e4m3 conversions (sm_89 or newer)."""
+    return (weight.dtype == torch.float8_e4m3fn and weight.shape[0] % COLUMN_TILES[0] == 0 and x.is_cuda
+            and not interpreting() and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
 def check_mma_inputs(weight: torch.Tensor, plan: Plan) -> None:
     """What the mma product takes: FP8 weights whose rows fill the plan's column tiles, on a GPU."""
     if weight.dtype != torch.float8_e4m3fn:

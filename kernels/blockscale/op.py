@@ -25,7 +25,11 @@ def _(x, weight, scale, pow2):
 def _(x, weight, scale, pow2):
     if weight.stride(-1) != 1 or not x.is_floating_point():
         return blockscale_linear_reference(x, weight, scale, pow2)
-    from kernels.blockscale.triton import blockscale_linear_triton  # triton only where the kernel runs
+    from kernels.blockscale import gluon  # Triton and Gluon only where the kernels run
+
+    if gluon.takes(x, weight):
+        return gluon.blockscale_linear_mma(x, weight, scale, pow2)
+    from kernels.blockscale.triton import blockscale_linear_triton
 
     return blockscale_linear_triton(x, weight, scale, pow2)
 

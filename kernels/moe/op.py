@@ -66,10 +66,12 @@ def _(x, expert_ids, expert_weights, w1, w2, w3, w1_scale, w2_scale, w3_scale, s
 
 @moe_experts_scaled_op.register_kernel("cuda")
 def _(x, expert_ids, expert_weights, w1, w2, w3, w1_scale, w2_scale, w3_scale, swiglu_limit, shared_expert, pow2):
-    from kernels.moe.scaled import moe_experts_scaled_triton  # triton only where the kernel runs
+    from kernels.moe import scaled_gluon  # Triton and Gluon only where the kernels run
+    from kernels.moe.scaled import moe_experts_scaled_triton
 
     scales = (w1_scale, w2_scale, w3_scale)
-    return moe_experts_scaled_triton(x, expert_ids, expert_weights, w1, w2, w3, scales, swiglu_limit, shared_expert, pow2)
+    product = scaled_gluon.moe_experts_scaled_mma if scaled_gluon.takes(x, w1) else moe_experts_scaled_triton
+    return product(x, expert_ids, expert_weights, w1, w2, w3, scales, swiglu_limit, shared_expert, pow2)
 
 
 IMPLS = COMMON_IMPLS

@@ -400,6 +400,13 @@ def _mma_down_kernel(
             gl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def takes(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """Whether the op runs this product: FP4 experts whose widths are whole 128-blocks, on a GPU
+    with the e4m3 conversions (sm_89 or newer)."""
+    return (w1.dtype == torch.uint8 and x.shape[1] % STEP == 0 and w1.shape[1] % UP_BLOCK_N == 0 and x.is_cuda
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
 def check_mma_inputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> None:
     """What the "mma" product takes: FP4 weights (uint8 codes), widths that are whole 128-blocks
     and 64-column tiles."""
