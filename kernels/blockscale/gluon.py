@@ -226,11 +226,17 @@ def plan_mma(rows: int, n: int, k: int, sms: int) -> Plan:
     return split_where_idle(plan, rows, n, k, sms, PROGRAMS_PER_SM, MIN_BLOCKS_PER_SPLIT)
 
 
+# Rows up to which the op runs this product: measured against the Triton kernel at V4-Flash's FP8
+# shapes, faster at one row (up to 1.25x), slower or even at 16 and 64 (docs/results.md).
+OP_MAX_ROWS = 8
+
+
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the op runs this product: FP8 weights whose outputs fill tiles of 64, on a GPU with
-    the e4m3 conversions (sm_89 or newer)."""
-    return (weight.dtype == torch.float8_e4m3fn and weight.shape[0] % COLUMN_TILES[0] == 0 and x.is_cuda
-            and not interpreting() and torch.cuda.get_device_capability(x.device) >= (8, 9))
+    """Whether the op runs this product: up to OP_MAX_ROWS rows of FP8 weights whose outputs fill
+    tiles of 64, on a GPU with the e4m3 conversions (sm_89 or newer)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return (weight.dtype == torch.float8_e4m3fn and weight.shape[0] % COLUMN_TILES[0] == 0 and rows <= OP_MAX_ROWS
+            and x.is_cuda and not interpreting() and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
 def check_mma_inputs(weight: torch.Tensor, plan: Plan) -> None:
