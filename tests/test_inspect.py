@@ -505,6 +505,7 @@ def test_inspect_on_cuda_indexes_triton_kernels(tmp_path):
         boundaries = {"v4.hc_split_sinkhorn": 2 * cfg.n_layers}
     assert calls == {
         **boundaries,
+        "v4.grouped_linear": cfg.n_layers,  # the grouped output projection (wo_a), opaque on every device
         "v4.indexer_topk": ratios[4],
         "v4.moe_experts": cfg.n_layers,
         "v4.sparse_mla_decode": cfg.n_layers,
