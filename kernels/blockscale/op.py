@@ -1,7 +1,8 @@
 """The official linear() on block-scaled FP8 / FP4 weights as a custom op (semantics:
-kernels/blockscale/ref.py). CUDA runs the Triton kernel of kernels/blockscale/triton.py
-(activations quantised per 128-block, weight codes times activations in fp16 dots, every scale
-applied in fp32 after them); the CPU runs the plain-torch reference (activations quantised, both
+kernels/blockscale/ref.py). CUDA runs the Gluon product of kernels/blockscale/gluon.py for FP8
+weights up to a few rows (where it measured faster) and the Triton kernel of
+kernels/blockscale/triton.py otherwise (activations quantised per 128-block, weight codes times
+activations in fp16 products, every scale applied in fp32 after them); the CPU runs the plain-torch reference (activations quantised, both
 operands dequantised to fp32, one product). Neither syncs with the host."""
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ IMPLS = COMMON_IMPLS
 
 def blockscale_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool = True, impl: str = "auto") -> torch.Tensor:
     """[..., out] in x's dtype (see blockscale_linear_reference). impl: "auto" (the custom op:
-    Triton on CUDA, the reference on CPU), "triton" (the Triton kernel directly, e.g. on a CPU
+    Gluon / Triton on CUDA, the reference on CPU), "triton" (the Triton kernel directly, e.g. on a CPU
     under TRITON_INTERPRET=1; the weight contiguous along its inputs) or "reference"."""
     check_impl("blockscale_linear", impl, IMPLS)
     check_blockscale_inputs(x, weight, scale)

@@ -2,8 +2,8 @@
 
 `torch.ops.v4.moe_experts` runs the plain-torch reference on CPU and the Triton grouped GEMM of
 kernels/moe/triton.py on CUDA; `torch.ops.v4.moe_experts_scaled` (FP8 / FP4 experts with their
-block scales) the reference on CPU and the grouped GEMV of kernels/moe/scaled.py on CUDA. None of
-them syncs with the host.
+block scales) the reference on CPU and on CUDA the grouped GEMV of kernels/moe/scaled_gluon.py
+for FP4 experts (sm_89+), of kernels/moe/scaled.py otherwise. None of them syncs with the host.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def moe_experts(
     x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit: float, impl: str = "auto", shared_expert: int = -1,
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, pow2: bool = True,
 ) -> torch.Tensor:
-    """[B,D] fp32 (see moe_experts_reference). impl: "auto" (the custom op: Triton on CUDA,
+    """[B,D] fp32 (see moe_experts_reference). impl: "auto" (the custom op: Triton / Gluon on CUDA,
     reference on CPU), "triton" (the Triton path directly, e.g. on CPU under
     TRITON_INTERPRET=1) or "reference". shared_expert: -1, or the expert every token runs after
     its picks with weight 1. scales: the (w1, w2, w3) block scales of FP8 / FP4 experts."""
