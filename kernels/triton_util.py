@@ -38,6 +38,12 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def converts_e4m3(device: torch.device) -> bool:
+    """Whether Gluon kernels on `device` can use the hardware's e4m3 <-> f16 conversions: a CUDA
+    GPU of sm_89 or newer, not the interpreter (which runs no Gluon kernel)."""
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def launches_dependents(device: torch.device) -> bool:
     """Whether kernels on `device` can use programmatic dependent launch: a Hopper-or-later GPU
     (not the interpreter) and a Triton with the grid-dependency primitives."""

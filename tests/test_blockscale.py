@@ -456,6 +456,17 @@ def test_mma_product_refuses_what_it_cannot_run(monkeypatch):
         blockscale_linear_mma(x, q, scale)
 
 
+def test_the_op_leaves_the_mma_products_to_gpus_with_e4m3_conversions():
+    """The ops' dispatch: weights each mma product takes, but on the CPU, go to the other path."""
+    from kernels.blockscale import gluon
+    from kernels.moe import scaled_gluon
+
+    q, _ = quantize_fp8_weight(weight(128, 256, seed=3))
+    packed, _ = quantize_fp4_weight(weight(256, 256, seed=4))
+    x = torch.randn(1, 256)
+    assert not gluon.takes(x, q) and not scaled_gluon.takes(x, packed.view(1, 256, 128))
+
+
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 64])
 @pytest.mark.parametrize("n,k", V4_SHAPES)
 def test_mma_plans_cover_the_product(rows, n, k):

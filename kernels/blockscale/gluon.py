@@ -41,7 +41,7 @@ from kernels.blockscale.ref import FP8_BLOCK
 from kernels.blockscale.triton import (
     IN_KERNEL_QUANT_MAX_ROWS, Plan, launch_rows, prepare_launch, split_where_idle, write_tile,
 )
-from kernels.triton_util import interpreting, num_sms
+from kernels.triton_util import converts_e4m3, interpreting, num_sms
 
 WARPS = 4
 STEP = FP8_BLOCK  # inputs per step: one weight-scale block, one activation block
@@ -236,7 +236,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     tiles of 64, on a GPU with the e4m3 conversions (sm_89 or newer)."""
     rows = x.numel() // max(1, x.shape[-1])
     return (weight.dtype == torch.float8_e4m3fn and weight.shape[0] % COLUMN_TILES[0] == 0 and rows <= OP_MAX_ROWS
-            and x.is_cuda and not interpreting() and torch.cuda.get_device_capability(x.device) >= (8, 9))
+            and converts_e4m3(x.device))
 
 
 def check_mma_inputs(weight: torch.Tensor, plan: Plan) -> None:

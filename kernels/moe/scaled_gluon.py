@@ -38,6 +38,7 @@ from kernels.moe.scaled import (
     SEGMENT_ROWS, UP_BLOCK_N, ScaledLaunch, ScaledTiles, arrives_last, gate_up_epilogue, prepare_launch, scaled_experts,
     store_partials, summed_partials,
 )
+from kernels.triton_util import converts_e4m3
 
 WARPS = 4
 STEP = FP8_BLOCK  # inputs per step: one activation block, four FP4 scale groups
@@ -403,8 +404,12 @@ def _mma_down_kernel(
 def takes(x: torch.Tensor, w1: torch.Tensor) -> bool:
     """Whether the op runs this product: FP4 experts whose widths are whole 128-blocks, on a GPU
     with the e4m3 conversions (sm_89 or newer)."""
-    return (w1.dtype == torch.uint8 and x.shape[1] % STEP == 0 and w1.shape[1] % UP_BLOCK_N == 0 and x.is_cuda
-            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+    return w1.dtype == torch.uint8 and _whole_blocks(x.shape[1], w1.shape[1]) and converts_e4m3(x.device)
+
+
+def _whole_blocks(dim: int, inter: int) -> bool:
+    """Widths the product tiles: 128-input steps both ways, gate/up tiles of 128 columns."""
+    return dim % STEP == 0 and inter % UP_BLOCK_N == 0
 
 
 def check_mma_inputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> None:
@@ -413,7 +418,7 @@ def check_mma_inputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: to
     if not (w1.dtype == w2.dtype == w3.dtype == torch.uint8):
         raise ValueError(f"moe_experts (mma): the mma product takes FP4 experts, got {w1.dtype}, {w2.dtype}, {w3.dtype}")
     dim, inter = x.shape[1], w1.shape[1]
-    if dim % STEP or inter % UP_BLOCK_N:
+    if not _whole_blocks(dim, inter):
         raise ValueError(f"moe_experts (mma): dim ({dim}) and inter ({inter}) must be multiples of {STEP}")
 
 
