@@ -19,8 +19,9 @@ row's logits by up to ~1e-3 in fp32. A bug moves many cache elements a little; a
 element by one rounding step. So for an fp32 model with QAT, `check_step` also compares the
 cache rows the two steps wrote (`rounding_flips`): when a few elements differ, each by one
 rounding step, the worst-row bound widens to QAT_FLIP_BOUND; an element that differs by more
-than one step fails the check. Exactness checks that need the tight bound at every step run
-with QAT off."""
+than one step fails the check. A flip of a rounded value that no cache keeps (the indexer's FP4
+query) moves the top-k selection unseen, so the checks that must be exact at every step, compiled
+fp32 against eager fp32 in `fuse bench` and `fuse report`, run with QAT off (`without_qat`)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -179,6 +180,27 @@ class StreamedReference(Decoder):
                     _own_parameters_on(module, "meta")
 
         return run
+
+
+def without_qat(model: Decoder) -> Decoder:
+    """`model` with QAT off, for the checks that must be exact (compiled fp32 against eager fp32):
+    a Decoder of its config with qat=False that shares its parameters (no copy) and holds its own
+    caches and states, copied from `model`'s. Not every QAT rounding lands in a cache: the
+    indexer's FP4 query is rounded and dropped, so a flip there moves the top-k selection, and the
+    logits, with no trace for `rounding_flips` to see."""
+    twin = Decoder(
+        model.config.replace(qat=False), model.max_batch, model.max_seq_len, dtype=model.dtype, device="meta",
+        check_device_values=model.check_device_values, parallel=getattr(model, "parallel", None),
+    )
+    source = dict(model.named_modules())
+    for name, module in twin.named_modules():
+        for key in module._parameters:
+            module._parameters[key] = source[name]._parameters[key]
+        for key, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[key] = torch.empty_like(source[name]._buffers[key])
+    copy_state(model, twin)
+    return twin
 
 
 # -- QAT rounding flips ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 
 from fuse.numerics import (
     MIN_ROWS, QAT_FLIP_BOUND, WORST_FLOOR, Check, RoundingFlips, check_step, copy_state, fp32_reference, judge,
+    without_qat,
 )
 from decoders import TINY_SHAPE
 from model import Decoder, ModelConfig
@@ -36,6 +37,32 @@ def test_fp32_reference_has_the_weights_and_state_upcast(stream):
     copy_state(model, full)
     inputs = tiny_inputs(generator, 3, slots=(2, 0))
     assert torch.equal(reference.step(*inputs), full.step(*inputs))
+
+
+def test_without_qat_shares_the_weights_and_runs_the_unrounded_model():
+    """The exact checks' model: the same parameter tensors, its own caches copied from the
+    model's, and the step of an independently built QAT-off decoder with those weights; its steps
+    leave the model's caches alone."""
+    model = Decoder(ModelConfig.preset("tiny"), max_batch=3, max_seq_len=32, dtype=torch.float32).init_random(5)
+    generator = torch.Generator().manual_seed(1)
+    for position in range(3):
+        model(*tiny_inputs(generator, position, slots=(0, 2)))
+    twin = without_qat(model)
+    assert not twin.config.qat and model.config.qat
+    params = dict(model.named_parameters())
+    assert all(p is params[name] for name, p in twin.named_parameters())
+    buffers = dict(model.named_buffers())
+    for name, buf in twin.named_buffers():
+        assert buf.data_ptr() != buffers[name].data_ptr() and torch.equal(buf, buffers[name]), name
+    independent = Decoder(model.config.replace(qat=False), max_batch=3, max_seq_len=32, dtype=torch.float32)
+    independent.load_state_dict(model.state_dict())
+    copy_state(model, independent)
+    before = {name: buf.clone() for name, buf in model.named_buffers()}
+    inputs = tiny_inputs(generator, 3, slots=(2, 0))
+    unrounded = twin.step(*inputs)
+    assert torch.equal(unrounded, independent.step(*inputs))
+    assert all(torch.equal(buf, before[name]) for name, buf in model.named_buffers())
+    assert not torch.equal(unrounded, model.step(*inputs)), "QAT changed nothing: the twin is not telling"
 
 
 def test_criterion_widens_for_rare_qat_flips_only_and_needs_rows_for_the_median():
