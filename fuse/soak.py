@@ -64,6 +64,15 @@ def memory_sample(step: int, device: torch.device) -> dict:
     return sample
 
 
+def allocated_growth(memory: list[dict]) -> int | None:
+    """How far allocated memory moved after warm-up: max - min over the samples from the one after
+    the first step on (None without a device allocator)."""
+    after = [m["allocated_bytes"] for m in memory[1:]]
+    if not after or after[0] is None:
+        return None
+    return max(after) - min(after)
+
+
 def _resident_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -147,6 +156,7 @@ def run_soak(settings: SoakSettings, log: Callable[[str], None] = print) -> dict
         "graph_breaks": runner.stats.graph_breaks + breaks1 - breaks0,
         "non_finite_steps": int(non_finite.item()),
         "memory": memory,
+        "allocated_growth_bytes": allocated_growth(memory),
         "checks": verdicts,
         "worst_check": worst,
         "verdict": overall.to_dict(),
@@ -164,6 +174,7 @@ def to_markdown(result: dict) -> str:
     command = (f"python -m fuse soak --preset {s['preset']}" + (f" --layers {s['layers']}" if s["layers"] else "")
                + f" --device {s['device']} --steps {s['steps']} --check-every {s['check_every']}"
                f" --max-batch {s['max_batch']} --max-seq-len {s['max_seq_len']}")
+    growth = "-" if result["allocated_growth_bytes"] is None else f"{result['allocated_growth_bytes'] / 2**20:.2f}"
     lines = [
         f"## Soak: {s['preset']} preset, {result['layers']} layers, {s['steps']} steps",
         "",
@@ -171,15 +182,18 @@ def to_markdown(result: dict) -> str:
         f"of 1 to {s['max_batch']} sequences on random slots, {result['sequences']} sequences of random length up to "
         f"{s['max_seq_len']}; one step in {s['check_every']} checked against the fp32 eager reference (fuse/numerics.py).",
         "",
-        "| steps | seconds | recompiles | graph breaks | steps with non-finite logits | checks | yardstick | worst check |",
-        "|---|---|---|---|---|---|---|---|",
+        "| steps | seconds | recompiles | graph breaks | steps with non-finite logits | allocated growth after warm-up, MiB "
+        "| checks | yardstick | worst check |",
+        "|---|---|---|---|---|---|---|---|---|",
         f"| {s['steps']} | {result['seconds']:.1f} | {result['recompiles']} | {result['graph_breaks']} | "
-        f"{result['non_finite_steps']} | {len(result['checks'])} | {'pass' if v['passed'] else 'FAIL: ' + v['reason']} | "
+        f"{result['non_finite_steps']} | {growth} | "
+        f"{len(result['checks'])} | {'pass' if v['passed'] else 'FAIL: ' + v['reason']} | "
         f"step {worst['step']} (batch {worst['batch']}): worst row {worst['error']:.2e} of bound {worst['bound']:.2e} |",
         "",
         f"All checked rows together: worst row {v['error']:.2e} against fp32 (bound {v['bound']:.2e}), median row "
         f"{v['typical_error']:.2e}" + (f" (bound {v['typical_bound']:.2e})" if v["typical_bound"] is not None else "")
-        + f", top-1 agreement {v['top1_agreement']:.3f} over {v['rows']} rows.",
+        + f", top-1 agreement {v['top1_agreement']:.3f} over {v['rows']} rows; the eager {s['dtype']} step's own: "
+        f"worst row {v['noise']:.2e}, median row {v['typical_noise']:.2e}.",
         "",
         "Memory over the run, GiB (allocated and reserved: the device's caching allocator; resident: the process):",
         "",

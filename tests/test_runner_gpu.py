@@ -85,6 +85,9 @@ def test_random_batches_pass_the_yardstick_without_recompiles_or_memory_growth(b
     print(verdict.summary())
     assert min(c.noise.max().item() for c in checks) > 0, "bf16 eager equalled fp32: the noise is uncalibrated"
     assert verdict.passed, verdict
+    # 43 layers of bf16 stay close to fp32: the typical row within 3e-2, eager and compiled alike
+    # (the worst row is a discrete routing flip's, judged by the yardstick above)
+    assert verdict.typical_error <= 3e-2 and verdict.typical_noise <= 3e-2, verdict
 
 
 @pytest.mark.slow

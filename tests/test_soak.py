@@ -26,7 +26,13 @@ def test_short_soak_on_the_cpu(tmp_path):
     soak.write_outputs(result, str(tmp_path))
     assert json.loads((tmp_path / "soak.json").read_text())["checks"] == result["checks"]
     markdown = (tmp_path / "soak.md").read_text()
-    assert "| 50 | " in markdown and "| 0 | 0 | 0 | 5 | pass |" in markdown
+    assert "| 50 | " in markdown and "| 0 | 0 | 0 | - | 5 | pass |" in markdown
+
+
+def test_allocated_growth_counts_from_the_first_sample_after_warm_up():
+    samples = [{"allocated_bytes": b} for b in (0, 100, 100, 2**20 + 100, 100)]
+    assert soak.allocated_growth(samples) == 2**20
+    assert soak.allocated_growth([{"allocated_bytes": None}, {"allocated_bytes": None}]) is None
 
 
 def test_traffic_starts_and_ends_sequences_on_random_slots():
