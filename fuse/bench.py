@@ -663,7 +663,8 @@ def fp32_markdown(result: dict, names: list[str]) -> list[str]:
         return []
     dtype = rows[0]["checks"][FP32]["dtype"]
     columns = [n for n in names + [FP32_COMPILED] if any(n in row["checks"][FP32] for row in rows)]
-    verdict = lambda v: f"{v['error']:.3f} / {v['typical_error']:.3f} {'pass' if v['passed'] else 'FAIL'}"  # noqa: E731
+    # two significant digits: the fp32 column's errors are ~1e-7, bf16's ~1e-2
+    verdict = lambda v: f"{v['error']:.1e} / {v['typical_error']:.1e} {'pass' if v['passed'] else 'FAIL'}"  # noqa: E731
     lines = [
         "", "### Against the fp32 eager reference (one step from the same state)", "",
         f"Worst row / median row relative error against an fp32 eager run of the same weights, and the yardstick's "
@@ -675,7 +676,7 @@ def fp32_markdown(result: dict, names: list[str]) -> list[str]:
     for row in rows:
         against = row["checks"][FP32]
         eager = against.get("eager")
-        cells = [str(row["context"]), str(row["batch"]), f"{eager['worst_row']:.3f} / {eager['median_row']:.3f}" if eager else "-"]
+        cells = [str(row["context"]), str(row["batch"]), f"{eager['worst_row']:.1e} / {eager['median_row']:.1e}" if eager else "-"]
         cells += [verdict(against[n]) if against.get(n) else "-" for n in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return lines

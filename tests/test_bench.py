@@ -102,7 +102,7 @@ def test_cpu_run_end_to_end(tmp_path):
     assert f"| context | batch | {bench.YARDSTICK} max rel. error / top-1 agree | fuse max rel. error" in markdown
     fuse_check = result["rows"][1]["checks"][bench.FP32]["fuse"]
     assert "| context | batch | eager float32 | fuse |" in markdown
-    assert f"| 88 | 4 | 0.000 / 0.000 | {fuse_check['error']:.3f} / {fuse_check['typical_error']:.3f} pass |" in markdown
+    assert f"| 88 | 4 | 0.0e+00 / 0.0e+00 | {fuse_check['error']:.1e} / {fuse_check['typical_error']:.1e} pass |" in markdown
 
 
 def test_yardstick_changes_only_the_summation_order(tiny):
