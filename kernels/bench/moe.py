@@ -250,9 +250,9 @@ def scaled_routing_sets(batch: int) -> list[tuple[torch.Tensor, torch.Tensor, to
 
 
 def scaled_table(copy_gbs: float) -> str:
-    """FP4 experts through the block-scaled Triton kernel against the same experts dequantised to
-    bf16 through the dense one; GB/s counts the bytes each must move: the distinct picked
-    experts' weights (and scales), x, and the fp32 output."""
+    """FP4 experts through the op (its CUDA product) against the other products of the same
+    semantics and the same experts dequantised to bf16 through the dense kernel; GB/s counts the
+    bytes each must move: the distinct picked experts' weights (and scales), x, and the fp32 output."""
     fp4, dense, shared = make_scaled_experts()
     w1, w2, w3, scales = fp4
     d1, d2, d3 = dense
@@ -266,21 +266,26 @@ def scaled_table(copy_gbs: float) -> str:
     def dense_path(x, ids, weights, impl="auto"):
         return moe_experts(x, ids, weights, d1, d2, d3, LIMIT, impl=impl)
 
-    def codes_path(x, ids, weights):  # FP4 codes decoded in the kernel instead of tl.dot_scaled
-        tiles = choose_scaled_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(x.device))
-        codes = dataclasses.replace(tiles, product="codes", num_warps=CODES_WARPS)
-        return moe_experts_scaled_triton(x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=codes)
+    def tiles(ids, **changes):
+        return dataclasses.replace(choose_scaled_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device)), **changes)
 
-    def mma_path(x, ids, weights):  # the Gluon product: codes decoded into the tensor-core fragments
-        return moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT)
+    # The products the op does not run by default, each on the op's semantics (kernels/moe/scaled*.py).
+    candidates = {
+        "Triton dot_scaled": lambda x, ids, weights: moe_experts_scaled_triton(
+            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles(ids, product="dot_scaled")),
+        "Triton codes decoded": lambda x, ids, weights: moe_experts_scaled_triton(
+            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles(ids, product="codes", num_warps=CODES_WARPS)),
+        "mma, gate/up 2 steps ahead": lambda x, ids, weights: moe_experts_scaled_mma(
+            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles(ids, product="mma", up_steps_ahead=2)),
+    }
 
     shared_bytes = sum(t.numel() * t.element_size() for t in shared)
     rows, verdicts = [], []
     for batch in SCALED_BATCHES:
         sets = scaled_routing_sets(batch)
-        check(fp4_path, sets[0], fp4_path(*sets[0], impl="reference"), f"scaled B={batch} FP4")
+        expected = fp4_path(*sets[0], impl="reference")
+        check(fp4_path, sets[0], expected, f"scaled B={batch} FP4")
         check(dense_path, sets[0], dense_path(*sets[0], impl="reference"), f"scaled B={batch} bf16 dequantised")
-        check(codes_path, sets[0], fp4_path(*sets[0], impl="reference"), f"scaled B={batch} FP4 codes decoded")
         experts = sum(distinct_experts(ids) for _, ids, _ in sets) / len(sets)
         io_bytes = batch * DIM * (2 + 4)  # x in bf16, the fp32 output
         fp4_bytes = experts * fp4_expert_bytes() + io_bytes
@@ -288,45 +293,45 @@ def scaled_table(copy_gbs: float) -> str:
         fp4_us = graph_time_us(fp4_path, sets)
         model_us = graph_time_us(model_path, sets)
         dense_us = graph_time_us(dense_path, sets)
-        codes_us = graph_time_us(codes_path, sets)
-        try:  # the candidate product: one that fails to compile or to match is reported, not timed
-            check(mma_path, sets[0], fp4_path(*sets[0], impl="reference"), f"scaled B={batch} FP4 mma")
-            mma_us = graph_time_us(mma_path, sets)
-            mma_gbs = fp4_bytes / (mma_us * 1e-6) / 1e9
-            mma_cells = [f"{mma_us:.1f}", f"{100 * mma_gbs / copy_gbs:.0f}%", f"{fp4_us / mma_us:.2f}x"]
-        except Exception as error:  # noqa: BLE001
-            mma_gbs, mma_cells = 0.0, [f"fails: {type(error).__name__}: {str(error)[:100]}", "-", "-"]
         fp4_gbs = fp4_bytes / (fp4_us * 1e-6) / 1e9
         model_gbs = (fp4_bytes + shared_bytes) / (model_us * 1e-6) / 1e9
         dense_gbs = bf16_bytes / (dense_us * 1e-6) / 1e9
-        rows.append([
+        row = [
             batch, f"{experts:.1f}", f"{fp4_bytes / 1e6:.0f}", f"{fp4_us:.1f}", f"{fp4_gbs:.0f}", f"{100 * fp4_gbs / copy_gbs:.0f}%",
             f"{model_us:.1f}", f"{100 * model_gbs / copy_gbs:.0f}%",
             f"{bf16_bytes / 1e6:.0f}", f"{dense_us:.1f}", f"{dense_gbs:.0f}", f"{100 * dense_gbs / copy_gbs:.0f}%",
-            f"{fp4_us / dense_us:.2f}", f"{codes_us:.1f}", f"{100 * fp4_bytes / (codes_us * 1e-6) / 1e9 / copy_gbs:.0f}%",
-            *mma_cells,
-        ])
+            f"{fp4_us / dense_us:.2f}",
+        ]
+        for name, path in candidates.items():
+            try:  # a product that fails to compile or to match is reported, not timed
+                check(path, sets[0], expected, f"scaled B={batch} {name}")
+                us = graph_time_us(path, sets)
+                row += [f"{us:.1f}", f"{100 * fp4_bytes / (us * 1e-6) / 1e9 / copy_gbs:.0f}%", f"{fp4_us / us:.2f}x"]
+            except Exception as error:  # noqa: BLE001
+                row += [f"fails: {type(error).__name__}: {str(error)[:100]}", "-", "-"]
+        rows.append(row)
         print(f"moe scaled B={batch}: FP4 {fp4_us:.1f} us ({fp4_gbs:.0f} GB/s), bf16 {dense_us:.1f} us", flush=True)
-        for name, gbs in (("FP4", fp4_gbs), ("FP4 mma", mma_gbs)):
-            met = "meets" if gbs >= SCALED_TARGET * copy_gbs else "MISSES"
-            verdicts.append(f"B={batch}: {name} at {100 * gbs / copy_gbs:.0f}% of copy bandwidth (target {SCALED_TARGET:.0%}: {met})")
+        met = "meets" if fp4_gbs >= SCALED_TARGET * copy_gbs else "MISSES"
+        verdicts.append(f"B={batch}: FP4 at {100 * fp4_gbs / copy_gbs:.0f}% of copy bandwidth (target {SCALED_TARGET:.0%}: {met})")
         del sets
-    table = markdown_table(
-        ["B", "experts read", "FP4 MB", "FP4 graph us", "FP4 GB/s", "FP4 % copy",
-         "+ FP8 shared (model) graph us", "+ shared % copy",
-         "bf16 MB", "bf16 dequantised graph us", "bf16 GB/s", "bf16 % copy", "FP4 / bf16 time",
-         "FP4 codes decoded graph us", "codes decoded % copy", "FP4 mma graph us", "mma % copy", "mma speedup"],
-        rows,
-    )
+    headers = ["B", "experts read", "FP4 MB", "FP4 graph us", "FP4 GB/s", "FP4 % copy",
+               "+ FP8 shared (model) graph us", "+ shared % copy",
+               "bf16 MB", "bf16 dequantised graph us", "bf16 GB/s", "bf16 % copy", "FP4 / bf16 time"]
+    for name in candidates:
+        headers += [f"{name} graph us", f"{name} % copy", f"{name} speedup"]
+    table = markdown_table(headers, rows)
     return (
         f"## Block-scaled routed experts (D={DIM}, I={INTER}, {SCALED_EXPERTS} FP4 experts, ue8m0 scales, top-{PICKS}, bf16 x)\n\n"
-        "Both paths matched their references (max error <= 2% of the output scale) before timing. One CUDA graph per "
+        "Every path matched its reference (max error <= 2% of the output scale) before timing. One CUDA graph per "
         f"routing set, {SCALED_ROUTINGS} sets rotated. MB and GB/s count what each must move: the distinct picked experts' "
-        "weights (FP4: packed codes and scales), x and the fp32 output. '+ FP8 shared (model)': the routed experts, then "
+        "weights (FP4: packed codes and scales), x and the fp32 output. 'FP4': the op `v4::moe_experts_scaled` as the "
+        "model calls it (on sm_89+ the Gluon product of kernels/moe/scaled_gluon.py, the codes decoded straight into the "
+        "tensor-core instruction's registers). '+ FP8 shared (model)': the routed experts, then "
         "the shared expert in FP8 through two `blockscale_linear` products (w1 and w3 as one), as model/moe.py runs it when the formats "
         "differ (its bytes added). 'bf16 dequantised': the same experts dequantised to bf16 through the dense Triton kernel. "
-        f"'FP4 codes decoded': the FP4 kernel with the codes decoded in the kernel instead of through `tl.dot_scaled`, {CODES_WARPS} warps. "
-        "'FP4 mma': the Gluon product (kernels/moe/scaled_gluon.py), the codes decoded straight into the tensor-core "
-        "instruction's registers; 'mma speedup': the FP4 (default) time over its time.\n\n"
+        "The other products of the same semantics, each with its 'speedup' (the op's time over its own): 'Triton dot_scaled' "
+        "(kernels/moe/scaled.py, `tl.dot_scaled` on the packed codes), 'Triton codes decoded' (the codes decoded in the "
+        f"Triton kernel, then an fp16 dot, {CODES_WARPS} warps), 'mma, gate/up 2 steps ahead' (the Gluon product with the "
+        "gate/up loads of two 128-input steps issued before their products).\n\n"
         f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
     )
