@@ -623,11 +623,10 @@ def test_scaled_mma_product_matches_reference(flash_scaled, batch, pattern, spli
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scale_dtype,ahead", [(E8M0, 1), (torch.float32, 1), (E8M0, 2)])
-def test_scaled_mma_product_odd_step_counts(scale_dtype, ahead):
-    """Widths of an odd number of 128-input steps (the two-steps-ahead loops and their last single
-    step; the gate/up K split 2 ways into 2 + 1 steps), both scale dtypes, the gate/up loads one
-    or two steps ahead."""
+@pytest.mark.parametrize("scale_dtype", [E8M0, torch.float32])
+def test_scaled_mma_product_odd_step_counts(scale_dtype):
+    """Widths of an odd number of 128-input steps (the down product's two-steps-ahead loop and
+    its last single step; the gate/up K split 2 ways into 2 + 1 steps), both scale dtypes."""
     from kernels.moe.scaled import choose_scaled_tiles
     from kernels.moe.scaled_gluon import moe_experts_scaled_mma
 
@@ -636,17 +635,14 @@ def test_scaled_mma_product_odd_step_counts(scale_dtype, ahead):
     for batch in (1, 9):
         x = torch.randn(batch, dim, device="cuda").to(torch.bfloat16)
         ids, weights = routed_ids("random", batch, 2, num_experts, seed=371 + batch, device="cuda")
-        tiles = dataclasses.replace(choose_scaled_tiles(batch * 3, num_experts, dim, inter, 132), product="mma", up_split=2,
-                                    up_steps_ahead=ahead)
+        tiles = dataclasses.replace(choose_scaled_tiles(batch * 3, num_experts, dim, inter, 132), product="mma", up_split=2)
         out = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, num_experts - 1, tiles=tiles)
         assert_scaled_close(out, moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, num_experts - 1, scales),
                             torch.bfloat16)
 
 
 def test_scaled_mma_product_refuses_other_formats():
-    """FP8 experts, a width that is not whole 128-blocks, or a gate/up prefetch depth the kernel does
-    not have, are refused by name before any launch."""
-    from kernels.moe.scaled import ScaledTiles
+    """FP8 experts (or a width that is not whole 128-blocks) are refused by name before any launch."""
     from kernels.moe.scaled_gluon import moe_experts_scaled_mma
 
     w1, w2, w3, scales = scaled_experts("fp8", E8M0, 4, 256, 128, "cpu", seed=360)
@@ -656,7 +652,3 @@ def test_scaled_mma_product_refuses_other_formats():
     w1, w2, w3, scales = scaled_experts("fp4", E8M0, 4, 256, 96, "cpu", seed=362)
     with pytest.raises(ValueError, match="multiples of 128"):
         moe_experts_scaled_mma(torch.randn(2, 256), ids, weights, w1, w2, w3, scales, LIMIT)
-    w1, w2, w3, scales = scaled_experts("fp4", E8M0, 4, 256, 128, "cpu", seed=363)
-    tiles = ScaledTiles(down_block_n=64, product="mma", up_steps_ahead=3)
-    with pytest.raises(ValueError, match="up_steps_ahead must be 1 or 2, got 3"):
-        moe_experts_scaled_mma(torch.randn(2, 256), ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles)

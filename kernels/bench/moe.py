@@ -24,7 +24,6 @@ from kernels.blockscale.op import blockscale_linear
 from kernels.blockscale.ref import FP4_BLOCK, dequantize_fp4_weight, quantize_fp4_weight, quantize_fp8_weight
 from kernels.moe import moe_experts, swiglu
 from kernels.moe.scaled import choose_scaled_tiles, moe_experts_scaled_triton
-from kernels.moe.scaled_gluon import moe_experts_scaled_mma
 from kernels.moe.triton import MoeTiles, choose_tiles, moe_experts_triton
 from kernels.triton_util import num_sms, shared_memory_per_block
 
@@ -275,8 +274,6 @@ def scaled_table(copy_gbs: float) -> str:
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles(ids, product="dot_scaled")),
         "Triton codes decoded": lambda x, ids, weights: moe_experts_scaled_triton(
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles(ids, product="codes", num_warps=CODES_WARPS)),
-        "mma, gate/up 2 steps ahead": lambda x, ids, weights: moe_experts_scaled_mma(
-            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles(ids, product="mma", up_steps_ahead=2)),
     }
 
     shared_bytes = sum(t.numel() * t.element_size() for t in shared)
@@ -331,7 +328,6 @@ def scaled_table(copy_gbs: float) -> str:
         "differ (its bytes added). 'bf16 dequantised': the same experts dequantised to bf16 through the dense Triton kernel. "
         "The other products of the same semantics, each with its 'speedup' (the op's time over its own): 'Triton dot_scaled' "
         "(kernels/moe/scaled.py, `tl.dot_scaled` on the packed codes), 'Triton codes decoded' (the codes decoded in the "
-        f"Triton kernel, then an fp16 dot, {CODES_WARPS} warps), 'mma, gate/up 2 steps ahead' (the Gluon product with the "
-        "gate/up loads of two 128-input steps issued before their products).\n\n"
+        f"Triton kernel, then an fp16 dot, {CODES_WARPS} warps).\n\n"
         f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
     )

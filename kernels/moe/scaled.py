@@ -83,8 +83,6 @@ class ScaledTiles:
     num_stages: int = 3
     product: str = "dot_scaled"
     up_split: int = 1  # K of the gate/up product split this many ways (few experts picked)
-    # "mma": 128-input steps of the gate/up product whose loads are issued before their products (1 or 2)
-    up_steps_ahead: int = 1
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,8 +17,7 @@ both are laid out for the instruction rather than for the dot of a generic tile.
   instruction's N is 8 of the segment's pairs at a time. Gate and up share the activations'
   loads and conversion. The down product (64 columns, K whole) issues the loads of two steps
   before their products: a step of its tile is few bytes, too few in flight at batch 1 otherwise.
-  The gate/up product issues one step's (two weights' codes) by default, two with
-  `ScaledTiles.up_steps_ahead=2` (the same registers on sm_90; the kernel benchmark times both).
+  The gate/up product issues one step's (two weights' codes): two steps' measured slower.
 - Decoding: a byte's two codes become e4m3 bytes (sign to bit 7, exponent and mantissa bits to
   bits 4..2: 2^-6 times the code's value, exact, the subnormal 0.5 included) in three or four
   integer operations per 4 codes, then the hardware's e4m3x2 -> f16x2 conversion. The 2^6 is
@@ -300,10 +299,10 @@ def _chunk_pairs(sorted_pair_ptr, segment, first, rows, LAYOUT: gl.constexpr):
 def _gate_up_chunk(
     xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, sorted_pair_ptr, segment, first, rows, tile_n, split, dim,
     stride_w1n, stride_s1n, stride_s1k, stride_w3n, stride_s3n, stride_s3k,
-    PAIRS_PER_TOKEN: gl.constexpr, S_E8M0: gl.constexpr, SPLIT: gl.constexpr, AHEAD: gl.constexpr,
+    PAIRS_PER_TOKEN: gl.constexpr, S_E8M0: gl.constexpr, SPLIT: gl.constexpr,
 ):
     """Gate and up [TOKENS, 128] fp32 of TOKENS pairs of a segment from `first` over this
-    program's K split (the loads of AHEAD steps issued before their products), as [pairs, columns] in epilogue_layout(); with their pairs, tokens, real-row
+    program's K split, as [pairs, columns] in epilogue_layout(); with their pairs, tokens, real-row
     mask and columns (its slices)."""
     BLOCK_N: gl.constexpr = GATE_UP_BLOCK_N
     EPILOGUE: gl.constexpr = epilogue_layout()
@@ -316,7 +315,7 @@ def _gate_up_chunk(
     gate, up = _fp4_products(
         xq_ptr, xs_ptr, token, row_ok, dim, dim // BLOCK_K,
         w1_ptr, s1_ptr, w3_ptr, s3_ptr, col0, stride_w1n, stride_s1n, stride_s1k, stride_w3n, stride_s3n, stride_s3k,
-        k_begin, k_end, S_E8M0, BLOCK_N, TOKENS, True, AHEAD,
+        k_begin, k_end, S_E8M0, BLOCK_N, TOKENS, True, 1,
     )
     gate = gl.convert_layout(gate.permute(1, 0), EPILOGUE)
     up = gl.convert_layout(up.permute(1, 0), EPILOGUE)
@@ -332,7 +331,7 @@ def _mma_gate_up_kernel(
     stride_w1e, stride_w1n, stride_s1e, stride_s1n, stride_s1k,
     stride_w3e, stride_w3n, stride_s3e, stride_s3n, stride_s3k,
     PICKS: gl.constexpr, PAIRS_PER_TOKEN: gl.constexpr, HAS_LIMIT: gl.constexpr, POW2: gl.constexpr,
-    S_E8M0: gl.constexpr, SPLIT: gl.constexpr, AHEAD: gl.constexpr,
+    S_E8M0: gl.constexpr, SPLIT: gl.constexpr,
 ):
     pid = gl.program_id(0)
     split = gl.program_id(1)
@@ -352,7 +351,6 @@ def _mma_gate_up_kernel(
             gate, up, pair, token, row_ok, offs_n = _gate_up_chunk(
                 xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, sorted_pair_ptr, segment, first, rows, tile_n, split, dim,
                 stride_w1n, stride_s1n, stride_s1k, stride_w3n, stride_s3n, stride_s3k, PAIRS_PER_TOKEN, S_E8M0, SPLIT,
-                AHEAD,
             )
             if SPLIT == 1:
                 gate_up_epilogue(gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n,
@@ -441,8 +439,6 @@ def moe_experts_scaled_mma(
     """moe_experts_scaled_triton's result (same arguments) with the products of this module: FP4
     experts on a GPU."""
     check_mma_inputs(x, w1, w2, w3)
-    if tiles is not None and tiles.up_steps_ahead not in (1, 2):
-        raise ValueError(f"moe_experts (mma): up_steps_ahead must be 1 or 2, got {tiles.up_steps_ahead}")
 
     def launch_products(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
         run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles)
@@ -456,7 +452,7 @@ def moe_experts_scaled_mma(
             run.hq.shape[0] * 2 * inter, dim, inter, float(swiglu_limit),
             w1.stride(0), w1.stride(1), *s1.stride(), w3.stride(0), w3.stride(1), *s3.stride(),
             PICKS=run.picks, PAIRS_PER_TOKEN=run.pairs_per_token, HAS_LIMIT=swiglu_limit > 0, POW2=pow2,
-            S_E8M0=s1.dtype == torch.uint8, SPLIT=run.split, AHEAD=tiles.up_steps_ahead, num_warps=WARPS,
+            S_E8M0=s1.dtype == torch.uint8, SPLIT=run.split, num_warps=WARPS,
         )
         _mma_down_kernel[(segments.num_blocks * (dim // DOWN_N),)](
             run.hq.view(torch.uint8), run.hs, w2, s2, run.y, segments.sorted_pair, segments.block_expert, segments.block_rows,
