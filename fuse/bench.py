@@ -459,7 +459,8 @@ def add_ranks(row: dict, ranks: list[dict] | None) -> None:
 def fp32_yardstick(decoder: Decoder, batches: tuple[int, ...], variants: tuple[str, ...], log: Callable[[str], None]):
     """The fp32 eager reference of `decoder` (fuse/numerics.py) and, for a bf16 decoder whose fp32
     copy fits, that copy without QAT (`without_qat`, sharing its weights) with the first
-    compile_decode variant compiled on it (its `run_checked`); None for what does not fit. Split across ranks, a check runs only where it fits on every rank."""
+    compile_decode variant compiled on it (its `run_checked`); None for what does not fit.
+    Split across ranks, a check runs only where it fits on every rank."""
     parallel = decoder.parallel
     try:
         reference = fp32_reference(decoder)
