@@ -193,6 +193,39 @@ def test_triton_split_k_and_the_pre_pass(fmt, split, x_quantized):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.float32])
+@pytest.mark.parametrize("pow2", [True, False])
+def test_gemv_matches_the_reference(scale_dtype, pow2):
+    """The one-row FP8 GEMV: N not a multiple of its 4 columns' tiles nor of 128 (one program's
+    columns past the end), K of three 128-blocks (one block a step) and of eight (1024: every
+    block in one step), activations spanning four decades; fp16 and fp32 rows, leading dims kept."""
+    from kernels.blockscale.gemv import blockscale_gemv
+
+    for n, k, dtype in ((202, 384, torch.float16), (130, 1024, torch.float32)):
+        x, q, scale = triton_operands("fp8", scale_dtype, 1, n, k, dtype, seed=n + pow2)
+        if scale_dtype == torch.float32:
+            scale = scale * (1 + torch.rand(scale.shape, generator=torch.Generator().manual_seed(n)))
+        y = blockscale_gemv(x.view(1, 1, k), q, scale, pow2)
+        assert y.shape == (1, 1, n)
+        assert_matches_reference(y.view(1, n), x, q, scale, pow2)
+
+
+def test_gemv_refuses_what_it_does_not_compute():
+    """More than one row, FP4 weights, K that is not whole 128-blocks or mismatched: refused by name
+    before any launch."""
+    from kernels.blockscale.gemv import blockscale_gemv
+
+    x, q, scale = triton_operands("fp8", torch.float8_e8m0fnu, 2, 128, 256, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="one row of x, got 2"):
+        blockscale_gemv(x, q, scale)
+    with pytest.raises(ValueError, match="x has 128 inputs, the weight 256"):
+        blockscale_gemv(x[:1, :128], q, scale)
+    x4, q4, scale4 = triton_operands("fp4", torch.float8_e8m0fnu, 1, 128, 256, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="FP8 \\(e4m3\\) weights"):
+        blockscale_gemv(x4, q4, scale4)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("rows", [1, 16])
 def test_every_plan_the_benchmark_sweeps_computes_the_product(rows):
     """The plans kernels/bench/blockscale_plans.py times (but the e4m3 dot's and mma's, GPU only) give the
@@ -419,6 +452,23 @@ def test_gpu_mma_product_matches_the_reference(rows):
         y = blockscale_linear_mma(x, q, scale, pow2, replace(plan, blocks_per_step=ahead))
         assert_matches_reference(y, x, q, scale, pow2)
         assert torch.equal(blockscale_linear_mma(x, q, scale, pow2, replace(plan, blocks_per_step=ahead)), y)
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_matches_the_reference():
+    """The one-row FP8 GEMV in bf16 at V4-Flash's widths, then fp32 scales that are not powers of two
+    with one all-zero activation block; the same bits twice (no split: one order of sums)."""
+    from kernels.blockscale.gemv import blockscale_gemv
+
+    for n, k in V4_SHAPES:
+        x, q, scale = gpu_operands(1, n, k, seed=n + k)
+        y = blockscale_gemv(x, q, scale)
+        assert_matches_reference(y, x, q, scale, True)
+        assert torch.equal(blockscale_gemv(x, q, scale), y)
+    x, q, scale = gpu_operands(1, 4160, 1408, scale_dtype=torch.float32, seed=3)
+    x[0, 256:384] = 0
+    scale = scale * (1 + torch.rand(scale.shape, device="cuda"))
+    assert_matches_reference(blockscale_gemv(x, q, scale, False), x, q, scale, False)
 
 
 @pytest.mark.gpu

@@ -1,18 +1,22 @@
-"""GPU benchmark of the block-scaled FP8 product (`v4::blockscale_linear`, the Triton kernel of
-kernels/blockscale/triton.py) at V4-Flash's FP8 shapes: the fused wq_a + wkv (4096 -> 1024 + 512),
-wq_b (1024 -> 32768), wo_b (8192 -> 4096) and the shared expert's w1 / w3 (4096 -> 2048) and w2
-(2048 -> 4096), for batches 1, 16 and 64, ue8m0 scales, bf16 activations.
+"""GPU benchmark of the block-scaled FP8 product (`v4::blockscale_linear`) at V4-Flash's FP8
+shapes: the fused wq_a + wkv (4096 -> 1024 + 512), wq_b (1024 -> 32768), wo_b (8192 -> 4096) and
+the shared expert's w1 / w3 (4096 -> 2048) and w2 (2048 -> 4096), for batches 1, 16 and 64, ue8m0
+scales, bf16 activations.
 
-Beside it, the Gluon product (kernels/blockscale/gluon.py, Plan.product "mma": the codes converted
-straight into the tensor-core fragments; a failure to compile or match is reported in its column,
-not timed) and the same weights dequantised to bf16 (exact: e4m3 times a power of two) through the
-`kernels.linear` Triton decode kernel and through cuBLAS (`F.linear`): what the FP8 format saves
-over a bf16 copy of the checkpoint. Every variant is checked first (the FP8 kernel against
-`blockscale_linear_reference`, the bf16 ones against an fp64 product of their operands). Times are
-chained: one CUDA graph calls the variant on every rotating weight set (sets together > 4x L2, so
-weights come from memory), time per call, as calls run back to back in a decode step. Bandwidth
-counts the bytes a call must move: weight, scales, activations and output."""
+Beside it, each product of the same semantics with its own plan: the Triton kernel, the Gluon
+product (kernels/blockscale/gluon.py, Plan.product "mma": the codes converted straight into the
+tensor-core fragments) and at one row the GEMV (kernels/blockscale/gemv.py); a failure to compile
+or match is reported in its column, not timed. And the same weights dequantised to bf16 (exact:
+e4m3 times a power of two) through the `kernels.linear` Triton decode kernel and through cuBLAS
+(`F.linear`): what the FP8 format saves over a bf16 copy of the checkpoint. Every variant is
+checked first (the FP8 products against `blockscale_linear_reference`, the bf16 ones against an
+fp64 product of their operands). Times are chained: one CUDA graph calls the variant on every
+rotating weight set (sets together > 4x L2, so weights come from memory), time per call, as calls
+run back to back in a decode step. Bandwidth counts the bytes a call must move: weight, scales,
+activations and output."""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +24,10 @@ import torch.nn.functional as F
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import chained_time_us, rotation_count
 from kernels.blockscale import blockscale_linear, blockscale_linear_reference, dequantize_fp8_weight, quantize_fp8_weight
+from kernels.blockscale.gemv import BLOCK_N as GEMV_COLUMNS
+from kernels.blockscale.gemv import blockscale_gemv
 from kernels.blockscale.gluon import blockscale_linear_mma, plan_mma
-from kernels.blockscale.triton import Plan, plan_launch
+from kernels.blockscale.triton import Plan, blockscale_linear_triton, plan_launch
 from kernels.linear import linear
 from kernels.triton_util import num_sms
 
@@ -50,17 +56,28 @@ def describe_plan(plan: Plan) -> str:
     return f"{plan.block_m}x{plan.block_n}, split {plan.split}, x {quant}"
 
 
-def mma_cells(label: str, batch: int, args: list, nbytes: int, fp8_us: float, rate) -> tuple[list[str], float | None]:
-    """The mma product's plan, time, bandwidth and speedup over the default FP8 kernel; a failure
-    in place of the time (the table still lists every shape)."""
+def candidates(batch: int, n: int, k: int, sms: int) -> dict[str, tuple[str, Callable]]:
+    """The products of the op's semantics timed beside it, each with its launch shape in words:
+    the Triton kernel and the Gluon mma product with their own plans, and at one row the GEMV."""
+    found = {
+        "Triton": (describe_plan(plan_launch(batch, n, k, sms)), blockscale_linear_triton),
+        "mma": (describe_plan(plan_mma(batch, n, k, sms)), blockscale_linear_mma),
+    }
+    if batch == 1:
+        found["GEMV"] = (f"{GEMV_COLUMNS} columns, K whole", blockscale_gemv)
+    return found
+
+
+def candidate_cells(label: str, batch: int, product: Callable, args: list, nbytes: int, op_us: float, rate) -> tuple[list[str], float]:
+    """A product's time, bandwidth and speedup over the op; a failure to compile or match in place
+    of the time (the table still lists every shape). Also its bytes per us (0 on failure)."""
     x, q, scale = args[0]
-    plan = plan_mma(batch, q.shape[0], q.shape[1], num_sms(x.device))
     try:
-        check(label, batch, "fp8 mma", blockscale_linear_mma(x, q, scale), blockscale_linear_reference(x, q, scale))
-        us = chained_time_us(blockscale_linear_mma, args)
+        check(label, batch, "candidate", product(x, q, scale), blockscale_linear_reference(x, q, scale))
+        us = chained_time_us(product, args)
     except Exception as error:  # noqa: BLE001 - reported in the table
-        return [describe_plan(plan), f"fails: {type(error).__name__}: {str(error).splitlines()[0][:100]}", "-", "-"], None
-    return [describe_plan(plan), f"{us:.1f}", rate(nbytes, us), f"{fp8_us / us:.2f}x"], nbytes / us / 1e3
+        return [f"fails: {type(error).__name__}: {str(error).splitlines()[0][:100]}", "-", "-"], 0.0
+    return [f"{us:.1f}", rate(nbytes, us), f"{op_us / us:.2f}x"], nbytes / us / 1e3
 
 
 def verdict(shares: dict[int, list[float]]) -> str:
@@ -73,8 +90,8 @@ def verdict(shares: dict[int, list[float]]) -> str:
 
 def run(copy_gbs: float) -> str:
     rows_out = []
-    fractions: dict[int, list[float]] = {}
-    mma_fractions: dict[int, list[float]] = {}
+    fractions: dict[str, dict[int, list[float]]] = {}
+    names = ("Triton", "mma", "GEMV")
     for label, (n, k) in SHAPES.items():
         fp8_sets, bf16_sets = [], []
         for _ in range(rotation_count(n * k)):
@@ -88,7 +105,7 @@ def run(copy_gbs: float) -> str:
             fp8_args = [(x, q, s) for x, (q, s) in zip(xs, fp8_sets)]
             bf16_args = [(x, w) for x, w in zip(xs, bf16_sets)]
             x, q, scale = fp8_args[0]
-            check(label, batch, "fp8 triton", blockscale_linear(x, q, scale), blockscale_linear_reference(x, q, scale))
+            check(label, batch, "fp8 op", blockscale_linear(x, q, scale), blockscale_linear_reference(x, q, scale))
             x, w = bf16_args[0]
             expected = x.double() @ w.double().t()
             check(label, batch, "bf16 triton", linear(x, w, impl="triton"), expected)
@@ -106,27 +123,36 @@ def run(copy_gbs: float) -> str:
                 gbs = nbytes / us / 1e3
                 return f"{gbs:.0f} ({100 * gbs / copy_gbs:.0f}%)"
 
-            fractions.setdefault(batch, []).append(fp8_bytes / times["fp8"] / 1e3 / copy_gbs)
-            mma, mma_gbs = mma_cells(label, batch, fp8_args, fp8_bytes, times["fp8"], rate)
-            mma_fractions.setdefault(batch, []).append((mma_gbs or 0.0) / copy_gbs)
-            rows_out.append([
-                label, f"{n} x {k}", batch, describe_plan(plan_launch(batch, n, k, num_sms(x.device))),
-                f"{times['fp8']:.1f}", rate(fp8_bytes, times["fp8"]), *mma,
+            fractions.setdefault("op", {}).setdefault(batch, []).append(fp8_bytes / times["fp8"] / 1e3 / copy_gbs)
+            row = [label, f"{n} x {k}", batch, f"{times['fp8']:.1f}", rate(fp8_bytes, times["fp8"])]
+            found = candidates(batch, n, k, num_sms(x.device))
+            for name in names:
+                if name not in found:
+                    row += ["-"] * 4
+                    continue
+                plan, product = found[name]
+                cells, gbs = candidate_cells(label, batch, product, fp8_args, fp8_bytes, times["fp8"], rate)
+                fractions.setdefault(name, {}).setdefault(batch, []).append(gbs / copy_gbs)
+                row += [plan, *cells]
+            rows_out.append(row + [
                 f"{times['bf16 triton']:.1f}", rate(bf16_bytes, times["bf16 triton"]),
                 f"{times['bf16 cublas']:.1f}", rate(bf16_bytes, times["bf16 cublas"]),
             ])
-    header = [
-        "projection", "N x K", "B", "FP8 plan (rows x cols, K split, x quantised)", "FP8 us", "FP8 GB/s (% copy)",
-        "FP8 mma plan", "FP8 mma us", "FP8 mma GB/s (% copy)", "mma speedup",
-        "bf16 triton us", "bf16 triton GB/s (% copy)", "bf16 cuBLAS us", "bf16 cuBLAS GB/s (% copy)",
-    ]
+    header = ["projection", "N x K", "B", "FP8 op us", "FP8 op GB/s (% copy)"]
+    for name in names:
+        header += [f"{name} plan", f"{name} us", f"{name} GB/s (% copy)", f"{name} speedup"]
+    header += ["bf16 triton us", "bf16 triton GB/s (% copy)", "bf16 cuBLAS us", "bf16 cuBLAS GB/s (% copy)"]
+    verdicts = "\n".join(f"{'FP8 op' if name == 'op' else name}: {verdict(shares)}." for name, shares in fractions.items())
     return (
         "## Block-scaled FP8 products (`v4::blockscale_linear` vs bf16 Triton and cuBLAS)\n\n"
         "Chained: one CUDA graph calling the variant on every rotating weight set, time per call. Bytes: "
         "weight (+ scales) + activations + output; bf16 variants read the same weights dequantised (twice the "
-        f"bytes). Every case matched its reference within {TOLERANCE:g} of the output scale first (an 'FP8 mma' "
-        "case that did not is reported instead of timed). 'FP8 mma': the Gluon product with its own plan; 'mma "
-        "speedup': the FP8 (default) time over its time.\n\n"
+        f"bytes). Every case matched its reference within {TOLERANCE:g} of the output scale first (a product "
+        "that did not is reported instead of timed). 'FP8 op': `v4::blockscale_linear` as the model calls it "
+        "(on sm_89+ the Gluon mma product up to 8 rows, the Triton kernel above). Beside it each product of the "
+        "same semantics with its own plan and its 'speedup' (the op's time over its own): 'Triton' "
+        "(kernels/blockscale/triton.py), 'mma' (kernels/blockscale/gluon.py), 'GEMV' (one row: "
+        "kernels/blockscale/gemv.py, K never split).\n\n"
         + markdown_table(header, rows_out)
-        + f"\n\nFP8 kernel: {verdict(fractions)}.\nFP8 mma: {verdict(mma_fractions)}.\n"
+        + f"\n\n{verdicts}\n"
     )
