@@ -220,6 +220,8 @@ def test_gemv_refuses_what_it_does_not_compute():
         blockscale_gemv(x, q, scale)
     with pytest.raises(ValueError, match="x has 128 inputs, the weight 256"):
         blockscale_gemv(x[:1, :128], q, scale)
+    with pytest.raises(ValueError, match="positive multiple of 128"):
+        blockscale_gemv(x[:1, :96], q[:, :96], scale)
     x4, q4, scale4 = triton_operands("fp4", torch.float8_e8m0fnu, 1, 128, 256, torch.float32, seed=2)
     with pytest.raises(ValueError, match="FP8 \\(e4m3\\) weights"):
         blockscale_gemv(x4, q4, scale4)

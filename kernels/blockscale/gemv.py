@@ -77,8 +77,8 @@ def blockscale_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         raise ValueError(f"blockscale_gemv: one row of x, got {rows.shape[0]}")
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"blockscale_gemv: FP8 (e4m3) weights, got {weight.dtype}")
-    if k % FP8_BLOCK or weight.stride(-1) != 1:
-        raise ValueError(f"blockscale_gemv: K ({k}) must be a multiple of {FP8_BLOCK} and the weight contiguous along it")
+    if k == 0 or k % FP8_BLOCK or weight.stride(-1) != 1:
+        raise ValueError(f"blockscale_gemv: K ({k}) must be a positive multiple of {FP8_BLOCK}, the weight contiguous along it")
     if rows.shape[1] != k:
         raise ValueError(f"blockscale_gemv: x has {rows.shape[1]} inputs, the weight {k}")
     row = rows[0].contiguous()
