@@ -175,13 +175,14 @@ def op_kernels() -> dict:
 def extra_calls(batches) -> list[tuple[str, object]]:
     """Launches the decode step does not make in one process: the split + Sinkhorn kernel on its
     own (the model fuses it into the boundary op), the indexer's halves (index heads split two
-    ways), the Gluon products of the FP4 experts and the FP8 linear, and every sparse MLA variant, with and without a
-    workspace, at the index counts of the window-only, ratio-128 and ratio-4 layers."""
+    ways), the Gluon products of the FP4 experts and the FP8 linear, the FP8 one-row GEMV, and every sparse MLA
+    variant, with and without a workspace, at the index counts of the window-only, ratio-128 and ratio-4 layers."""
     from kernels.hc_sinkhorn import hc_split_sinkhorn
     from kernels.indexer import indexer_scores, indexer_select
     from kernels.sparse_mla import sparse_mla_decode, sparse_mla_workspace
     from kernels.sparse_mla.gluon import sparse_mla_decode_wgmma
 
+    from kernels.blockscale.gemv import blockscale_gemv
     from kernels.blockscale.gluon import blockscale_linear_mma
     from kernels.moe.scaled_gluon import moe_experts_scaled_mma
 
@@ -197,6 +198,8 @@ def extra_calls(batches) -> list[tuple[str, object]]:
             fp8 = (torch.empty(batch, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.float8_e4m3fn),
                    torch.empty(-(-n // 128), k // 128, dtype=torch.float8_e8m0fnu))
             calls.append((f"blockscale_linear_mma B={batch} {n}x{k}", lambda f=fp8: blockscale_linear_mma(*f)))
+            if batch == 1:
+                calls.append((f"blockscale_gemv {n}x{k}", lambda f=fp8: blockscale_gemv(*f)))
         mixes = torch.empty(batch, 24)
         calls.append((f"hc_split_sinkhorn B={batch}",
                       lambda m=mixes: hc_split_sinkhorn(m, torch.empty(3), torch.empty(24), 4, 20, 1e-6, impl="triton")))
