@@ -150,26 +150,37 @@ def build_step(
     dynamic = None if options.dynamic_batch else False
     compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=backend)  # noqa: E731
     symbolic = options.dynamic_batch
+    # batch_one_shared: the batch unbacked, bounded by the largest bucket, with the largest bucket
+    # as Inductor's size hint (the size the default's symbolic graph is first traced at).
+    shared, largest = options.batch_one_shared, max(options.buckets)
+    unbacked_hint = largest if shared else None
 
     if compilation == "regional":
         forward = _shared_forward(model)
+        if shared:
+            forward = _batch_bounded(forward, largest)
         blocks = []
         for index, layer in enumerate(model.layers):
             block = compile_(types.MethodType(forward, layer))
-            block = _batch_symbolic_block(block, options.batch_one_shared) if symbolic else block
+            block = _batch_symbolic_block(block, unbacked_hint) if symbolic else block
             blocks.append(block if after_block is None else _reporting(block, lambda i=index: after_block(i, forward.__code__)))
         head_fn = _fresh_function(type(model).logits)
+        if shared:
+            head_fn = _batch_bounded(head_fn, largest)
         head = compile_(types.MethodType(head_fn, model))
-        head = _batch_symbolic(head, options.batch_one_shared) if symbolic else head
+        head = _batch_symbolic(head, unbacked_hint) if symbolic else head
         run = lambda tokens, positions, slots: model.step(tokens, positions, slots, layers=blocks, logits=head)  # noqa: E731
         return CompiledStep(run, (head_fn.__code__,), forward.__code__, compilation)
 
     if compilation == "nested":
         fn = _fresh_function(_nested_region_step(model, _shared_forward(model)))
+        if shared:
+            fn = _batch_bounded(fn, largest, batch_arg=0)
     else:  # "whole"
-        fn = types.MethodType(_fresh_function(type(model).step), model)
+        step_fn = _fresh_function(type(model).step)
+        fn = types.MethodType(_batch_bounded(step_fn, largest) if shared else step_fn, model)
     compiled = compile_(fn)
-    compiled = _batch_symbolic(compiled, options.batch_one_shared) if symbolic else compiled
+    compiled = _batch_symbolic(compiled, unbacked_hint) if symbolic else compiled
     return CompiledStep(compiled, (fn.__code__,), compilation=compilation)
 
 
@@ -201,34 +212,50 @@ def _fresh_function(fn: types.FunctionType) -> types.FunctionType:
     return fresh
 
 
-def mark_batch_dynamic(*tensors: torch.Tensor, unbacked: bool = False) -> None:
+def mark_batch_dynamic(*tensors: torch.Tensor, unbacked_hint: int | None = None) -> None:
     """Dim 0 (the batch) symbolic in the graph Dynamo compiles next. Without the mark the first
     bucket compiles a static graph and only the second a symbolic one: one more graph per kind.
-    `unbacked`: a size the compiler never learns, so that it cannot specialise size 1 either."""
+    With `unbacked_hint` the batch is unbacked, a size the compiler never learns, so that it
+    cannot specialise size 1 either: one symbol for every tensor, and `unbacked_hint` the size
+    Inductor tunes its kernels for (it would otherwise assume a batch of thousands)."""
     for t in tensors:
-        if unbacked:
-            torch._dynamo.decorators.mark_unbacked(t, 0)
+        if unbacked_hint is not None:
+            torch._dynamo.decorators.mark_unbacked(t, 0, hint_override=unbacked_hint, shape_id="batch")
         else:
             torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
-def _batch_symbolic(compiled: Callable, batch_one_shared: bool) -> Callable:
+def _batch_bounded(fn: types.FunctionType, largest: int, batch_arg: int = 1) -> types.FunctionType:
+    """`fn` telling the compiler 1 <= batch <= `largest`, the batch being dim 0 of argument
+    `batch_arg` (after `self` by default). An unbacked batch has no upper bound otherwise, and
+    Inductor, unable to prove 32-bit indices safe, would index every kernel in 64 bits."""
+
+    def bounded(*args):
+        batch = args[batch_arg].shape[0]
+        torch._check(batch >= 1)
+        torch._check(batch <= largest)
+        return fn(*args)
+
+    return _fresh_function(bounded)
+
+
+def _batch_symbolic(compiled: Callable, unbacked_hint: int | None) -> Callable:
     """A compiled function of batch-major tensors whose batch is symbolic on every call but batch
-    1's (Dynamo specialises size 1, so batch 1 gets a graph of its own), or with
-    `batch_one_shared` on every call, batch 1's too (the batch unbacked)."""
+    1's (Dynamo specialises size 1, so batch 1 gets a graph of its own), or with an
+    `unbacked_hint` (batch_one_shared) on every call, batch 1's too."""
 
     def run(*inputs: torch.Tensor) -> torch.Tensor:
-        if batch_one_shared or inputs[0].shape[0] > 1:
-            mark_batch_dynamic(*inputs, unbacked=batch_one_shared)
+        if unbacked_hint is not None or inputs[0].shape[0] > 1:
+            mark_batch_dynamic(*inputs, unbacked_hint=unbacked_hint)
         return compiled(*inputs)
 
     return run
 
 
-def _batch_symbolic_block(block: Callable, batch_one_shared: bool) -> Callable:
+def _batch_symbolic_block(block: Callable, unbacked_hint: int | None) -> Callable:
     def run(streams: torch.Tensor, step, hadamard: torch.Tensor) -> torch.Tensor:
-        if batch_one_shared or streams.shape[0] > 1:
-            mark_batch_dynamic(streams, *step.per_sequence(), unbacked=batch_one_shared)
+        if unbacked_hint is not None or streams.shape[0] > 1:
+            mark_batch_dynamic(streams, *step.per_sequence(), unbacked_hint=unbacked_hint)
         return block(streams, step, hadamard)
 
     return run

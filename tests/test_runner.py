@@ -221,7 +221,7 @@ def test_regional_compile_matches_eager(tiny_regional):
         restore()
 
 
-@pytest.mark.parametrize("compilation", ["regional", "nested"])
+@pytest.mark.parametrize("compilation", ["regional", "nested", "whole"])
 def test_batch_one_shares_the_symbolic_graph(compilation):
     """batch_one_shared: batch 1 runs the symbolic batch's graph (the batch unbacked), so each
     layer kind compiles once where batch 1 would add a second graph (the default: the nested
@@ -240,6 +240,32 @@ def test_batch_one_shares_the_symbolic_graph(compilation):
         expected = eager(*inputs)
         assert ((runner(*inputs) - expected).abs().max() / expected.abs().max()).item() <= 1e-4
     assert runner.stats.recompiles == 0
+
+
+@pytest.mark.parametrize("compilation", ["regional", "whole"])
+def test_batch_one_shared_bounds_and_hints_the_batch(compilation):
+    """The unbacked batch of batch_one_shared is known to lie in [1, largest bucket] in every
+    graph (unbounded, Inductor could not prove 32-bit indices safe) and carries the largest bucket
+    as Inductor's size hint (without one it tunes for a batch of thousands)."""
+    from fuse.step import build_step
+
+    cfg = ModelConfig.preset("tiny")
+    model = Decoder(cfg, **TINY_SHAPE).init_random(seed=32)
+    graphs = []
+    options = fuse.CompileOptions(buckets=(1, 2, 4), compilation=compilation, batch_one_shared=True)
+    step = build_step(model, options, on_graph=graphs.append)
+    with torch.no_grad():
+        step.run(torch.tensor([5, 7, 9]), torch.tensor([0, 3, 1]), torch.tensor([2, 0, 1]))
+    assert len(graphs) == (layer_kinds(cfg) + 1 if compilation == "regional" else 1)
+    for graph in graphs:
+        inputs = [node.meta.get("example_value") for node in graph.graph.find_nodes(op="placeholder")]
+        batches = [t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0 and isinstance(t.shape[0], torch.SymInt)]
+        assert batches, "no input has a symbolic batch"
+        for batch in batches:
+            shape_env, symbol = batch.node.shape_env, batch.node.expr
+            bounds = shape_env.bound_sympy(symbol)
+            assert (int(bounds.lower), int(bounds.upper)) == (1, 4), (symbol, bounds)
+            assert shape_env.var_to_hint_override.get(symbol) == 4
 
 
 def test_failed_capture_falls_back_for_that_bucket_only(pair, monkeypatch):
