@@ -4,34 +4,51 @@ The buckets' first calls would compile each kernel variant at its first launch, 
 Instead the eager step of each bucket runs once on fake tensors (torch's FakeTensorMode: nothing
 executes, the model's caches are not touched) while kernels/precompile.py records its custom-op
 calls; their kernels are then compiled side by side (kernels.precompile.compile_ahead) and the
-first calls find them in memory."""
+first calls find them in memory. The fake step runs one block of each kind only: blocks alike
+launch the same kernels, and fake tensors cost about as much Python per op as real ones."""
 from __future__ import annotations
 
 import warnings
 from typing import Callable
 
+import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fuse.padding import padding_rows
 from kernels.precompile import OpCall, compile_ahead, record_op_calls
 
 
-def bucket_op_calls(eager: Callable, model, sizes: tuple[int, ...]) -> list[OpCall]:
-    """The distinct custom-op calls of one eager step per bucket size, on fake tensors. A step
-    that cannot run on fake tensors gives the calls recorded before it stopped, with a warning
-    (compiling ahead only saves time; the first calls compile the rest)."""
+def distinct_blocks(model) -> list[torch.nn.Module]:
+    """The first block of each kind: blocks of one type whose parameters and buffers have the
+    same names, shapes and dtypes launch the same kernel variants (a variant only a later block of
+    a kind launched would compile at its first launch instead)."""
+    kinds: dict[tuple, torch.nn.Module] = {}
+    for block in model.layers:
+        tensors = [*block.named_parameters(), *block.named_buffers()]
+        kind = (type(block), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors))
+        kinds.setdefault(kind, block)
+    return list(kinds.values())
+
+
+def bucket_op_calls(model, sizes: tuple[int, ...], step: Callable | None = None) -> list[OpCall]:
+    """The distinct custom-op calls of one eager step per bucket size (`step`, default
+    model.step, called with `layers=` one block per kind), on fake tensors. A step that cannot
+    run on fake tensors gives the calls recorded before it stopped, with a warning (compiling
+    ahead only saves time; the first calls compile the rest)."""
+    step = step or model.step
+    blocks = distinct_blocks(model)
     inputs = [padding_rows(model, size) for size in sizes]
     with FakeTensorMode(allow_non_fake_inputs=True), record_op_calls() as recorded:
         try:
             for step_inputs in inputs:
-                eager(*step_inputs)
+                step(*step_inputs, layers=blocks)
         except Exception as error:  # noqa: BLE001
             warnings.warn(f"compiling kernels ahead: the step did not run on fake tensors ({type(error).__name__}: "
                           f"{str(error).splitlines()[0][:200]}); the first calls compile what was not recorded")
     return list(recorded.calls)
 
 
-def compile_bucket_kernels(eager: Callable, model, sizes: tuple[int, ...], workers: int | None) -> int:
+def compile_bucket_kernels(model, sizes: tuple[int, ...], workers: int | None) -> int:
     """Compile every Triton kernel the buckets' steps launch, `workers` at a time; the number of
     compiles submitted. For a model on a GPU (elsewhere the ops run their references)."""
-    return compile_ahead([call.replay for call in bucket_op_calls(eager, model, sizes)], workers)
+    return compile_ahead([call.replay for call in bucket_op_calls(model, sizes)], workers)

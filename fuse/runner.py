@@ -84,7 +84,7 @@ class DecodeRunner:
 
                     with self.stats.phase("kernel compiles ahead", self.device):
                         self.stats.kernels_compiled_ahead = compile_bucket_kernels(
-                            decoder.step, decoder, buckets, options.kernel_compile_workers
+                            decoder, buckets, options.kernel_compile_workers
                         )
                 self._buckets = build_buckets(
                     self.step.run, decoder, buckets, self.use_graphs, self.stats, eager=decoder.step,

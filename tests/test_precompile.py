@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fuse
-from fuse.precompile import bucket_op_calls
+from fuse.precompile import bucket_op_calls, distinct_blocks
 from fuse.padding import padding_rows
 from kernels.precompile import Layout, OpCall, compile_ahead, record_op_calls
 from kernels.sparse_mla import sparse_mla_decode_reference
@@ -23,7 +23,7 @@ def test_the_fake_run_records_the_calls_of_a_real_step_and_changes_nothing():
     model = tiny(0)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     buffers = {k: v.clone() for k, v in model.named_buffers()}
-    recorded = bucket_op_calls(model.step, model, (1, 4))
+    recorded = bucket_op_calls(model, (1, 4))
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     assert all(torch.equal(buffers[k], v) for k, v in model.named_buffers())
     with record_op_calls() as real:  # the same steps, executed
@@ -33,6 +33,33 @@ def test_the_fake_run_records_the_calls_of_a_real_step_and_changes_nothing():
     assert {call.name for call in recorded} >= {"sparse_mla_decode", "moe_experts", "indexer_topk"}
     sizes = {call.args[0].shape[0] for call in recorded if call.name == "moe_experts"}
     assert sizes == {1, 4}
+
+
+def test_the_fake_run_of_one_block_per_kind_records_every_call_of_the_full_step():
+    """Blocks alike launch alike: the fake run calls one block per kind, and records the calls a
+    real step through every block makes (a deeper tiny model, so that kinds repeat)."""
+    cfg = ModelConfig.preset("tiny", layers=6)
+    model = Decoder(cfg, max_batch=4, max_seq_len=64, dtype=torch.float32).init_random(4)
+    blocks = distinct_blocks(model)
+    kinds = {(cfg.layer_ratios[i], i < cfg.n_hash_layers) for i in range(cfg.n_layers)}
+    assert len(blocks) == len(kinds) < cfg.n_layers
+    called = []
+    forward = type(model.layers[0]).forward
+
+    def counting(block, *args):
+        called.append(block)
+        return forward(block, *args)
+
+    type(model.layers[0]).forward = counting
+    try:
+        recorded = bucket_op_calls(model, (1, 4))
+    finally:
+        type(model.layers[0]).forward = forward
+    assert len(called) == 2 * len(blocks)  # two buckets
+    with record_op_calls() as real:
+        for size in (1, 4):
+            model.step(*padding_rows(model, size))
+    assert set(recorded) == set(real.calls)
 
 
 def test_the_replay_passes_real_tensors_only_where_the_op_reads_them():
@@ -116,13 +143,13 @@ def test_a_step_that_cannot_run_on_fake_tensors_costs_only_the_compiles_ahead():
     before the failure and warns; a replayed call that raises is skipped, the others still run."""
     model = tiny(3)
 
-    def failing_after_one_bucket(tokens, positions, slots):
+    def failing_after_one_bucket(tokens, positions, slots, layers):
         if tokens.shape[0] > 1:
             raise RuntimeError("cannot run here")
-        return model.step(tokens, positions, slots)
+        return model.step(tokens, positions, slots, layers=layers)
 
     with pytest.warns(UserWarning, match="did not run on fake tensors \\(RuntimeError: cannot run here\\)"):
-        calls = bucket_op_calls(failing_after_one_bucket, model, (1, 4))
+        calls = bucket_op_calls(model, (1, 4), step=failing_after_one_bucket)
     assert calls and {call.args[0].shape[0] for call in calls if call.name == "moe_experts"} == {1}
     ran = []
 
