@@ -519,6 +519,52 @@ def test_the_op_leaves_the_mma_products_to_gpus_with_e4m3_conversions():
     assert not gluon.takes(x, q) and not scaled_gluon.takes(x, packed.view(1, 256, 128))
 
 
+def meta_fp8(n: int, k: int, scale_dtype: torch.dtype = torch.float8_e8m0fnu):
+    """An FP8 weight [n, k] and its block scales, shapes and dtypes only (no memory)."""
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
+    return q, torch.empty(-(-n // FP8_BLOCK), -(-k // FP8_BLOCK), dtype=scale_dtype, device="meta")
+
+
+@pytest.mark.parametrize("rows,n,k,product", [
+    (1, 1536, 4096, "gemv"),  # the fused x projection, 6 MiB
+    (1, 4096, 2048, "gemv"),  # the shared w2, 8 MiB: the limit itself
+    (1, 4096 + 64, 2048, "mma"),  # just over it
+    (1, 4096, 8192, "mma"),  # wo_b, 32 MiB
+    (1, 32768, 1024, "mma"),  # wq_b, 32 MiB
+    (2, 1536, 4096, "mma"),  # small, but two rows
+    (8, 1536, 4096, "mma"),
+    (9, 1536, 4096, "triton"),
+    (1, 200, 384, "gemv"),  # outputs in no tiles of 64: the GEMV takes them all the same
+    (2, 200, 384, "triton"),
+])
+def test_the_op_picks_its_cuda_product(rows, n, k, product):
+    """The op's CUDA dispatch (`cuda_product`, from shapes and dtypes): one row of at most 8 MiB of
+    FP8 weights takes the GEMV, larger weights and up to 8 rows the mma product, more rows the
+    Triton kernel; without the e4m3 conversions (before sm_89) always the Triton kernel. The
+    benchmark's 'FP8 op runs' column names the candidate column of that product."""
+    from kernels.bench.blockscale import candidates, op_product
+    from kernels.blockscale.gemv import OP_MAX_WEIGHT_BYTES
+    from kernels.blockscale.op import cuda_product
+
+    assert OP_MAX_WEIGHT_BYTES == 8 * 2**20
+    q, scale = meta_fp8(n, k)
+    assert cuda_product(rows, q, scale, e4m3_gpu=True) == product
+    assert cuda_product(rows, q, scale, e4m3_gpu=False) == "triton"
+    assert op_product(rows, q, scale, True) in candidates(rows, n, k, 132)
+
+
+def test_the_op_leaves_to_the_tensor_core_products_what_the_gemv_does_not_take():
+    """One row of a small weight, but FP4 codes or scales of neither ue8m0 nor fp32: not the GEMV.
+    fp32 scales are its."""
+    from kernels.blockscale.op import cuda_product
+
+    q, scale = meta_fp8(1536, 4096, torch.float32)
+    assert cuda_product(1, q, scale, e4m3_gpu=True) == "gemv"
+    assert cuda_product(1, q, scale.bfloat16(), e4m3_gpu=True) == "mma"
+    packed = torch.empty(1536, 2048, dtype=torch.uint8, device="meta")
+    assert cuda_product(1, packed, torch.empty(1536, 128, device="meta"), e4m3_gpu=True) == "triton"
+
+
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 64])
 @pytest.mark.parametrize("n,k", V4_SHAPES)
 def test_mma_plans_cover_the_product(rows, n, k):

@@ -1,7 +1,7 @@
 """GPU benchmark of the block-scaled FP8 product (`v4::blockscale_linear`) at V4-Flash's FP8
 shapes: the fused wq_a + wkv (4096 -> 1024 + 512), wq_b (1024 -> 32768), wo_b (8192 -> 4096) and
 the shared expert's w1 / w3 (4096 -> 2048) and w2 (2048 -> 4096), for batches 1, 16 and 64, ue8m0
-scales, bf16 activations.
+scales, bf16 activations, with the product the op runs (`cuda_product`) named.
 
 Beside it, each product of the same semantics with its own plan: the Triton kernel, the Gluon
 product (kernels/blockscale/gluon.py, Plan.product "mma": the codes converted straight into the
@@ -25,11 +25,14 @@ from kernels.bench.tables import markdown_table
 from kernels.bench.timing import chained_time_us, rotation_count
 from kernels.blockscale import blockscale_linear, blockscale_linear_reference, dequantize_fp8_weight, quantize_fp8_weight
 from kernels.blockscale.gemv import BLOCK_N as GEMV_COLUMNS
+from kernels.blockscale.gemv import OP_MAX_WEIGHT_BYTES as GEMV_MAX_BYTES
 from kernels.blockscale.gemv import blockscale_gemv
+from kernels.blockscale.gluon import OP_MAX_ROWS as MMA_MAX_ROWS
 from kernels.blockscale.gluon import blockscale_linear_mma, plan_mma
+from kernels.blockscale.op import cuda_product
 from kernels.blockscale.triton import Plan, blockscale_linear_triton, plan_launch
 from kernels.linear import linear
-from kernels.triton_util import num_sms
+from kernels.triton_util import converts_e4m3, num_sms
 
 # name: (N, K)
 SHAPES = {
@@ -39,6 +42,8 @@ SHAPES = {
 BATCHES = (1, 16, 64)
 TOLERANCE = 8e-3  # max error relative to the output scale: bf16 output rounding, fp32 sums
 TARGETS = {1: 0.70, 64: 0.60}  # the FP8 kernel's share of the copy bandwidth to reach
+# The op's products (cuda_product's names) as the candidate columns name them.
+PRODUCT_NAMES = {"triton": "Triton", "mma": "mma", "gemv": "GEMV"}
 
 
 def relative_error(y: torch.Tensor, expected: torch.Tensor) -> float:
@@ -49,6 +54,11 @@ def check(label: str, batch: int, name: str, y: torch.Tensor, expected: torch.Te
     err = relative_error(y, expected)
     if err > TOLERANCE:
         raise AssertionError(f"{label} B={batch} {name}: relative error {err:.2e} > {TOLERANCE}")
+
+
+def op_product(batch: int, q: torch.Tensor, scale: torch.Tensor, e4m3_gpu: bool) -> str:
+    """The candidate column of the product the op runs for `batch` rows of this weight."""
+    return PRODUCT_NAMES[cuda_product(batch, q, scale, e4m3_gpu)]
 
 
 def describe_plan(plan: Plan) -> str:
@@ -124,7 +134,8 @@ def run(copy_gbs: float) -> str:
                 return f"{gbs:.0f} ({100 * gbs / copy_gbs:.0f}%)"
 
             fractions.setdefault("op", {}).setdefault(batch, []).append(fp8_bytes / times["fp8"] / 1e3 / copy_gbs)
-            row = [label, f"{n} x {k}", batch, f"{times['fp8']:.1f}", rate(fp8_bytes, times["fp8"])]
+            runs = op_product(batch, q, scale, converts_e4m3(x.device))
+            row = [label, f"{n} x {k}", batch, runs, f"{times['fp8']:.1f}", rate(fp8_bytes, times["fp8"])]
             found = candidates(batch, n, k, num_sms(x.device))
             for name in names:
                 if name not in found:
@@ -138,7 +149,7 @@ def run(copy_gbs: float) -> str:
                 f"{times['bf16 triton']:.1f}", rate(bf16_bytes, times["bf16 triton"]),
                 f"{times['bf16 cublas']:.1f}", rate(bf16_bytes, times["bf16 cublas"]),
             ])
-    header = ["projection", "N x K", "B", "FP8 op us", "FP8 op GB/s (% copy)"]
+    header = ["projection", "N x K", "B", "FP8 op runs", "FP8 op us", "FP8 op GB/s (% copy)"]
     for name in names:
         header += [f"{name} plan", f"{name} us", f"{name} GB/s (% copy)", f"{name} speedup"]
     header += ["bf16 triton us", "bf16 triton GB/s (% copy)", "bf16 cuBLAS us", "bf16 cuBLAS GB/s (% copy)"]
@@ -149,7 +160,8 @@ def run(copy_gbs: float) -> str:
         "weight (+ scales) + activations + output; bf16 variants read the same weights dequantised (twice the "
         f"bytes). Every case matched its reference within {TOLERANCE:g} of the output scale first (a product "
         "that did not is reported instead of timed). 'FP8 op': `v4::blockscale_linear` as the model calls it "
-        "(on sm_89+ the Gluon mma product up to 8 rows, the Triton kernel above). Beside it each product of the "
+        f"(on sm_89+ the GEMV at one row of at most {GEMV_MAX_BYTES / 2**20:g} MiB of weights, else the Gluon mma "
+        f"product up to {MMA_MAX_ROWS} rows, else the Triton kernel; 'FP8 op runs' names it). Beside it each product of the "
         "same semantics with its own plan and its 'speedup' (the op's time over its own): 'Triton' "
         "(kernels/blockscale/triton.py), 'mma' (kernels/blockscale/gluon.py), 'GEMV' (one row: "
         "kernels/blockscale/gemv.py, K never split).\n\n"

@@ -16,7 +16,9 @@ the GPU and the sum ends in the registers of the program that made it:
 - The next BLOCK_K inputs' codes are loaded before this step's multiply-adds (Triton pipelines
   only loads that feed a dot).
 
-FP8 weights, one row, K a multiple of 128. The interpreter runs it (tests on a CPU)."""
+FP8 weights, one row, K a multiple of 128. The interpreter runs it (tests on a CPU). The op
+(kernels/blockscale/op.py) runs it at one row for weights of up to OP_MAX_WEIGHT_BYTES
+(`takes_rows`)."""
 from __future__ import annotations
 
 import torch
@@ -24,12 +26,14 @@ import triton
 import triton.language as tl
 
 from kernels.blockscale.device import act_quant_rows, weight_scale_to_fp32
-from kernels.blockscale.ref import FP8_BLOCK
+from kernels.blockscale.ref import FP8_BLOCK, SCALE_DTYPES
 from kernels.triton_util import interpreting
 
 BLOCK_N = 4  # output columns a program: V4-Flash's narrowest FP8 product (1536) in 384 programs
 MAX_BLOCK_K = 1024  # inputs a step: 4 KB of codes a program in flight
 WARPS = 4
+# FP8 weight bytes (N * K) up to which the op runs this kernel at one row: measured faster than its tensor-core products up to this size at V4-Flash's FP8 shapes, slower above.
+OP_MAX_WEIGHT_BYTES = 8 * 2**20
 
 
 @triton.jit
@@ -57,6 +61,15 @@ def _blockscale_gemv_kernel(
         acc += w.to(tl.float32) * x_scaled[None, :]
         w = w_next
     tl.store(out_ptr + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def takes_rows(rows: int, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether the op runs this kernel for `rows` rows of `weight` on a GPU with the e4m3
+    conversions (from shapes and dtypes only): one row of an FP8 weight of 1 to
+    OP_MAX_WEIGHT_BYTES bytes, contiguous along K (a multiple of 128), with ue8m0 or fp32 scales."""
+    n, k = weight.shape
+    return (rows == 1 and weight.dtype == torch.float8_e4m3fn and 0 < n * k <= OP_MAX_WEIGHT_BYTES
+            and k % FP8_BLOCK == 0 and weight.stride(-1) == 1 and scale.dtype in SCALE_DTYPES)
 
 
 def block_k(k: int) -> int:

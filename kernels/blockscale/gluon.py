@@ -231,12 +231,16 @@ def plan_mma(rows: int, n: int, k: int, sms: int) -> Plan:
 OP_MAX_ROWS = 8
 
 
+def takes_rows(rows: int, weight: torch.Tensor) -> bool:
+    """Whether this product takes `rows` rows of `weight` on a GPU with the e4m3 conversions (the
+    op's rule, from shapes and dtypes only): up to OP_MAX_ROWS rows of FP8 weights whose outputs
+    fill tiles of 64."""
+    return weight.dtype == torch.float8_e4m3fn and weight.shape[0] % COLUMN_TILES[0] == 0 and rows <= OP_MAX_ROWS
+
+
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the op runs this product: up to OP_MAX_ROWS rows of FP8 weights whose outputs fill
-    tiles of 64, on a GPU with the e4m3 conversions (sm_89 or newer)."""
-    rows = x.numel() // max(1, x.shape[-1])
-    return (weight.dtype == torch.float8_e4m3fn and weight.shape[0] % COLUMN_TILES[0] == 0 and rows <= OP_MAX_ROWS
-            and converts_e4m3(x.device))
+    """`takes_rows` for x's rows, on a GPU with the e4m3 conversions (sm_89 or newer)."""
+    return takes_rows(x.numel() // max(1, x.shape[-1]), weight) and converts_e4m3(x.device)
 
 
 def check_mma_inputs(weight: torch.Tensor, plan: Plan) -> None:
