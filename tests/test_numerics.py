@@ -90,6 +90,25 @@ def test_criterion_widens_for_rare_qat_flips_only_and_needs_rows_for_the_median(
     assert judge([Check(error=noise[:2] * 3, noise=noise[:2], top1_agree=2)], torch.bfloat16).typical_bound is None
 
 
+def test_the_median_rows_noise_can_come_from_a_series_of_checks():
+    """A step whose own eager rows came out quiet is judged against the noise of the series (so
+    it passes at the series' typical error), while every row 3x the series' noise still fails."""
+    generator = torch.Generator().manual_seed(7)
+    rows = 2 * MIN_ROWS
+
+    def check(scale):
+        noise = scale * (0.5 + torch.rand(rows, generator=generator))
+        return Check(error=noise.flip(0) * 1.1, noise=noise, top1_agree=rows)
+
+    series = [check(3e-2) for _ in range(5)]
+    quiet = Check(error=series[0].error, noise=series[0].noise / 3, top1_agree=rows)  # the series' error, a quiet eager step
+    assert not judge([quiet], torch.bfloat16).passed
+    assert judge([quiet], torch.bfloat16, noise_from=[*series, quiet]).passed
+    planted = Check(error=3 * series[1].noise, noise=series[1].noise, top1_agree=rows)
+    verdict = judge([planted], torch.bfloat16, noise_from=[*series, planted])
+    assert not verdict.passed and "median row" in verdict.reason
+
+
 def test_yardstick_flags_an_error_planted_in_the_compiled_model(tiny_nested):
     """fp32, QAT on: the compiled runner passes against the fp32 reference of the eager model;
     one norm weight 1% off in the compiled model's layer 3 fails, by far."""
