@@ -6,23 +6,27 @@ slot takes a new one, so positions run up to max_seq_len - 1. Every `check_every
 is checked against the accuracy yardstick (fuse/numerics.py: the fp32 eager reference of the same
 weights from the same state). Reported: recompiles and graph breaks after warm-up, steps with
 non-finite logits, allocated and reserved device memory (on the CPU, the process's resident
-memory) over time, and each check's verdict with the worst. Writes soak.json and soak.md."""
+memory) over time, sampled where no tensor of a step is alive, each check's verdict with the
+worst, how many checks failed, and the verdict: pass only if every check passed on its own and
+all checked rows together pass. Writes soak.json and soak.md."""
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import json
+import math
 import os
 import random
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from fuse.numerics import check_step, fp32_reference, judge
-from fuse.runner import compile_decode
+from fuse.numerics import Check, Verdict, check_step, fp32_reference, judge
+from fuse.padding import Inputs
+from fuse.runner import DecodeRunner, compile_decode
 from fuse.stats import dynamo_totals
 from model import Decoder, ModelConfig
 
@@ -64,13 +68,18 @@ def memory_sample(step: int, device: torch.device) -> dict:
     return sample
 
 
-def allocated_growth(memory: list[dict]) -> int | None:
-    """How far allocated memory moved after warm-up: max - min over the samples from the one after
-    the first step on (None without a device allocator)."""
-    after = [m["allocated_bytes"] for m in memory[1:]]
+def growth_after_warm_up(memory: list[dict], key: str) -> int | None:
+    """How far `key` of the memory samples moved after warm-up: max - min over the samples from the
+    one after the first step on (None where the samples have no value for it)."""
+    after = [m[key] for m in memory[1:]]
     if not after or after[0] is None:
         return None
     return max(after) - min(after)
+
+
+def allocated_growth(memory: list[dict]) -> int | None:
+    """`growth_after_warm_up` of the device allocator's allocated bytes (None without one)."""
+    return growth_after_warm_up(memory, "allocated_bytes")
 
 
 def _resident_bytes() -> int:
@@ -105,7 +114,18 @@ class Traffic:
         return torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots)
 
 
-def run_soak(settings: SoakSettings, log: Callable[[str], None] = print) -> dict:
+@dataclass
+class Subject:
+    """What the soak serves traffic through: the compiled runner, its decoder and the fp32
+    reference of the same weights."""
+
+    decoder: Decoder
+    runner: DecodeRunner
+    reference: Decoder
+    start_seconds: float
+
+
+def build(settings: SoakSettings) -> Subject:
     cfg = ModelConfig.preset(settings.preset, layers=settings.layers)
     decoder = Decoder(cfg, settings.max_batch, settings.max_seq_len, dtype=settings.dtype, device=settings.device)
     decoder.init_random(settings.seed)
@@ -114,52 +134,118 @@ def run_soak(settings: SoakSettings, log: Callable[[str], None] = print) -> dict
     # strict=False: a recompile is counted, not raised, so that the soak reports it and goes on
     runner = compile_decode(decoder, buckets=buckets, strict=False, progress=False)
     start_seconds = time.perf_counter() - start
-    reference = fp32_reference(decoder)
-    log(f"{cfg.n_layers} layers on {decoder.device}, buckets {list(runner.buckets)}, ready in {start_seconds:.1f} s")
+    return Subject(decoder, runner, fp32_reference(decoder), start_seconds)
 
-    traffic = Traffic(settings.max_batch, settings.max_seq_len, cfg.vocab_size, settings.seed)
-    compiles0, breaks0 = dynamo_totals()
-    non_finite = torch.zeros((), dtype=torch.int64, device=decoder.device)
-    memory, checks, verdicts = [memory_sample(0, decoder.device)], [], []
-    start = time.perf_counter()
+
+@dataclass
+class Watch:
+    """What the loop keeps across steps: host values only (a check's per-row errors are host
+    tensors), so that the memory samples see what the runner and the model hold."""
+
+    memory: list[dict]
+    checks: list[Check] = field(default_factory=list)  # for judging all checked rows together
+    verdicts: list[dict] = field(default_factory=list)  # each check's own verdict, with its step and batch
+    non_finite_steps: int = 0
+
+    def add_check(self, step: int, check: Check, dtype: torch.dtype, log: Callable[[str], None]) -> None:
+        verdict = judge([check], dtype)
+        self.checks.append(check)
+        self.verdicts.append({"step": step, "batch": len(check.error), **verdict.to_dict()})
+        log(f"step {step:>6}: batch {len(check.error):>3}, {verdict.summary()}")
+
+
+def serve(settings: SoakSettings, device: torch.device, next_inputs: Callable[[], Inputs],
+          run: Callable[..., torch.Tensor], check: Callable[[Inputs], Check],
+          log: Callable[[str], None] = print) -> Watch:
+    """The soak's loop: `settings.steps` steps of `run(*next_inputs())`, one in `check_every`
+    through `check` instead, memory sampled after each checked step and at the end. No tensor of
+    a step is bound in this frame (the steps' inputs and logits live in call arguments and
+    `_any_non_finite`), so at a sample none is alive: a batch-sized output held there would
+    make the allocated bytes move with the batch rather than with what the runner keeps."""
+    watch = Watch(memory=[memory_sample(0, device)])
+    non_finite = torch.zeros((), dtype=torch.int64, device=device)  # summed on the device: no sync per step
     with torch.no_grad():
         for step in range(settings.steps):
-            inputs = decoder.check_inputs(*traffic.next_batch())
-            if step % settings.check_every == 0:
-                check = check_step(decoder, runner.run_checked, inputs, reference)
-                verdict = judge([check], decoder.dtype)
-                checks.append(check)
-                verdicts.append({"step": step, "batch": len(inputs[0]), **verdict.to_dict()})
-                non_finite += int(check.non_finite)
-                memory.append(memory_sample(step + 1, decoder.device))
-                log(f"step {step:>6}: batch {len(inputs[0]):>3}, {verdict.summary()}")
-            else:
-                logits = runner.run_checked(*inputs)
-                non_finite += (~torch.isfinite(logits)).any()
-    memory.append(memory_sample(settings.steps, decoder.device))
+            if step % settings.check_every:
+                non_finite += _any_non_finite(run, next_inputs())
+                continue
+            watch.add_check(step, check(next_inputs()), settings.dtype, log)
+            watch.memory.append(memory_sample(step + 1, device))
+    if watch.memory[-1]["step"] != settings.steps:
+        watch.memory.append(memory_sample(settings.steps, device))
+    watch.non_finite_steps = int(non_finite.item()) + sum(c.non_finite for c in watch.checks)
+    return watch
+
+
+def _any_non_finite(run: Callable[..., torch.Tensor], inputs: Inputs) -> torch.Tensor:
+    """The step; whether its logits hold a non-finite value, as a device bool (no sync). The logits
+    die with this frame."""
+    return (~torch.isfinite(run(*inputs))).any()
+
+
+def overall_verdict(verdicts: list[dict], pooled: Verdict) -> dict:
+    """Pass only if every check passed on its own and all checked rows pass together: pooled, one
+    step's failing median row hides among the good rows of the others."""
+    failed = [v for v in verdicts if not v["passed"]]
+    problems = [f"{len(failed)} of {len(verdicts)} checks failed"] if failed else []
+    if not pooled.passed:
+        problems.append(f"all checked rows together: {pooled.reason}")
+    return {"passed": not problems, "reason": "; ".join(problems)}
+
+
+def _closeness(verdict: dict) -> float:
+    """How near a check came to its bounds: the larger of worst row / its bound and median row /
+    its bound (infinite where an error is NaN)."""
+    ratios = [verdict["error"] / verdict["bound"]]
+    if verdict["typical_bound"] is not None:
+        ratios.append(verdict["typical_error"] / verdict["typical_bound"])
+    return math.inf if any(math.isnan(r) for r in ratios) else max(ratios)
+
+
+def worst_check(verdicts: list[dict]) -> dict:
+    """A failed check before any passed one, then the one nearest its bounds."""
+    return max(verdicts, key=lambda v: (not v["passed"], _closeness(v)))
+
+
+def run_soak(settings: SoakSettings, log: Callable[[str], None] = print) -> dict:
+    subject = build(settings)
+    decoder, runner = subject.decoder, subject.runner
+    log(f"{decoder.config.n_layers} layers on {decoder.device}, buckets {list(runner.buckets)}, "
+        f"ready in {subject.start_seconds:.1f} s")
+
+    traffic = Traffic(settings.max_batch, settings.max_seq_len, decoder.config.vocab_size, settings.seed)
+    compiles0, breaks0 = dynamo_totals()
+    start = time.perf_counter()
+    watch = serve(
+        settings, decoder.device, lambda: decoder.check_inputs(*traffic.next_batch()), runner.run_checked,
+        lambda inputs: check_step(decoder, runner.run_checked, inputs, subject.reference), log,
+    )
     seconds = time.perf_counter() - start
     compiles1, breaks1 = dynamo_totals()
-    overall = judge(checks, decoder.dtype)
-    worst = max(verdicts, key=lambda v: v["error"] / v["bound"])
+    pooled = judge(watch.checks, decoder.dtype)
+    failed = [v for v in watch.verdicts if not v["passed"]]
     return {
         "settings": {**dataclasses.asdict(settings), "dtype": str(settings.dtype).removeprefix("torch.")},
         "date": datetime.date.today().isoformat(),
         "device_name": torch.cuda.get_device_name(decoder.device) if decoder.device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "layers": cfg.n_layers,
+        "layers": decoder.config.n_layers,
         "buckets": list(runner.buckets),
-        "start_seconds": start_seconds,
+        "start_seconds": subject.start_seconds,
         "seconds": seconds,
         "sequences": traffic.started,
         "recompiles": runner.stats.recompiles,
         "compiles_after_warmup": compiles1 - compiles0,
         "graph_breaks": runner.stats.graph_breaks + breaks1 - breaks0,
-        "non_finite_steps": int(non_finite.item()),
-        "memory": memory,
-        "allocated_growth_bytes": allocated_growth(memory),
-        "checks": verdicts,
-        "worst_check": worst,
-        "verdict": overall.to_dict(),
+        "non_finite_steps": watch.non_finite_steps,
+        "memory": watch.memory,
+        "allocated_growth_bytes": allocated_growth(watch.memory),
+        "checks": watch.verdicts,
+        "checks_failed": len(failed),
+        "first_failed_check": failed[0] if failed else None,
+        "worst_check": worst_check(watch.verdicts),
+        "pooled": pooled.to_dict(),  # all checked rows judged together
+        "verdict": overall_verdict(watch.verdicts, pooled),  # `fuse soak`'s exit status reads its "passed"
         "runner": runner.describe(),
     }
 
@@ -170,7 +256,7 @@ def _gib(value: int | None) -> str:
 
 def to_markdown(result: dict) -> str:
     s = result["settings"]
-    v, worst = result["verdict"], result["worst_check"]
+    v, pooled = result["verdict"], result["pooled"]
     command = (f"python -m fuse soak --preset {s['preset']}" + (f" --layers {s['layers']}" if s["layers"] else "")
                + f" --device {s['device']} --steps {s['steps']} --check-every {s['check_every']}"
                f" --max-batch {s['max_batch']} --max-seq-len {s['max_seq_len']}")
@@ -183,19 +269,22 @@ def to_markdown(result: dict) -> str:
         f"{s['max_seq_len']}; one step in {s['check_every']} checked against the fp32 eager reference (fuse/numerics.py).",
         "",
         "| steps | seconds | recompiles | graph breaks | steps with non-finite logits | allocated growth after warm-up, MiB "
-        "| checks | yardstick | worst check |",
+        "| checks failed | yardstick | worst check |",
         "|---|---|---|---|---|---|---|---|---|",
         f"| {s['steps']} | {result['seconds']:.1f} | {result['recompiles']} | {result['graph_breaks']} | "
-        f"{result['non_finite_steps']} | {growth} | "
-        f"{len(result['checks'])} | {'pass' if v['passed'] else 'FAIL: ' + v['reason']} | "
-        f"step {worst['step']} (batch {worst['batch']}): worst row {worst['error']:.2e} of bound {worst['bound']:.2e} |",
+        f"{result['non_finite_steps']} | {growth} | {_checks_failed(result)} | "
+        f"{'pass' if v['passed'] else 'FAIL: ' + v['reason']} | {_check_errors(result['worst_check'])} |",
         "",
-        f"All checked rows together: worst row {v['error']:.2e} against fp32 (bound {v['bound']:.2e}), median row "
-        f"{v['typical_error']:.2e}" + (f" (bound {v['typical_bound']:.2e})" if v["typical_bound"] is not None else "")
-        + f", top-1 agreement {v['top1_agreement']:.3f} over {v['rows']} rows; the eager {s['dtype']} step's own: "
-        f"worst row {v['noise']:.2e}, median row {v['typical_noise']:.2e}.",
+        "The yardstick passes only if every check passes on its own and all checked rows together pass.",
         "",
-        "Memory over the run, GiB (allocated and reserved: the device's caching allocator; resident: the process):",
+        f"All checked rows together: {'pass' if pooled['passed'] else 'FAIL (' + pooled['reason'] + ')'}, worst row "
+        f"{pooled['error']:.2e} against fp32 (bound {pooled['bound']:.2e}), median row {pooled['typical_error']:.2e}"
+        + (f" (bound {pooled['typical_bound']:.2e})" if pooled["typical_bound"] is not None else "")
+        + f", top-1 agreement {pooled['top1_agreement']:.3f} over {pooled['rows']} rows; the eager {s['dtype']} "
+        f"step's own: worst row {pooled['noise']:.2e}, median row {pooled['typical_noise']:.2e}.",
+        "",
+        "Memory over the run, GiB (allocated and reserved: the device's caching allocator; resident: the process), "
+        "sampled after the step's logits and inputs are freed:",
         "",
         "| after step | allocated | reserved | resident |",
         "|---|---|---|---|",
@@ -203,6 +292,20 @@ def to_markdown(result: dict) -> str:
     lines += [f"| {m['step']} | {_gib(m['allocated_bytes'])} | {_gib(m['reserved_bytes'])} | {_gib(m['rss_bytes'])} |"
               for m in result["memory"]]
     return "\n".join(lines) + "\n"
+
+
+def _checks_failed(result: dict) -> str:
+    """"k of n", and where k > 0 the first failed check's step, batch and reason."""
+    count = f"{result['checks_failed']} of {len(result['checks'])}"
+    first = result["first_failed_check"]
+    return count if first is None else f"{count}, first step {first['step']} (batch {first['batch']}): {first['reason']}"
+
+
+def _check_errors(check: dict) -> str:
+    median = "" if check["typical_bound"] is None else (
+        f", median row {check['typical_error']:.2e} of bound {check['typical_bound']:.2e}")
+    return (f"step {check['step']} (batch {check['batch']}): worst row {check['error']:.2e} of bound "
+            f"{check['bound']:.2e}{median}")
 
 
 def write_outputs(result: dict, folder: str) -> None:
