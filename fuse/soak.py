@@ -77,6 +77,23 @@ def growth_after_warm_up(memory: list[dict], key: str) -> int | None:
     return max(after) - min(after)
 
 
+# How far allocated memory may move after warm-up and still count as flat: the runner's graphs
+# and buffers are allocated once, so any steady growth is a leak.
+FLAT_BYTES = 2**20
+
+
+def problems(result: dict) -> list[str]:
+    """What makes a soak fail: a failed check, non-finite logits, recompiles, graph breaks, or
+    allocated memory that moved more than FLAT_BYTES after warm-up."""
+    found = [] if result["verdict"]["passed"] else [f"yardstick: {result['verdict']['reason']}"]
+    found += [f"{result[key]} {what}" for key, what in (
+        ("non_finite_steps", "steps with non-finite logits"), ("recompiles", "recompiles"), ("graph_breaks", "graph breaks")) if result[key]]
+    growth = result.get("allocated_growth_bytes")
+    if growth is not None and growth > FLAT_BYTES:
+        found.append(f"allocated memory moved {growth / 2**20:.2f} MiB after warm-up (flat: {FLAT_BYTES / 2**20:.0f} MiB)")
+    return found
+
+
 def allocated_growth(memory: list[dict]) -> int | None:
     """`growth_after_warm_up` of the device allocator's allocated bytes (None without one)."""
     return growth_after_warm_up(memory, "allocated_bytes")
@@ -148,8 +165,9 @@ class Watch:
     non_finite_steps: int = 0
 
     def add_check(self, step: int, check: Check, dtype: torch.dtype, log: Callable[[str], None]) -> None:
-        verdict = judge([check], dtype)
         self.checks.append(check)
+        # The median row's noise from every check so far: one step's few eager rows give a noisy median.
+        verdict = judge([check], dtype, noise_from=self.checks)
         self.verdicts.append({"step": step, "batch": len(check.error), **verdict.to_dict()})
         log(f"step {step:>6}: batch {len(check.error):>3}, {verdict.summary()}")
 

@@ -182,3 +182,15 @@ def test_traffic_starts_and_ends_sequences_on_random_slots():
         sizes.add(len(slots))
     assert seen_positions == set(range(6))  # up to max_seq_len - 1
     assert traffic.started > 8 * 3 and len(sizes) == 8  # sequences end and new ones start; every batch size
+
+
+def test_the_soak_fails_on_memory_that_moves_graph_breaks_or_recompiles():
+    clean = {"verdict": {"passed": True, "reason": ""}, "non_finite_steps": 0, "recompiles": 0, "graph_breaks": 0,
+             "allocated_growth_bytes": soak.FLAT_BYTES}
+    assert soak.problems(clean) == []
+    assert soak.problems({**clean, "allocated_growth_bytes": None}) == []  # no device allocator (the CPU)
+    grown = soak.problems({**clean, "allocated_growth_bytes": soak.FLAT_BYTES + 1})
+    assert len(grown) == 1 and "allocated memory moved" in grown[0]
+    assert soak.problems({**clean, "graph_breaks": 2, "recompiles": 1}) == ["1 recompiles", "2 graph breaks"]
+    failed = soak.problems({**clean, "verdict": {"passed": False, "reason": "1 of 40 checks failed"}})
+    assert failed == ["yardstick: 1 of 40 checks failed"]
