@@ -50,7 +50,7 @@ from fuse.floor import copy_bandwidth_gbs, step_floor
 from fuse.launches import count_launches
 from fuse.ranks import gather_to_first, launched_ranks, on_every_rank
 from fuse.runner import compile_decode
-from fuse.stats import dynamo_totals
+from fuse.stats import compile_timer_totals, dynamo_totals
 from kernels.bench.timing import back_to_back_ms, call_ms
 from model import Decoder, ModelConfig
 from model.parallel import ParallelError
@@ -283,10 +283,26 @@ def check_against_eager(
 
 
 # -- cold, warm and artifact start, each in a fresh process ----------------------------------------
-def start_time_child(settings: BenchSettings, buckets: tuple[int, ...], artifact: str | None = None) -> dict:
+def start_time_child(settings: BenchSettings, buckets: tuple[int, ...], artifact: str | None = None, stock: bool = False) -> dict:
+    """One timed start in this fresh process: compile_decode, or with `stock` torch.compile's
+    reduce-overhead mode, warmed up until cudagraph trees recorded every bucket (its third call)."""
     cfg = settings.config()
     decoder = Decoder(cfg, max_batch=max(buckets), max_seq_len=max(settings.contexts) + 8, dtype=settings.dtype, device=settings.device)
     decoder.init_random(settings.seed)
+    if stock:
+        compiles0, _ = dynamo_totals()
+        timers0 = compile_timer_totals()
+        start = time.perf_counter()
+        step = torch.compile(decoder.step, mode="reduce-overhead", fullgraph=True)
+        for batch in sorted(buckets, reverse=True):
+            for _ in range(3):
+                step(*step_inputs(batch, min(settings.contexts), cfg.vocab_size, decoder.device, settings.seed))
+        if decoder.device.type == "cuda":
+            torch.cuda.synchronize(decoder.device)
+        seconds = time.perf_counter() - start
+        timers = compile_timer_totals()
+        return {"seconds": seconds, "compiles": dynamo_totals()[0] - compiles0, "captured": None,
+                "phases": {name: timers.get(name, 0.0) - timers0.get(name, 0.0) for name in timers}}
     start = time.perf_counter()
     runner = compile_decode(decoder, buckets=buckets, dynamic_batch=True, progress=False, artifact=artifact)  # caches: see measure_start_times
     seconds = time.perf_counter() - start
@@ -301,16 +317,24 @@ def start_time_child(settings: BenchSettings, buckets: tuple[int, ...], artifact
 def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = START_BUCKETS) -> dict:
     """compile_decode for `buckets`, three times in new processes: cold (empty compile caches; it
     saves an artifact), warm (the caches the cold start filled) and artifact (other, empty caches
-    and the cold start's artifact only)."""
-    results = {}
+    and the cold start's artifact only); and, on CUDA, stock reduce-overhead's cold start for the
+    same buckets (its own empty caches)."""
+    results = {
+        "gpu": torch.cuda.get_device_name() if settings.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__, "triton": _triton_version(), "date": datetime.date.today().isoformat(),
+    }
+    starts = [("cold", "caches"), ("warm", "caches"), ("artifact", "empty-caches")]
+    if settings.device.startswith("cuda"):
+        starts.append(("reduce-overhead cold", "stock-caches"))
     with tempfile.TemporaryDirectory(prefix="fuse-start-") as folder:
         artifact = os.path.join(folder, "artifact.zip")
-        for which, caches in (("cold", "caches"), ("warm", "caches"), ("artifact", "empty-caches")):
+        for which, caches in starts:
             command = [
                 sys.executable, "-m", "fuse", "bench", "--start-time-child",
                 "--preset", settings.preset, "--contexts", ",".join(map(str, settings.contexts)),
                 "--buckets", ",".join(map(str, buckets)), "--fp32-products", settings.fp32_products, "--device", settings.device,
-            ] + (["--layers", str(settings.layers)] if settings.layers else []) + (["--artifact", artifact] if which != "warm" else [])
+            ] + (["--layers", str(settings.layers)] if settings.layers else [])
+            command += ["--stock-start"] if which.startswith("reduce-overhead") else (["--artifact", artifact] if which != "warm" else [])
             # The compile caches are chosen before the child imports torch (Inductor reads them once).
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, caches, "inductor"),
                    "TRITON_CACHE_DIR": os.path.join(folder, caches, "triton")}
@@ -330,13 +354,15 @@ def start_times_markdown(result: dict) -> str:
     from fuse.stats import COMPILE_PHASES, START_PHASES
 
     phases = list(START_PHASES) + list(COMPILE_PHASES)
-    starts = [which for which in ("cold", "warm", "artifact") if which in result]
+    starts = [which for which in ("cold", "warm", "artifact", "reduce-overhead cold") if which in result]
+    machine = f" on {result['gpu']}, torch {result['torch']}, triton {result['triton']}, {result['date']}" if "gpu" in result else ""
     lines = [
-        f"`{result['command']}`: compile_decode for buckets {result['buckets']} at {result['layers']} layers, each start "
+        f"`{result['command']}`{machine}: compile_decode for buckets {result['buckets']} at {result['layers']} layers, each start "
         "in a new process: cold with empty compile caches (it saves an artifact), warm with the caches the cold start "
-        "filled, artifact with other, empty caches and the cold start's artifact only. Seconds; the compile timers are "
-        "torch's own, parts of the first calls. Compiles: graphs Dynamo traced; Inductor, AOTAutograd: graphs compiled "
-        "rather than loaded from a cache; Triton: the custom ops' kernels compiled or tuned.",
+        "filled, artifact with other, empty caches and the cold start's artifact only; reduce-overhead cold: stock "
+        "`torch.compile(step, mode=\"reduce-overhead\")` with its own empty caches, until cudagraph trees recorded every "
+        "bucket. Seconds; the compile timers are torch's own, parts of the first calls. Compiles: graphs Dynamo traced; "
+        "Inductor, AOTAutograd: graphs compiled rather than loaded from a cache; Triton: the custom ops' kernels compiled or tuned.",
         "",
         "| start | total s | compiles | Inductor / AOTAutograd / Triton compiles | captured | " + " | ".join(phases) + " |",
         "|---|---|---|---|---|" + "---|" * len(phases),
@@ -345,7 +371,8 @@ def start_times_markdown(result: dict) -> str:
         r = result[which]
         cells = [f"{r['phases'].get(p, 0.0):.1f}" for p in phases]
         backend = " / ".join(str(r[k]) if k in r else "-" for k in ("inductor_compiles", "aot_compiles", "triton_compiles"))
-        lines.append(f"| {which} | {r['seconds']:.1f} | {r['compiles']} | {backend} | {r['captured']} | " + " | ".join(cells) + " |")
+        captured = "-" if r.get("captured") is None else r["captured"]
+        lines.append(f"| {which} | {r['seconds']:.1f} | {r['compiles']} | {backend} | {captured} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -272,6 +272,12 @@ def test_start_times_table_has_the_artifact_start():
     assert "artifact load" in rows[0] and "| 1 / 1 / 0 |" in rows[1] and "| 0 / 0 / 0 |" in rows[3]
     old = {k: v for k, v in result.items() if k != "artifact"}  # results written before artifacts still render
     assert "| artifact |" not in bench.start_times_markdown(old)
+    # on a GPU: the machine, and stock reduce-overhead's cold start beside compile_decode's
+    stock = {"seconds": 120.0, "compiles": 8, "captured": None, "phases": {"dynamo": 30.0}}
+    on_gpu = {**result, "reduce-overhead cold": stock, "gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "date": "2026-12-05"}
+    table = bench.start_times_markdown(on_gpu)
+    assert "on NVIDIA H200, torch 2.11.0, triton 3.6.0" in table
+    assert "| reduce-overhead cold | 120.0 | 8 | - / - / - | - |" in table
 
 
 # -- on a GPU: the custom ops' Triton kernels and autotune choices travel too -----------------------
