@@ -33,6 +33,11 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _workers(text: str) -> int | None:
+    """CompileOptions.compile_workers: "auto" (None) or an integer >= 0."""
+    return None if text == "auto" else _non_negative(text)
+
+
 def _non_negative(text: str) -> int:
     try:
         value = int(text)
@@ -141,6 +146,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                        help="an Inductor config patch for the compile_decode variant, e.g. combo_kernels=True (repeatable)")
     bench.add_argument("--start-time-child", action="store_true", help=argparse.SUPPRESS)
     bench.add_argument("--stock-start", action="store_true", help=argparse.SUPPRESS)  # the child times reduce-overhead
+    bench.add_argument("--compile-workers", action="store_true", help=argparse.SUPPRESS)  # the child compiles in workers
     bench.add_argument("--buckets", type=_ints, default=None, help=argparse.SUPPRESS)
     bench.add_argument("--artifact", default=None, help=argparse.SUPPRESS)
 
@@ -167,6 +173,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     precompile.add_argument("--inductor-option", action="append", type=_inductor_option, default=[], metavar="KEY=VALUE",
                             help="an Inductor config patch (CompileOptions.inductor_options; repeatable)")
     precompile.add_argument("--cache-dir", default=None, help="CompileOptions.cache_dir: persistent compile caches to compile from")
+    precompile.add_argument("--compile-workers", type=_workers, default=0, metavar="N|auto",
+                            help="CompileOptions.compile_workers: worker processes compiling the graphs (auto: one per layer kind that fits)")
     precompile.add_argument("--rebuild", action="store_true", help="rebuild an artifact at PATH that does not match, instead of refusing")
 
     soak = commands.add_parser(
@@ -254,7 +262,8 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
         if given:
             _one_process_only(command, f"argument {flag}: ")
     if args.start_time_child:  # one timed start in this fresh process (see bench.measure_start_times)
-        print(json.dumps(bench.start_time_child(settings, args.buckets or bench.START_BUCKETS, artifact=args.artifact, stock=args.stock_start)))
+        print(json.dumps(bench.start_time_child(settings, args.buckets or bench.START_BUCKETS, artifact=args.artifact, stock=args.stock_start,
+                                                compile_workers=args.compile_workers)))
         return 0
     from kernels.bench.results import write_section
 
@@ -313,7 +322,7 @@ def _precompile(command: argparse.ArgumentParser, args) -> int:
             buckets=args.buckets, dynamic_batch=not args.static_batch, batch_one_shared=args.batch_one_shared,
             compilation=args.compilation,
             skinny_product_columns=args.skinny_product_columns, mode=args.mode,
-            inductor_options=dict(args.inductor_option) or None, cache_dir=args.cache_dir,
+            inductor_options=dict(args.inductor_option) or None, cache_dir=args.cache_dir, compile_workers=args.compile_workers,
             artifact=args.artifact, artifact_mode="rebuild" if args.rebuild else "refuse",
         )
     except ValueError as error:

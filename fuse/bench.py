@@ -283,9 +283,12 @@ def check_against_eager(
 
 
 # -- cold, warm and artifact start, each in a fresh process ----------------------------------------
-def start_time_child(settings: BenchSettings, buckets: tuple[int, ...], artifact: str | None = None, stock: bool = False) -> dict:
-    """One timed start in this fresh process: compile_decode, or with `stock` torch.compile's
-    reduce-overhead mode, warmed up until cudagraph trees recorded every bucket (its third call)."""
+def start_time_child(
+    settings: BenchSettings, buckets: tuple[int, ...], artifact: str | None = None, stock: bool = False, compile_workers: bool = False,
+) -> dict:
+    """One timed start in this fresh process: compile_decode (with `compile_workers`, its graphs
+    compiled in as many worker processes as fit), or with `stock` torch.compile's reduce-overhead
+    mode, warmed up until cudagraph trees recorded every bucket (its third call)."""
     cfg = settings.config()
     decoder = Decoder(cfg, max_batch=max(buckets), max_seq_len=max(settings.contexts) + 8, dtype=settings.dtype, device=settings.device)
     decoder.init_random(settings.seed)
@@ -304,7 +307,8 @@ def start_time_child(settings: BenchSettings, buckets: tuple[int, ...], artifact
         return {"seconds": seconds, "compiles": dynamo_totals()[0] - compiles0, "captured": None,
                 "phases": {name: timers.get(name, 0.0) - timers0.get(name, 0.0) for name in timers}}
     start = time.perf_counter()
-    runner = compile_decode(decoder, buckets=buckets, dynamic_batch=True, progress=False, artifact=artifact)  # caches: see measure_start_times
+    runner = compile_decode(decoder, buckets=buckets, dynamic_batch=True, progress=False, artifact=artifact,
+                            compile_workers=None if compile_workers else 0)  # caches: see measure_start_times
     seconds = time.perf_counter() - start
     s = runner.stats
     return {
@@ -325,7 +329,7 @@ def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = STAR
     }
     starts = [("cold", "caches"), ("warm", "caches"), ("artifact", "empty-caches")]
     if settings.device.startswith("cuda"):
-        starts.append(("reduce-overhead cold", "stock-caches"))
+        starts += [("cold, compile workers", "worker-caches"), ("reduce-overhead cold", "stock-caches")]
     with tempfile.TemporaryDirectory(prefix="fuse-start-") as folder:
         artifact = os.path.join(folder, "artifact.zip")
         for which, caches in starts:
@@ -334,7 +338,12 @@ def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = STAR
                 "--preset", settings.preset, "--contexts", ",".join(map(str, settings.contexts)),
                 "--buckets", ",".join(map(str, buckets)), "--fp32-products", settings.fp32_products, "--device", settings.device,
             ] + (["--layers", str(settings.layers)] if settings.layers else [])
-            command += ["--stock-start"] if which.startswith("reduce-overhead") else (["--artifact", artifact] if which != "warm" else [])
+            if which.startswith("reduce-overhead"):
+                command += ["--stock-start"]
+            elif which == "cold, compile workers":
+                command += ["--compile-workers"]
+            elif which != "warm":
+                command += ["--artifact", artifact]
             # The compile caches are chosen before the child imports torch (Inductor reads them once).
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, caches, "inductor"),
                    "TRITON_CACHE_DIR": os.path.join(folder, caches, "triton")}
@@ -354,12 +363,13 @@ def start_times_markdown(result: dict) -> str:
     from fuse.stats import COMPILE_PHASES, START_PHASES
 
     phases = list(START_PHASES) + list(COMPILE_PHASES)
-    starts = [which for which in ("cold", "warm", "artifact", "reduce-overhead cold") if which in result]
+    starts = [which for which in ("cold", "warm", "artifact", "cold, compile workers", "reduce-overhead cold") if which in result]
     machine = f" on {result['gpu']}, torch {result['torch']}, triton {result['triton']}, {result['date']}" if "gpu" in result else ""
     lines = [
         f"`{result['command']}`{machine}: compile_decode for buckets {result['buckets']} at {result['layers']} layers, each start "
         "in a new process: cold with empty compile caches (it saves an artifact), warm with the caches the cold start "
-        "filled, artifact with other, empty caches and the cold start's artifact only; reduce-overhead cold: stock "
+        "filled, artifact with other, empty caches and the cold start's artifact only; cold, compile workers: `compile_workers=None` "
+        "(the graphs compiled in worker processes, fuse/compile_workers.py) with its own empty caches; reduce-overhead cold: stock "
         "`torch.compile(step, mode=\"reduce-overhead\")` with its own empty caches, until cudagraph trees recorded every "
         "bucket. Seconds; the compile timers are torch's own, parts of the first calls. Compiles: graphs Dynamo traced; "
         "Inductor, AOTAutograd: graphs compiled rather than loaded from a cache; Triton: the custom ops' kernels compiled or tuned.",

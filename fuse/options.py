@@ -56,6 +56,9 @@ class CompileOptions:
     # The custom ops' Triton kernels of every bucket compiled before the first calls, this many at
     # a time (fuse/precompile.py; None: one per CPU; 0: each compiles at its first launch). CUDA only.
     kernel_compile_workers: int | None = None
+    # The step's graphs compiled ahead in this many worker processes, a few layer kinds each
+    # (fuse/compile_workers.py; None: one per kind as the GPU's free memory allows, on CUDA; 0: none).
+    compile_workers: int | None = 0
     progress: bool = True  # one log line per bucket with its warm-up time
     requested_compilation: str = field(default="auto", init=False, repr=False, compare=False)  # before resolving
 
@@ -72,6 +75,9 @@ class CompileOptions:
         workers = self.kernel_compile_workers
         if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
             raise ValueError(f"kernel_compile_workers must be >= 0 (0: none ahead) or None (one per CPU), got {workers!r}")
+        workers = self.compile_workers
+        if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
+            raise ValueError(f"compile_workers must be >= 0 (0: none) or None (one per layer kind on CUDA), got {workers!r}")
         if self.skinny_product_columns < 0:
             raise ValueError(f"skinny_product_columns must be >= 0 (0: none), got {self.skinny_product_columns}")
         if self.inductor_options:  # only then: reading Inductor's whole config copies it

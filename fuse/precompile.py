@@ -15,19 +15,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fuse.padding import padding_rows
+from fuse.step import layer_kinds
 from kernels.precompile import OpCall, compile_ahead, record_op_calls
 
 
 def distinct_blocks(model) -> list[torch.nn.Module]:
-    """The first block of each kind: blocks of one type whose parameters and buffers have the
-    same names, shapes and dtypes launch the same kernel variants (a variant only a later block of
-    a kind launched would compile at its first launch instead)."""
-    kinds: dict[tuple, torch.nn.Module] = {}
-    for block in model.layers:
-        tensors = [*block.named_parameters(), *block.named_buffers()]
-        kind = (type(block), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors))
-        kinds.setdefault(kind, block)
-    return list(kinds.values())
+    """The first block of each kind (fuse.step.layer_kinds): blocks alike launch the same kernel
+    variants (a variant only a later block of a kind launched would compile at its first launch)."""
+    return [model.layers[kind[0]] for kind in layer_kinds(model)]
 
 
 def bucket_op_calls(model, sizes: tuple[int, ...], step: Callable | None = None) -> list[OpCall]:

@@ -79,13 +79,24 @@ class DecodeRunner:
                 )
                 if dump:
                     dump.watch(self.step.once_per_step)
-                if self.device.type == "cuda" and options.kernel_compile_workers != 0 and split_ranks(decoder) is None:
-                    from fuse.precompile import compile_bucket_kernels  # imports Triton
+                from fuse import compile_workers
 
-                    with self.stats.phase("kernel compiles ahead", self.device):
-                        self.stats.kernels_compiled_ahead = compile_bucket_kernels(
-                            decoder, buckets, options.kernel_compile_workers
-                        )
+                loaded = self.artifact is not None and self.artifact.action == "loaded"
+                workers = [] if loaded else compile_workers.start(decoder, options, buckets)
+                try:
+                    if self.device.type == "cuda" and options.kernel_compile_workers != 0 and split_ranks(decoder) is None:
+                        from fuse.precompile import compile_bucket_kernels  # imports Triton
+
+                        with self.stats.phase("kernel compiles ahead", self.device):
+                            self.stats.kernels_compiled_ahead = compile_bucket_kernels(
+                                decoder, buckets, options.kernel_compile_workers
+                            )
+                except BaseException:
+                    compile_workers.stop(workers)
+                    raise
+                if workers:
+                    with self.stats.phase("waiting for compile workers", self.device):
+                        self.stats.compile_workers = compile_workers.finish(workers)
                 self._buckets = build_buckets(
                     self.step.run, decoder, buckets, self.use_graphs, self.stats, eager=decoder.step,
                     progress=options.progress, first_call=dump.first_call if dump else None,
@@ -206,6 +217,7 @@ class DecodeRunner:
                 f"compiled rather than loaded from caches: Inductor {s.inductor_compiles}, AOTAutograd {s.aot_compiles}, "
                 f"Triton cache entries of the custom ops {s.triton_compiles}"
                 + (f" ({s.kernels_compiled_ahead} kernels compiled ahead)" if s.kernels_compiled_ahead else "")
+                + (f", graphs from {s.compile_workers} compile worker(s)" if s.compile_workers else "")
             )
         if self.artifact is not None:
             lines.append(self.artifact.describe())

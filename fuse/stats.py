@@ -12,7 +12,9 @@ from torch._dynamo.utils import counters
 # Phases of a start, in the order they happen: loading an artifact (fuse/artifact.py), compiling
 # the custom ops' kernels ahead (fuse/precompile.py), then per bucket its first calls and its
 # capture, then saving the artifact.
-START_PHASES = ("artifact load", "kernel compiles ahead", "first calls", "warm-up and capture", "artifact save")
+START_PHASES = (
+    "artifact load", "kernel compiles ahead", "waiting for compile workers", "first calls", "warm-up and capture", "artifact save",
+)
 # Parts of the first calls, from torch's own compile timers: Dynamo's tracing, the backend (which
 # includes waiting for kernel compiles), and the autotuning of Inductor's kernels (at their first run).
 COMPILE_PHASES = ("dynamo", "backend compile or cache load", "kernel compile", "autotune")
@@ -34,6 +36,7 @@ class RunnerStats:
     aot_compiles: int = 0
     triton_compiles: int = 0
     kernels_compiled_ahead: int = 0  # Triton compiles (or disk-cache loads) submitted before the first calls
+    compile_workers: int = 0  # worker processes that compiled the step's graphs into the caches (fuse/compile_workers.py)
     graph_breaks: int = 0
     recompiles: int = 0  # compiles after warm-up (lenient mode only; strict mode raises)
     captured: list[int] = field(default_factory=list)  # buckets replayed from a CUDA graph

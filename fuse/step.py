@@ -184,6 +184,17 @@ def build_step(
     return CompiledStep(compiled, (fn.__code__,), compilation=compilation)
 
 
+def layer_kinds(model: DecodeModel) -> list[list[int]]:
+    """The indices of the model's blocks grouped by kind, in order of first appearance: blocks of
+    one type whose parameters and buffers have the same names, shapes and dtypes trace to the
+    same graph and launch the same kernels."""
+    kinds: dict[tuple, list[int]] = {}
+    for index, block in enumerate(model.layers):
+        tensors = [*block.named_parameters(), *block.named_buffers()]
+        kinds.setdefault((type(block), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors)), []).append(index)
+    return list(kinds.values())
+
+
 def _shared_forward(model: DecodeModel) -> types.FunctionType:
     """A private copy of the one forward all blocks share (one compile per layer kind needs one)."""
     forwards = {type(layer).forward for layer in model.layers}

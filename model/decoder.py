@@ -76,7 +76,10 @@ class Decoder(nn.Module):
         device: torch.device | str | None = None,
         check_device_values: bool = True,
         parallel: Parallel | None = None,
+        layer_ids: Sequence[int] | None = None,
     ):
+        """`layer_ids`: build only these of the config's layers, in this order (a decoder of one
+        layer of each kind compiles the same graphs as the whole one); default: every layer."""
         super().__init__()
         if max_batch < 1 or max_seq_len < 1:
             raise ValueError(f"max_batch and max_seq_len must be positive, got {max_batch} and {max_seq_len}")
@@ -95,7 +98,10 @@ class Decoder(nn.Module):
         self.check_device_values = check_device_values
         num_slots = max_batch + 1
         self.embed = Embedding(cfg.vocab_size, cfg.dim, dtype, device, parallel)
-        self.layers = nn.ModuleList(Block(cfg, i, num_slots, max_seq_len, dtype, device, parallel) for i in range(cfg.n_layers))
+        ids = range(cfg.n_layers) if layer_ids is None else tuple(layer_ids)
+        if not ids or any(not 0 <= i < cfg.n_layers for i in ids):
+            raise ValueError(f"layer_ids must name some of the config's {cfg.n_layers} layers, got {layer_ids}")
+        self.layers = nn.ModuleList(Block(cfg, i, num_slots, max_seq_len, dtype, device, parallel) for i in ids)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
         head_dtype = product_dtype(cfg.fp32_products, dtype)
         self.head = Linear(cfg.dim, parallel.local(cfg.vocab_size), head_dtype, device)  # this rank's vocabulary

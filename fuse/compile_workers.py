@@ -1,0 +1,147 @@
+"""The decode step's graphs compiled in worker processes, a few layer kinds each, while this
+process compiles the custom ops' kernels (fuse/precompile.py).
+
+A regional compile (fuse/step.py) compiles one graph per layer kind and batch shape, one after
+another: Dynamo and Inductor compile in one thread. Each worker builds a decoder of only its
+kinds' first layers (`model.Decoder(layer_ids=...)`, random weights), runs compile_decode's
+warm-up of the buckets on it without capturing, and leaves the graphs in Inductor's and
+AOTAutograd's caches; this process then traces each graph and loads its compiled code from them
+(a layer kind's graph is the same whichever decoder holds the layer). Every worker compiles the
+head's graphs too (small, and no worker waits for another).
+
+Only where it can help: a model.Decoder in one process, the regional compile, Inductor's caches
+on. A worker that fails costs its time only: this process compiles what it did not, with a
+warning naming the worker's error."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from fuse.options import CompileOptions
+from fuse.step import compilation_for, layer_kinds, split_ranks
+
+# A worker's CUDA context, allocator slack and the compile's workspace, besides its decoder.
+WORKER_OVERHEAD_BYTES = 2 * 2**30
+
+
+@dataclass
+class Worker:
+    layer_ids: tuple[int, ...]
+    process: subprocess.Popen
+    log_path: str
+    spec_path: str
+
+
+def worker_layer_ids(model, options: CompileOptions) -> list[tuple[int, ...]]:
+    """The layers each worker builds (the first layer of each of its kinds): none where workers
+    cannot help, else one kind a worker, at most options.compile_workers (None: as many as there
+    are kinds where the device's free memory holds them, on CUDA only)."""
+    from model import Decoder
+
+    requested = options.compile_workers
+    if requested == 0 or not options.compile or type(model) is not Decoder or split_ranks(model) is not None:
+        return []
+    if compilation_for(model, options) != "regional" or not _inductor_caches_on():
+        return []
+    firsts = [kind[0] for kind in layer_kinds(model)]
+    if requested is None:
+        if model.device.type != "cuda":
+            return []
+        requested = min(len(firsts), _workers_that_fit(model, firsts), os.cpu_count() or 1)
+    count = min(requested, len(firsts))
+    if count < 1:
+        return []
+    return [tuple(firsts[i::count]) for i in range(count)]
+
+
+def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Worker]:
+    """One process per entry of worker_layer_ids, started; `finish` waits for them."""
+    groups = worker_layer_ids(model, options)
+    worker_options = dataclasses.replace(
+        options, compilation=compilation_for(model, options), cuda_graphs=False, kernel_compile_workers=0, compile_workers=0,
+        progress=False, artifact=None, dump_dir=None, strict=False,
+    )
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+    workers = []
+    for layer_ids in groups:
+        spec = {
+            "config": model.config, "max_batch": model.max_batch, "max_seq_len": model.max_seq_len,
+            "dtype": model.dtype, "device": str(model.device), "layer_ids": layer_ids,
+            "options": worker_options, "buckets": buckets,
+        }
+        handle, spec_path = tempfile.mkstemp(prefix="fuse-compile-worker-", suffix=".pkl")
+        with os.fdopen(handle, "wb") as f:
+            pickle.dump(spec, f)
+        log_path = spec_path[: -len(".pkl")] + ".log"
+        with open(log_path, "w") as log:
+            process = subprocess.Popen([sys.executable, "-m", "fuse.compile_workers", spec_path], stdout=log, stderr=subprocess.STDOUT, env=env)
+        workers.append(Worker(layer_ids, process, log_path, spec_path))
+    return workers
+
+
+def finish(workers: list[Worker]) -> int:
+    """Wait for every worker; the number that succeeded. A failed one warns with its log's end."""
+    succeeded = 0
+    for worker in workers:
+        status = worker.process.wait()
+        with open(worker.log_path) as log:
+            tail = log.read()[-1500:]
+        for path in (worker.log_path, worker.spec_path):
+            os.remove(path)
+        if status == 0:
+            succeeded += 1
+        else:
+            warnings.warn(f"fuse: the compile worker of layers {list(worker.layer_ids)} failed (exit status {status}); "
+                          f"this process compiles their graphs instead. Its output ended with:\n{tail}")
+    return succeeded
+
+
+def stop(workers: list[Worker]) -> None:
+    """End the workers early (the start failed before it needed them)."""
+    for worker in workers:
+        worker.process.kill()
+        worker.process.wait()
+        for path in (worker.log_path, worker.spec_path):
+            os.remove(path)
+
+
+def _inductor_caches_on() -> bool:
+    config = torch._inductor.config
+    return bool(config.fx_graph_cache) and not getattr(config, "force_disable_caches", False)
+
+
+def _workers_that_fit(model, firsts: list[int]) -> int:
+    """How many workers, each holding the largest of the kinds' layers besides the decoder's other
+    parameters and buffers, fit in the device's free memory (with a tenth of it left over)."""
+    def nbytes(module) -> int:
+        return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+    layers = sum(nbytes(layer) for layer in model.layers)
+    per_worker = nbytes(model) - layers + max(nbytes(model.layers[i]) for i in firsts) + WORKER_OVERHEAD_BYTES
+    free, _ = torch.cuda.mem_get_info(model.device)
+    return int(0.9 * free // per_worker)
+
+
+def _run_worker(spec_path: str) -> None:
+    from fuse.runner import DecodeRunner
+    from model import Decoder
+
+    with open(spec_path, "rb") as f:
+        spec = pickle.load(f)
+    decoder = Decoder(spec["config"], max_batch=spec["max_batch"], max_seq_len=spec["max_seq_len"], dtype=spec["dtype"],
+                      device=spec["device"], layer_ids=spec["layer_ids"]).init_random(0)
+    options = dataclasses.replace(spec["options"], buckets=spec["buckets"])
+    DecodeRunner(decoder, options)  # its warm-up compiles every graph of these layers into the caches
+
+
+if __name__ == "__main__":
+    _run_worker(sys.argv[1])

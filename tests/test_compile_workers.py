@@ -1,0 +1,65 @@
+"""Graphs compiled in worker processes (fuse/compile_workers.py): this process then loads every
+graph from the caches and computes eager's logits; a worker that fails costs only its time."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fuse
+from fuse import compile_workers
+from fuse.step import layer_kinds
+from model import Decoder, ModelConfig
+
+SHAPE = dict(max_batch=4, max_seq_len=64)
+
+
+def tiny(layers: int, seed: int = 0, dtype=torch.float32) -> Decoder:
+    return Decoder(ModelConfig.preset("tiny", layers=layers), dtype=dtype, **SHAPE).init_random(seed)
+
+
+def logits_match_eager(runner, eager: Decoder) -> None:
+    for size in (1, 3):
+        inputs = torch.arange(size) * 5 + 2, torch.zeros(size, dtype=torch.long), torch.arange(size).flip(0)
+        expected = eager(*inputs)
+        assert ((runner(*inputs) - expected).abs().max() / expected.abs().max()).item() <= 1e-4
+
+
+def test_each_worker_builds_the_first_layer_of_its_kinds():
+    model = tiny(6)
+    firsts = [kind[0] for kind in layer_kinds(model)]
+    assert len(firsts) < len(model.layers)  # kinds repeat
+    for count in (1, 2, len(firsts), len(firsts) + 3):
+        groups = compile_workers.worker_layer_ids(model, fuse.CompileOptions(compilation="regional", compile_workers=count))
+        assert len(groups) == min(count, len(firsts))
+        assert sorted(i for group in groups for i in group) == firsts
+    assert compile_workers.worker_layer_ids(model, fuse.CompileOptions(compilation="regional", compile_workers=0)) == []
+    # not where they cannot help: a whole-step graph, or "as many as fit" (CUDA only) on a CPU; off by default
+    assert compile_workers.worker_layer_ids(model, fuse.CompileOptions(compilation="whole", compile_workers=2)) == []
+    assert compile_workers.worker_layer_ids(model, fuse.CompileOptions(compilation="regional", compile_workers=None)) == []
+    assert compile_workers.worker_layer_ids(model, fuse.CompileOptions(compilation="regional")) == []
+    with pytest.raises(ValueError, match="compile_workers must be >= 0"):
+        fuse.CompileOptions(compile_workers=-1)
+
+
+def test_the_start_loads_every_graph_the_workers_compiled(tmp_path):
+    eager = tiny(3, seed=5)
+    model = tiny(3)
+    model.load_state_dict(eager.state_dict())
+    runner = fuse.compile_decode(model, buckets=(1, 4), compilation="regional", compile_workers=2,
+                                 cache_dir=str(tmp_path), progress=False)
+    s = runner.stats
+    assert s.compile_workers == 2 and s.compiles == 2 * (len(layer_kinds(model)) + 1)  # batch 1 and symbolic, blocks and head
+    assert (s.inductor_compiles, s.aot_compiles) == (0, 0), runner.describe()
+    assert s.start_seconds["waiting for compile workers"] > 0
+    logits_match_eager(runner, eager)
+
+
+def test_a_failed_worker_warns_and_the_start_compiles_its_graphs(tmp_path, monkeypatch):
+    eager = tiny(1, seed=6)
+    model = tiny(1)
+    model.load_state_dict(eager.state_dict())
+    monkeypatch.setattr(compile_workers, "worker_layer_ids", lambda model, options: [(7,)])  # no such layer
+    with pytest.warns(UserWarning, match=r"(?s)compile worker of layers \[7\] failed .*layer_ids must name some"):
+        runner = fuse.compile_decode(model, buckets=(1, 4), compilation="regional", cache_dir=str(tmp_path), progress=False)
+    assert runner.stats.compile_workers == 0 and runner.stats.inductor_compiles > 0
+    logits_match_eager(runner, eager)
