@@ -67,7 +67,7 @@ def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Work
     groups = worker_layer_ids(model, options)
     worker_options = dataclasses.replace(
         options, compilation=compilation_for(model, options), cuda_graphs=False, kernel_compile_workers=0, compile_workers=0,
-        progress=False, artifact=None, dump_dir=None, strict=False,
+        progress=False, artifact=None, dump_dir=None, strict=False, buckets=buckets,
     )
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
@@ -132,15 +132,22 @@ def _workers_that_fit(model, firsts: list[int]) -> int:
 
 
 def _run_worker(spec_path: str) -> None:
-    from fuse.runner import DecodeRunner
+    """Build the spec's decoder and run each bucket's first call (the runner's warm-up, without
+    capturing): every graph of its layers compiles into the caches."""
+    from fuse.backend import pin_triton_toolchain
+    from fuse.graphs import build_buckets
+    from fuse.stats import RunnerStats
+    from fuse.step import build_step
     from model import Decoder
 
     with open(spec_path, "rb") as f:
         spec = pickle.load(f)
     decoder = Decoder(spec["config"], max_batch=spec["max_batch"], max_seq_len=spec["max_seq_len"], dtype=spec["dtype"],
                       device=spec["device"], layer_ids=spec["layer_ids"]).init_random(0)
-    options = dataclasses.replace(spec["options"], buckets=spec["buckets"])
-    DecodeRunner(decoder, options)  # its warm-up compiles every graph of these layers into the caches
+    if decoder.device.type == "cuda":
+        pin_triton_toolchain()  # as the runner does: the kernels' cache keys carry the toolchain
+    step = build_step(decoder, spec["options"])
+    build_buckets(step.run, decoder, spec["buckets"], use_graphs=False, stats=RunnerStats(), eager=decoder.step, progress=False)
 
 
 if __name__ == "__main__":
