@@ -221,7 +221,7 @@ def test_regional_compile_matches_eager(tiny_regional):
         restore()
 
 
-@pytest.mark.parametrize("compilation", ["regional", "nested", "whole"])
+@pytest.mark.parametrize("compilation", ["regional", "nested"])
 def test_batch_one_shares_the_symbolic_graph(compilation):
     """batch_one_shared: batch 1 runs the symbolic batch's graph (the batch unbacked), so each
     layer kind compiles once where batch 1 would add a second graph (the default: the nested
