@@ -27,6 +27,7 @@ import torch
 
 from fuse.options import CompileOptions
 from fuse.step import compilation_for, layer_kinds, split_ranks
+from model import Decoder
 
 # A worker's CUDA context, allocator slack and the compile's workspace, besides its decoder.
 WORKER_OVERHEAD_BYTES = 2 * 2**30
@@ -44,8 +45,6 @@ def worker_layer_ids(model, options: CompileOptions) -> list[tuple[int, ...]]:
     """The layers each worker builds (the first layer of each of its kinds): none where workers
     cannot help, else one kind a worker, at most options.compile_workers (None: as many as there
     are kinds where the device's free memory holds them, on CUDA only)."""
-    from model import Decoder
-
     requested = options.compile_workers
     if requested == 0 or not options.compile or type(model) is not Decoder or split_ranks(model) is not None:
         return []
@@ -138,7 +137,6 @@ def _run_worker(spec_path: str) -> None:
     from fuse.graphs import build_buckets
     from fuse.stats import RunnerStats
     from fuse.step import build_step
-    from model import Decoder
 
     with open(spec_path, "rb") as f:
         spec = pickle.load(f)

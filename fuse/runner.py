@@ -21,6 +21,7 @@ from fuse.artifact import (
     watching_compile_caches,
 )
 from fuse.backend import pin_triton_toolchain, use_cache_dir
+from fuse import compile_workers
 from fuse.graphs import build_buckets, supports_graphs
 from fuse.inspection import CodeDump, Inspection
 from fuse.output_code import Kernel
@@ -79,8 +80,6 @@ class DecodeRunner:
                 )
                 if dump:
                     dump.watch(self.step.once_per_step)
-                from fuse import compile_workers
-
                 loaded = self.artifact is not None and self.artifact.action == "loaded"
                 workers = [] if loaded else compile_workers.start(decoder, options, buckets)
                 try:
