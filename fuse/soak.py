@@ -205,10 +205,10 @@ def overall_verdict(verdicts: list[dict], pooled: Verdict) -> dict:
     """Pass only if every check passed on its own and all checked rows pass together: pooled, one
     step's failing median row hides among the good rows of the others."""
     failed = [v for v in verdicts if not v["passed"]]
-    problems = [f"{len(failed)} of {len(verdicts)} checks failed"] if failed else []
+    reasons = [f"{len(failed)} of {len(verdicts)} checks failed"] if failed else []
     if not pooled.passed:
-        problems.append(f"all checked rows together: {pooled.reason}")
-    return {"passed": not problems, "reason": "; ".join(problems)}
+        reasons.append(f"all checked rows together: {pooled.reason}")
+    return {"passed": not reasons, "reason": "; ".join(reasons)}
 
 
 def _closeness(verdict: dict) -> float:
