@@ -1,13 +1,14 @@
-"""The decode step's graphs compiled in worker processes, a few layer kinds each, while this
-process compiles the custom ops' kernels (fuse/precompile.py).
+"""The decode step's graphs and the custom ops' kernels compiled in worker processes, a few layer
+kinds each, before this process compiles anything.
 
 A regional compile (fuse/step.py) compiles one graph per layer kind and batch shape, one after
 another: Dynamo and Inductor compile in one thread. Each worker builds a decoder of only its
-kinds' first layers (`model.Decoder(layer_ids=...)`, random weights), runs compile_decode's
-warm-up of the buckets on it without capturing, and leaves the graphs in Inductor's and
-AOTAutograd's caches; this process then traces each graph and loads its compiled code from them
-(a layer kind's graph is the same whichever decoder holds the layer). Every worker compiles the
-head's graphs too (small, and no worker waits for another).
+kinds' first layers (`model.Decoder(layer_ids=...)`, random weights), compiles their custom-op
+kernels ahead (fuse/precompile.py, its share of the CPUs) and runs compile_decode's warm-up of
+the buckets on it without capturing. That leaves the graphs in Inductor's and AOTAutograd's
+caches and the kernels in Triton's; this process then traces each graph and loads its compiled
+code, and its kernels, from them (a layer kind's graph is the same whichever decoder holds the
+layer). Every worker compiles the head's graphs too (small, and no worker waits for another).
 
 Only where it can help: a model.Decoder in one process, the regional compile, Inductor's caches
 on. A worker that fails costs its time only: this process compiles what it did not, with a
@@ -65,7 +66,8 @@ def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Work
     """One process per entry of worker_layer_ids, started; `finish` waits for them."""
     groups = worker_layer_ids(model, options)
     worker_options = dataclasses.replace(
-        options, compilation=compilation_for(model, options), cuda_graphs=False, kernel_compile_workers=0, compile_workers=0,
+        options, compilation=compilation_for(model, options), cuda_graphs=False, compile_workers=0,
+        kernel_compile_workers=max(1, (os.cpu_count() or 1) // max(1, len(groups))),
         progress=False, artifact=None, dump_dir=None, strict=False, buckets=buckets,
     )
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,15 +106,6 @@ def finish(workers: list[Worker]) -> int:
     return succeeded
 
 
-def stop(workers: list[Worker]) -> None:
-    """End the workers early (the start failed before it needed them)."""
-    for worker in workers:
-        worker.process.kill()
-        worker.process.wait()
-        for path in (worker.log_path, worker.spec_path):
-            os.remove(path)
-
-
 def _inductor_caches_on() -> bool:
     config = torch._inductor.config
     return bool(config.fx_graph_cache) and not getattr(config, "force_disable_caches", False)
@@ -131,8 +124,9 @@ def _workers_that_fit(model, firsts: list[int]) -> int:
 
 
 def _run_worker(spec_path: str) -> None:
-    """Build the spec's decoder and run each bucket's first call (the runner's warm-up, without
-    capturing): every graph of its layers compiles into the caches."""
+    """Build the spec's decoder, compile its custom-op kernels ahead and run each bucket's first
+    call (the runner's warm-up, without capturing): every graph and kernel of its layers lands in
+    the caches."""
     from fuse.backend import pin_triton_toolchain
     from fuse.graphs import build_buckets
     from fuse.stats import RunnerStats
@@ -142,9 +136,13 @@ def _run_worker(spec_path: str) -> None:
         spec = pickle.load(f)
     decoder = Decoder(spec["config"], max_batch=spec["max_batch"], max_seq_len=spec["max_seq_len"], dtype=spec["dtype"],
                       device=spec["device"], layer_ids=spec["layer_ids"]).init_random(0)
+    options = spec["options"]
+    step = build_step(decoder, options)
     if decoder.device.type == "cuda":
+        from fuse.precompile import compile_bucket_kernels  # imports Triton
+
         pin_triton_toolchain()  # as the runner does: the kernels' cache keys carry the toolchain
-    step = build_step(decoder, spec["options"])
+        compile_bucket_kernels(decoder, spec["buckets"], options.kernel_compile_workers)
     build_buckets(step.run, decoder, spec["buckets"], use_graphs=False, stats=RunnerStats(), eager=decoder.step, progress=False)
 
 

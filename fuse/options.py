@@ -56,7 +56,7 @@ class CompileOptions:
     # The custom ops' Triton kernels of every bucket compiled before the first calls, this many at
     # a time (fuse/precompile.py; None: one per CPU; 0: each compiles at its first launch). CUDA only.
     kernel_compile_workers: int | None = None
-    # The step's graphs compiled ahead in this many worker processes, a few layer kinds each
+    # The step's graphs and kernels compiled first in this many worker processes, a few layer kinds each
     # (fuse/compile_workers.py; None: one per kind as the GPU's free memory allows, on CUDA; 0: none).
     compile_workers: int | None = 0
     progress: bool = True  # one log line per bucket with its warm-up time

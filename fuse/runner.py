@@ -80,22 +80,19 @@ class DecodeRunner:
                 )
                 if dump:
                     dump.watch(self.step.once_per_step)
-                loaded = self.artifact is not None and self.artifact.action == "loaded"
-                workers = [] if loaded else compile_workers.start(decoder, options, buckets)
-                try:
-                    if self.device.type == "cuda" and options.kernel_compile_workers != 0 and split_ranks(decoder) is None:
-                        from fuse.precompile import compile_bucket_kernels  # imports Triton
+                if not (self.artifact is not None and self.artifact.action == "loaded"):
+                    workers = compile_workers.start(decoder, options, buckets)
+                    if workers:
+                        with self.stats.phase("waiting for compile workers", self.device):
+                            self.stats.compile_workers = compile_workers.finish(workers)
+                if self.device.type == "cuda" and options.kernel_compile_workers != 0 and split_ranks(decoder) is None:
+                    from fuse.precompile import compile_bucket_kernels  # imports Triton
 
-                        with self.stats.phase("kernel compiles ahead", self.device):
-                            self.stats.kernels_compiled_ahead = compile_bucket_kernels(
-                                decoder, buckets, options.kernel_compile_workers
-                            )
-                except BaseException:
-                    compile_workers.stop(workers)
-                    raise
-                if workers:
-                    with self.stats.phase("waiting for compile workers", self.device):
-                        self.stats.compile_workers = compile_workers.finish(workers)
+                    # after the workers: their kernels load from Triton's cache instead of compiling
+                    with self.stats.phase("kernel compiles ahead", self.device):
+                        self.stats.kernels_compiled_ahead = compile_bucket_kernels(
+                            decoder, buckets, options.kernel_compile_workers
+                        )
                 self._buckets = build_buckets(
                     self.step.run, decoder, buckets, self.use_graphs, self.stats, eager=decoder.step,
                     progress=options.progress, first_call=dump.first_call if dump else None,
