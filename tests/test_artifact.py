@@ -278,6 +278,8 @@ def test_start_times_table_has_the_artifact_start():
     table = bench.start_times_markdown(on_gpu)
     assert "on NVIDIA H200, torch 2.11.0, triton 3.6.0" in table
     assert "| reduce-overhead cold | 120.0 | 8 | - / - / - | - |" in table
+    stopped = bench.start_times_markdown({**on_gpu, "reduce-overhead cold": {"timed_out_after": 240}})
+    assert "| reduce-overhead cold | > 240 (stopped) | - |" in stopped
 
 
 # -- on a GPU: the custom ops' Triton kernels and autotune choices travel too -----------------------
