@@ -67,6 +67,16 @@ START_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # Stock reduce-overhead's cold start is stopped after this long (it traces and compiles the whole
 # step as one graph), so that the start-time measurement fits one call of a GPU machine.
 STOCK_START_LIMIT_S = 240
+# The measured starts: name, the compile-cache folder its process uses, the child's flag (ARTIFACT:
+# --artifact with the cold start's file) and whether it needs CUDA.
+ARTIFACT = "--artifact"
+STARTS = (
+    ("cold", "caches", ARTIFACT, False),
+    ("warm", "caches", None, False),
+    ("artifact", "empty-caches", ARTIFACT, False),
+    ("cold, compile workers", "worker-caches", "--compile-workers", True),
+    ("reduce-overhead cold", "stock-caches", "--stock-start", True),
+)
 YARDSTICK = "eager, padded"  # the accuracy checks' key for eager with padding rows
 FP32 = "against_fp32"  # the accuracy checks' key for the errors against the fp32 eager reference
 FP32_COMPILED = "fuse fp32"  # under FP32: the compile_decode variant compiled in fp32, against eager fp32
@@ -160,6 +170,16 @@ def graph_pool_gib() -> float:
     return sum(seg["total_size"] for seg in private) / 2**30
 
 
+def reduce_overhead_step(decoder: Decoder, batches: tuple[int, ...], warm_inputs: Callable[[int], tuple]) -> Callable:
+    """Stock `torch.compile(step, mode="reduce-overhead")`, warmed up for every batch size:
+    cudagraph trees record on the third call of each shape."""
+    step = torch.compile(decoder.step, mode="reduce-overhead", fullgraph=True)
+    for batch in sorted(batches, reverse=True):
+        for _ in range(3):
+            step(*warm_inputs(batch))
+    return step
+
+
 def build_variant(
     name: str, decoder: Decoder, batches: tuple[int, ...], warm_inputs: Callable[[int], tuple],
     inductor_options: tuple[tuple[str, object], ...] = (),
@@ -184,12 +204,8 @@ def build_variant(
             run = runner.run_checked
             note = runner.describe().replace("\n", "; ")
         elif name == "reduce-overhead":
-            step = torch.compile(decoder.step, mode="reduce-overhead", fullgraph=True)
+            step = reduce_overhead_step(decoder, batches, warm_inputs)
             run = lambda *inputs: step(*inputs).clone()  # cudagraph trees overwrite the output next replay
-            # Cudagraph trees record on the third call of each shape; warm all sizes up front.
-            for batch in sorted(batches, reverse=True):
-                for _ in range(3):
-                    run(*warm_inputs(batch))
             skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]  # e.g. on the CPU: no graphs
             note = f"cudagraph skips: {skips}" if skips else ""
         else:
@@ -299,10 +315,7 @@ def start_time_child(
         compiles0, _ = dynamo_totals()
         timers0 = compile_timer_totals()
         start = time.perf_counter()
-        step = torch.compile(decoder.step, mode="reduce-overhead", fullgraph=True)
-        for batch in sorted(buckets, reverse=True):
-            for _ in range(3):
-                step(*step_inputs(batch, min(settings.contexts), cfg.vocab_size, decoder.device, settings.seed))
+        reduce_overhead_step(decoder, buckets, lambda batch: step_inputs(batch, min(settings.contexts), cfg.vocab_size, decoder.device, settings.seed))
         if decoder.device.type == "cuda":
             torch.cuda.synchronize(decoder.device)
         seconds = time.perf_counter() - start
@@ -322,35 +335,30 @@ def start_time_child(
 
 
 def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = START_BUCKETS) -> dict:
-    """compile_decode for `buckets`, three times in new processes: cold (empty compile caches; it
+    """compile_decode for `buckets`, each of STARTS in a new process: cold (empty compile caches; it
     saves an artifact), warm (the caches the cold start filled) and artifact (other, empty caches
-    and the cold start's artifact only); and, on CUDA, stock reduce-overhead's cold start for the
-    same buckets (its own empty caches)."""
+    and the cold start's artifact only); on CUDA also the cold start with compile workers and
+    stock reduce-overhead's (each with its own empty caches)."""
+    on_cuda = settings.device.startswith("cuda")
     results = {
-        "gpu": torch.cuda.get_device_name() if settings.device.startswith("cuda") else "cpu",
+        "gpu": torch.cuda.get_device_name() if on_cuda else "cpu",
         "torch": torch.__version__, "triton": _triton_version(), "date": datetime.date.today().isoformat(),
     }
-    starts = [("cold", "caches"), ("warm", "caches"), ("artifact", "empty-caches")]
-    if settings.device.startswith("cuda"):
-        starts += [("cold, compile workers", "worker-caches"), ("reduce-overhead cold", "stock-caches")]
     with tempfile.TemporaryDirectory(prefix="fuse-start-") as folder:
         artifact = os.path.join(folder, "artifact.zip")
-        for which, caches in starts:
+        for which, caches, flag, cuda_only in STARTS:
+            if cuda_only and not on_cuda:
+                continue
             command = [
                 sys.executable, "-m", "fuse", "bench", "--start-time-child",
                 "--preset", settings.preset, "--contexts", ",".join(map(str, settings.contexts)),
                 "--buckets", ",".join(map(str, buckets)), "--fp32-products", settings.fp32_products, "--device", settings.device,
             ] + (["--layers", str(settings.layers)] if settings.layers else [])
-            if which.startswith("reduce-overhead"):
-                command += ["--stock-start"]
-            elif which == "cold, compile workers":
-                command += ["--compile-workers"]
-            elif which != "warm":
-                command += ["--artifact", artifact]
+            command += [ARTIFACT, artifact] if flag == ARTIFACT else [flag] if flag else []
             # The compile caches are chosen before the child imports torch (Inductor reads them once).
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, caches, "inductor"),
                    "TRITON_CACHE_DIR": os.path.join(folder, caches, "triton")}
-            stock = which.startswith("reduce-overhead")
+            stock = flag == "--stock-start"
             try:
                 done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=STOCK_START_LIMIT_S if stock else None)
             except subprocess.TimeoutExpired:  # stock compiles the whole step inline: bounded, reported as "more than"
@@ -371,7 +379,7 @@ def start_times_markdown(result: dict) -> str:
     from fuse.stats import COMPILE_PHASES, START_PHASES
 
     phases = list(START_PHASES) + list(COMPILE_PHASES)
-    starts = [which for which in ("cold", "warm", "artifact", "cold, compile workers", "reduce-overhead cold") if which in result]
+    starts = [start[0] for start in STARTS if start[0] in result]
     machine = f" on {result['gpu']}, torch {result['torch']}, triton {result['triton']}, {result['date']}" if "gpu" in result else ""
     lines = [
         f"`{result['command']}`{machine}: compile_decode for buckets {result['buckets']} at {result['layers']} layers, each start "
