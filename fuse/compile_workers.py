@@ -44,7 +44,7 @@ class Worker:
 
 def worker_layer_ids(model, options: CompileOptions) -> list[tuple[int, ...]]:
     """The layers each worker builds (the first layer of each of its kinds): none where workers
-    cannot help, else one kind a worker, at most options.compile_workers (None: as many as there
+    cannot help, else the kinds spread over at most options.compile_workers workers (None: as many as there
     are kinds where the device's free memory holds them, on CUDA only)."""
     requested = options.compile_workers
     if requested == 0 or not options.compile or type(model) is not Decoder or split_ranks(model) is not None:
@@ -77,7 +77,7 @@ def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Work
         spec = {
             "config": model.config, "max_batch": model.max_batch, "max_seq_len": model.max_seq_len,
             "dtype": model.dtype, "device": str(model.device), "layer_ids": layer_ids,
-            "options": worker_options, "buckets": buckets,
+            "options": worker_options,
         }
         handle, spec_path = tempfile.mkstemp(prefix="fuse-compile-worker-", suffix=".pkl")
         with os.fdopen(handle, "wb") as f:
@@ -142,8 +142,8 @@ def _run_worker(spec_path: str) -> None:
         from fuse.precompile import compile_bucket_kernels  # imports Triton
 
         pin_triton_toolchain()  # as the runner does: the kernels' cache keys carry the toolchain
-        compile_bucket_kernels(decoder, spec["buckets"], options.kernel_compile_workers)
-    build_buckets(step.run, decoder, spec["buckets"], use_graphs=False, stats=RunnerStats(), eager=decoder.step, progress=False)
+        compile_bucket_kernels(decoder, options.buckets, options.kernel_compile_workers)
+    build_buckets(step.run, decoder, options.buckets, use_graphs=False, stats=RunnerStats(), eager=decoder.step, progress=False)
 
 
 if __name__ == "__main__":
