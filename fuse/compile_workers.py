@@ -72,6 +72,9 @@ def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Work
     )
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+    # Inductor's pool of compile processes sized to the worker's share of the CPUs too (by default
+    # each worker starts one per CPU), unless the user chose its size.
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(worker_options.kernel_compile_workers))
     workers = []
     for layer_ids in groups:
         spec = {
