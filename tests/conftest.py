@@ -42,6 +42,19 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _compile_cache_folders_kept():
+    """compile_decode(cache_dir=...) points this process's compile caches there; after the test
+    they point back, so that every test shares the session's caches."""
+    saved = {name: os.environ.get(name) for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 # -- compiled tiny decoders, shared: each compile costs minutes on a small CPU ------------------
 @pytest.fixture(scope="session")
 def tiny_nested(tmp_path_factory):
