@@ -221,6 +221,12 @@ def test_regional_compile_matches_eager(tiny_regional):
         restore()
 
 
+def run_graphs_as_traced(monkeypatch) -> None:
+    """fuse's backend without Inductor: each graph runs as Dynamo traced it (for checks of what
+    Dynamo records, at a fraction of a compile's time)."""
+    monkeypatch.setattr("fuse.backend.compile_fx", lambda graph, example_inputs, config_patches: graph.forward)
+
+
 @pytest.mark.parametrize("compilation", ["regional", "nested"])
 def test_batch_one_shares_the_symbolic_graph(compilation, monkeypatch):
     """batch_one_shared: batch 1 runs the symbolic batch's graph (the batch unbacked), so each
@@ -229,7 +235,7 @@ def test_batch_one_shares_the_symbolic_graph(compilation, monkeypatch):
     included, gives eager's logits. The nested step's graph runs as Dynamo traced it: Inductor's
     code for an unbacked batch is the regional case's to check."""
     if compilation == "nested":
-        monkeypatch.setattr("fuse.backend.compile_fx", lambda graph, example_inputs, config_patches: graph.forward)
+        run_graphs_as_traced(monkeypatch)
     cfg = ModelConfig.preset("tiny")
     eager = Decoder(cfg, **TINY_SHAPE).init_random(seed=31)
     model = Decoder(cfg, **TINY_SHAPE)
@@ -253,7 +259,7 @@ def test_batch_one_shared_bounds_and_hints_the_batch(compilation, monkeypatch):
     graphs carry both, so Inductor's compile is left out (each graph runs as traced)."""
     from fuse.step import build_step
 
-    monkeypatch.setattr("fuse.backend.compile_fx", lambda graph, example_inputs, config_patches: graph.forward)
+    run_graphs_as_traced(monkeypatch)
     cfg = ModelConfig.preset("tiny")
     model = Decoder(cfg, **TINY_SHAPE).init_random(seed=32)
     graphs = []
