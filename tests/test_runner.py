@@ -168,6 +168,11 @@ def test_options_are_checked():
         fuse.CompileOptions(inductor_options={"combo_kernel": True, "combo_kernels": True})
     with pytest.raises(ValueError, match="batch_one_shared=True needs dynamic_batch=True"):
         fuse.CompileOptions(batch_one_shared=True, dynamic_batch=False)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=r"kernel_compile_workers must be >= 0 \(0: none ahead\) or None"):
+            fuse.CompileOptions(kernel_compile_workers=bad)
+        with pytest.raises(ValueError, match=r"^compile_workers must be >= 0 \(0: none\) or None"):
+            fuse.CompileOptions(compile_workers=bad)
 
 
 def test_auto_compilation_is_nested_only_where_dynamo_reuses_regions(monkeypatch):
