@@ -72,12 +72,11 @@ class CompileOptions:
         object.__setattr__(self, "compilation", resolve_compilation(self.compilation))
         if self.batch_one_shared and not self.dynamic_batch:
             raise ValueError("batch_one_shared=True needs dynamic_batch=True (batch 1 shares the symbolic batch's graph)")
-        workers = self.kernel_compile_workers
-        if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
-            raise ValueError(f"kernel_compile_workers must be >= 0 (0: none ahead) or None (one per CPU), got {workers!r}")
-        workers = self.compile_workers
-        if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
-            raise ValueError(f"compile_workers must be >= 0 (0: none) or None (one per layer kind on CUDA), got {workers!r}")
+        for name, meaning in (("kernel_compile_workers", "(0: none ahead) or None (one per CPU)"),
+                              ("compile_workers", "(0: none) or None (one per layer kind on CUDA)")):
+            workers = getattr(self, name)
+            if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
+                raise ValueError(f"{name} must be >= 0 {meaning}, got {workers!r}")
         if self.skinny_product_columns < 0:
             raise ValueError(f"skinny_product_columns must be >= 0 (0: none), got {self.skinny_product_columns}")
         if self.inductor_options:  # only then: reading Inductor's whole config copies it
