@@ -215,11 +215,13 @@ def _nested_region_step(model: DecodeModel, forward: types.FunctionType) -> Step
     return step
 
 
-def _fresh_function(fn: types.FunctionType) -> types.FunctionType:
-    """`fn` with a private copy of its code object (see the module docstring)."""
-    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+def _fresh_function(fn: types.FunctionType, name: str | None = None) -> types.FunctionType:
+    """`fn` with a private copy of its code object (see the module docstring), renamed `name` if
+    given: the code dump names each compiled frame after its code object."""
+    name = name or fn.__name__
+    fresh = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__, fn.__closure__)
     fresh.__kwdefaults__ = fn.__kwdefaults__
-    fresh.__qualname__ = fn.__qualname__
+    fresh.__qualname__ = fn.__qualname__ if name == fn.__name__ else name
     return fresh
 
 
@@ -247,7 +249,7 @@ def _batch_bounded(fn: types.FunctionType, largest: int, batch_arg: int = 1) -> 
         torch._check(batch <= largest)
         return fn(*args)
 
-    return _fresh_function(bounded)
+    return _fresh_function(bounded, name=fn.__name__)  # the dump shows the frame under the wrapped function's name
 
 
 def _batch_symbolic(compiled: Callable, unbacked_hint: int | None) -> Callable:
