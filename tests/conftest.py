@@ -66,7 +66,9 @@ def tiny_nested(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_regional(tmp_path_factory):
-    """Regional compilation, buckets 2 and 4 (batch-symbolic graphs only)."""
+    """Regional compilation, buckets 1, 2, 4, batch 1 sharing the symbolic batch's graph
+    (batch_one_shared): one graph per layer kind and one for the head, with the batch unbacked."""
     from decoders import compiled_tiny
 
-    return compiled_tiny(tmp_path_factory.mktemp("dump") / "inspect", seed=22, buckets=(2, 4), compilation="regional")
+    return compiled_tiny(tmp_path_factory.mktemp("dump") / "inspect", seed=22, buckets=(1, 2, 4), compilation="regional",
+                         batch_one_shared=True)

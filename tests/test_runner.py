@@ -209,15 +209,16 @@ def test_inductor_options_reach_the_backend_last():
 
 
 def test_regional_compile_matches_eager(tiny_regional):
-    """compilation="regional": per layer kind (ratio, hash or score routing) one batch-symbolic
-    graph, and the head (hc head, final norm, LM head) as one more region; the logits stay those
-    of the eager step, also for a batch padded into its bucket."""
+    """compilation="regional" with batch_one_shared: per layer kind (ratio, hash or score routing)
+    one graph with the batch unbacked, and the head (hc head, final norm, LM head) as one more
+    region; the logits stay those of the eager step for batch 1 and for a batch padded into its
+    bucket."""
     eager, runner, _, _ = tiny_regional
     assert runner.stats.compiles == layer_kinds(eager.config) + 1  # the blocks' graphs, then the head's
     assert runner.stats.graph_breaks == 0
     restore = restore_point(eager)
     try:
-        for tokens, positions, slots in (([5, 2], [0, 0], [2, 3]), ([7, 11, 3], [0, 0, 0], [0, 1, 3])):
+        for tokens, positions, slots in (([9], [0], [1]), ([5, 2], [0, 0], [2, 3]), ([7, 11, 3], [0, 0, 0], [0, 1, 3])):
             inputs = torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots)
             expected = eager(*inputs)
             actual = runner(*inputs)
@@ -237,10 +238,9 @@ def test_batch_one_shares_the_symbolic_graph(compilation, monkeypatch):
     """batch_one_shared: batch 1 runs the symbolic batch's graph (the batch unbacked), so each
     layer kind compiles once where batch 1 would add a second graph (the default: the nested
     step compiles twice, test_compiled_matches_eager_over_mixed_batches); every batch size, 1
-    included, gives eager's logits. The nested step's graph runs as Dynamo traced it: Inductor's
-    code for an unbacked batch is the regional case's to check."""
-    if compilation == "nested":
-        run_graphs_as_traced(monkeypatch)
+    included, gives eager's logits. The graphs run as Dynamo traced them: Inductor's code for an
+    unbacked batch is checked on the shared regional runner (test_regional_compile_matches_eager)."""
+    run_graphs_as_traced(monkeypatch)
     cfg = ModelConfig.preset("tiny")
     eager = Decoder(cfg, **TINY_SHAPE).init_random(seed=31)
     model = Decoder(cfg, **TINY_SHAPE)
