@@ -10,17 +10,34 @@ import pytest
 import torch
 
 import kernels.indexer.triton as indexer_triton
-from kernels.indexer import indexer_scores, indexer_select, indexer_topk, indexer_topk_reference
+from kernels.indexer import exact_fp32_products, indexer_scores, indexer_select, indexer_topk, indexer_topk_reference
 from kernels.cuda_graph import capture
 
 
 @pytest.fixture(autouse=True)
 def fp32_matmul_without_tf32():
     """The reference's fp32 einsum must not run in TF32 (other code may have enabled it)."""
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
+    with exact_fp32_products():
+        yield
+
+
+def test_exact_fp32_products_puts_the_setting_back_exactly():
+    """Put back as it was, also as a fresh process has it (nothing set): a later compile's cache
+    key includes the setting, and a changed key compiles again what the cache holds."""
+    matmul = torch.backends.cuda.matmul
+    name, untouched = ("fp32_precision", "none") if hasattr(matmul, "fp32_precision") else ("allow_tf32", False)
+    outer = getattr(matmul, name)  # as this module's fixture set it
+    try:
+        for before in (untouched, outer):
+            setattr(matmul, name, before)
+            with exact_fp32_products():
+                assert matmul.allow_tf32 is False
+            assert getattr(matmul, name) == before
+        with pytest.raises(RuntimeError, match="inside"), exact_fp32_products():
+            raise RuntimeError("inside")
+        assert getattr(matmul, name) == outer
+    finally:
+        setattr(matmul, name, outer)
 
 
 def fp64_scores(q, weights, cache, slots, visible):

@@ -11,7 +11,7 @@ import torch
 
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import graphs_of, median_time_us, rotation_count
-from kernels.indexer import indexer_scores, indexer_scores_reference, indexer_select, indexer_topk, topk_visible_reference
+from kernels.indexer import exact_fp32_products, indexer_scores, indexer_scores_reference, indexer_select, indexer_topk, topk_visible_reference
 
 BATCH, HEADS, DIM, TOPK = 64, 64, 128, 512
 SMALL_CAPACITY, LARGE_CAPACITY, RATIO_VISIBLE = 4096, 65536, 4096
@@ -151,15 +151,11 @@ def split_table() -> str:
 
 def run(copy_gbs: float) -> str:
     rows, graph_us, eager_us = [], {}, {}
-    saved_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # the reference's fp32 einsum, exact as specified
-    try:
+    with exact_fp32_products():  # the reference's fp32 einsum, exact as specified
         for case in CASES:
             row, eager_us[case], graph_us[case] = time_case(*case, copy_gbs)
             rows.append(row)
         split = split_table()
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved_tf32
 
     small, large = CASES[0], CASES[1]
     ratio = graph_us[large] / graph_us[small]

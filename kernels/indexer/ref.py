@@ -9,6 +9,9 @@ second half, `topk_visible_reference`).
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 
@@ -81,3 +84,18 @@ def check_select_inputs(scores, visible, topk: int) -> None:
 def check_topk(topk: int, op: str = "indexer_topk") -> None:
     if int(topk) < 1:
         raise ValueError(f"{op}: topk must be >= 1, got {topk}")
+
+
+@contextlib.contextmanager
+def exact_fp32_products() -> Iterator[None]:
+    """CUDA fp32 matrix products without TF32 inside (the reference's einsum as specified), the
+    setting put back exactly as it was after: Inductor's compile-cache key includes it, and
+    writing even an unchanged value through the legacy flag changes what the key sees."""
+    matmul = torch.backends.cuda.matmul
+    name, exact = ("fp32_precision", "ieee") if hasattr(matmul, "fp32_precision") else ("allow_tf32", False)
+    saved = getattr(matmul, name)
+    setattr(matmul, name, exact)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, saved)
