@@ -11,6 +11,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -25,23 +26,36 @@ SHAPE = dict(max_batch=4, max_seq_len=64)
 def launch(world_size: int, out: pathlib.Path, checks: list[str], timeout: float) -> tuple[int, str, list[dict]]:
     """torchrun with `world_size` ranks running the worker's `checks`: (exit status, output,
     each rank's report). A launch past `timeout` is killed with all its ranks and fails."""
-    status, output = torchrun(world_size, [str(WORKER), str(out), *checks], timeout)
-    reports = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
-    return status, output, reports
+    return Launch(world_size, out, checks, timeout).result()
 
 
-def torchrun(world_size: int, arguments: list[str], timeout: float) -> tuple[int, str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}", *arguments]
-    path = os.pathsep.join(filter(None, [str(WORKER.parents[1]), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}  # this checkout's packages first
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun with {world_size} ranks ran past {timeout} s (a hang?):\n{output[-3000:]}")
-    return proc.returncode, output
+class Launch:
+    """torchrun with `world_size` ranks running the worker's `checks` into `out`, started now;
+    `result()` waits for it (until `timeout` seconds after the start; past it, torchrun and every
+    rank it started are killed and the test fails)."""
+
+    def __init__(self, world_size: int, out: pathlib.Path, checks: list[str], timeout: float):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+                   str(WORKER), str(out), *checks]
+        path = os.pathsep.join(filter(None, [str(WORKER.parents[1]), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}  # this checkout's packages first
+        self.world_size, self.out, self.deadline = world_size, out, time.monotonic() + timeout
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     start_new_session=True)
+
+    def result(self) -> tuple[int, str, list[dict]]:
+        try:
+            output, _ = self.proc.communicate(timeout=max(self.deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            output, _ = self.proc.communicate()
+            pytest.fail(f"torchrun with {self.world_size} ranks ran past its time (a hang?):\n{output[-3000:]}")
+        reports = [json.loads(path.read_text()) for path in sorted(self.out.glob("rank*.json"))]
+        return self.proc.returncode, output, reports
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # torchrun and every rank it started
 
 
 # -- the layout, in one process -------------------------------------------------------------
@@ -144,14 +158,49 @@ def test_one_process_layout_is_the_unsplit_model():
 
 
 # -- under torchrun ---------------------------------------------------------------------------
+# The CPU launches (world size, the worker's checks, seconds allowed), each read by the tests
+# that take the fixture of its name. Each launch starts torch in every rank again (CI time), so
+# the checks that pass share one launch of two ranks.
+CPU_LAUNCHES = {
+    "two_ranks": (2, ["load", "decode", "fuse-commands"], 600),
+    "four_ranks": (4, ["decode"], 600),
+    "failing_ranks": (2, ["corrupt", "compile-failure"], 300),
+}
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """One launch of two ranks for the checks that pass (each launch starts torch in every rank
-    again: CI time): split loads, decode, then `fuse report` and `fuse bench`."""
-    out = tmp_path_factory.mktemp("two-ranks")
-    status, output, reports = launch(2, out, ["load", "decode", "fuse-commands"], timeout=600)
+def cpu_launches(request, tmp_path_factory):
+    """Every CPU launch a selected test reads, started together: a split step's ranks wait while
+    rank 0 compiles on one core (fuse/step.py), so launches side by side keep a small machine's
+    cores busy. Launches no test waited for are stopped at the end."""
+    wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ()) if name in CPU_LAUNCHES}
+    started = {}
+    for name in sorted(wanted):
+        world_size, checks, timeout = CPU_LAUNCHES[name]
+        out = tmp_path_factory.mktemp(name.replace("_", "-"))
+        started[name] = Launch(world_size, out, checks, timeout)
+    yield started
+    for started_launch in started.values():
+        started_launch.stop()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(cpu_launches):
+    """Two ranks: split loads, decode, then `fuse report` and `fuse bench`."""
+    launched = cpu_launches["two_ranks"]
+    status, output, reports = launched.result()
     assert status == 0 and len(reports) == 2, output[-4000:]
-    return output, reports, out
+    return output, reports, launched.out
+
+
+@pytest.fixture(scope="module")
+def four_ranks(cpu_launches):
+    return cpu_launches["four_ranks"].result()
+
+
+@pytest.fixture(scope="module")
+def failing_ranks(cpu_launches):
+    return cpu_launches["failing_ranks"].result()
 
 
 def test_two_ranks_load_and_decode_as_one_process(two_ranks):
@@ -165,17 +214,17 @@ def test_two_ranks_load_and_decode_as_one_process(two_ranks):
         assert report["load fp8 tensors"] > report["load bf16 tensors"]  # the scales too
 
 
-def test_four_ranks_decode_as_one_process(tmp_path):
-    status, output, reports = launch(4, tmp_path, ["decode"], timeout=480)
+def test_four_ranks_decode_as_one_process(four_ranks):
+    status, output, reports = four_ranks
     assert status == 0 and len(reports) == 4, output[-4000:]
     assert all(r["compiled worst relative error"] <= 1e-5 and r["graph breaks"] == 0 for r in reports)
 
 
-def test_a_rank_that_cannot_load_or_compile_stops_every_rank_with_its_error(tmp_path):
+def test_a_rank_that_cannot_load_or_compile_stops_every_rank_with_its_error(failing_ranks):
     """Rank 1's checkpoint has a misshapen tensor: both ranks raise rank 1's ValueError and keep
     their weights. Then rank 1's compile fails (a graph break under fullgraph): rank 0, which
     compiled, raises rank 1's error instead of waiting in the step's first collective."""
-    status, output, reports = launch(2, tmp_path, ["corrupt", "compile-failure"], timeout=240)
+    status, output, reports = failing_ranks
     assert status != 0 and len(reports) == 2, output[-4000:]
     for report in reports:
         assert report["corrupt failing rank"] == 1 and report["corrupt is ValueError"], report
