@@ -42,6 +42,41 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+# -- torchrun launches (tests/launches.py): started when collection ends ---------------------
+_LAUNCHES = pytest.StashKey()
+
+
+def pytest_collection_finish(session):
+    """The CPU launches the selected tests read start now, beside the tests before theirs. Not in
+    a pytest-xdist worker (each collects every test): there the tests start theirs."""
+    from launches import CPU_LAUNCHES, CpuLaunches
+
+    wanted = {name for item in session.items for name in getattr(item, "fixturenames", ()) if name in CPU_LAUNCHES}
+    if wanted and not hasattr(session.config, "workerinput"):
+        session.config.stash[_LAUNCHES] = launches = CpuLaunches()
+        launches.start(wanted)
+
+
+def pytest_sessionfinish(session):
+    launches = session.config.stash.get(_LAUNCHES, None)
+    if launches is not None:
+        launches.stop()
+
+
+@pytest.fixture(scope="session")
+def cpu_launches(request):
+    """The session's CPU launches (tests/launches.py)."""
+    from launches import CpuLaunches
+
+    started = request.config.stash.get(_LAUNCHES, None)
+    if started is not None:
+        yield started  # stopped at the session's end
+        return
+    launches = CpuLaunches()
+    yield launches
+    launches.stop()
+
+
 @pytest.fixture(autouse=True)
 def _compile_cache_folders_kept():
     """compile_decode(cache_dir=...) points this process's compile caches there; after the test

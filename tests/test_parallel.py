@@ -1,17 +1,11 @@
 """The model split across ranks (model/parallel.py): the shard arithmetic in one process, and
-under torchrun with gloo (tests/parallel_worker.py, one process per rank, each launch with a
-timeout so that a hang fails): split eager and compiled logits against the one-process decoder,
-split loads against init_random's parts, and a rank that cannot load or compile stopping every
-rank with its error."""
+under torchrun with gloo (tests/launches.py, tests/parallel_worker.py): split eager and
+compiled logits against the one-process decoder, split loads against init_random's parts, and
+a rank that cannot load or compile stopping every rank with its error."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -19,7 +13,8 @@ import torch
 from model import Decoder, ModelConfig
 from model.parallel import Parallel
 
-WORKER = pathlib.Path(__file__).with_name("parallel_worker.py")
+from launches import Launch
+
 SHAPE = dict(max_batch=4, max_seq_len=64)
 
 
@@ -27,35 +22,6 @@ def launch(world_size: int, out: pathlib.Path, checks: list[str], timeout: float
     """torchrun with `world_size` ranks running the worker's `checks`: (exit status, output,
     each rank's report). A launch past `timeout` is killed with all its ranks and fails."""
     return Launch(world_size, out, checks, timeout).result()
-
-
-class Launch:
-    """torchrun with `world_size` ranks running the worker's `checks` into `out`, started now;
-    `result()` waits for it (until `timeout` seconds after the start; past it, torchrun and every
-    rank it started are killed and the test fails)."""
-
-    def __init__(self, world_size: int, out: pathlib.Path, checks: list[str], timeout: float):
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-                   str(WORKER), str(out), *checks]
-        path = os.pathsep.join(filter(None, [str(WORKER.parents[1]), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}  # this checkout's packages first
-        self.world_size, self.out, self.deadline = world_size, out, time.monotonic() + timeout
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     start_new_session=True)
-
-    def result(self) -> tuple[int, str, list[dict]]:
-        try:
-            output, _ = self.proc.communicate(timeout=max(self.deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            self.stop()
-            output, _ = self.proc.communicate()
-            pytest.fail(f"torchrun with {self.world_size} ranks ran past its time (a hang?):\n{output[-3000:]}")
-        reports = [json.loads(path.read_text()) for path in sorted(self.out.glob("rank*.json"))]
-        return self.proc.returncode, output, reports
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # torchrun and every rank it started
 
 
 # -- the layout, in one process -------------------------------------------------------------
@@ -158,36 +124,10 @@ def test_one_process_layout_is_the_unsplit_model():
 
 
 # -- under torchrun ---------------------------------------------------------------------------
-# The CPU launches (world size, the worker's checks, seconds allowed), each read by the tests
-# that take the fixture of its name. Each launch starts torch in every rank again (CI time), so
-# the checks that pass share one launch of two ranks.
-CPU_LAUNCHES = {
-    "two_ranks": (2, ["load", "decode", "fuse-commands"], 600),
-    "four_ranks": (4, ["decode"], 600),
-    "failing_ranks": (2, ["corrupt", "compile-failure"], 300),
-}
-
-
-@pytest.fixture(scope="module")
-def cpu_launches(request, tmp_path_factory):
-    """Every CPU launch a selected test reads, started together: a split step's ranks wait while
-    rank 0 compiles on one core (fuse/step.py), so launches side by side keep a small machine's
-    cores busy. Launches no test waited for are stopped at the end."""
-    wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ()) if name in CPU_LAUNCHES}
-    started = {}
-    for name in sorted(wanted):
-        world_size, checks, timeout = CPU_LAUNCHES[name]
-        out = tmp_path_factory.mktemp(name.replace("_", "-"))
-        started[name] = Launch(world_size, out, checks, timeout)
-    yield started
-    for started_launch in started.values():
-        started_launch.stop()
-
-
 @pytest.fixture(scope="module")
 def two_ranks(cpu_launches):
     """Two ranks: split loads, decode, then `fuse report` and `fuse bench`."""
-    launched = cpu_launches["two_ranks"]
+    launched = cpu_launches.get("two_ranks")
     status, output, reports = launched.result()
     assert status == 0 and len(reports) == 2, output[-4000:]
     return output, reports, launched.out
@@ -195,12 +135,12 @@ def two_ranks(cpu_launches):
 
 @pytest.fixture(scope="module")
 def four_ranks(cpu_launches):
-    return cpu_launches["four_ranks"].result()
+    return cpu_launches.get("four_ranks").result()
 
 
 @pytest.fixture(scope="module")
 def failing_ranks(cpu_launches):
-    return cpu_launches["failing_ranks"].result()
+    return cpu_launches.get("failing_ranks").result()
 
 
 def test_two_ranks_load_and_decode_as_one_process(two_ranks):
