@@ -65,16 +65,12 @@ def pytest_sessionfinish(session):
 
 @pytest.fixture(scope="session")
 def cpu_launches(request):
-    """The session's CPU launches (tests/launches.py)."""
+    """The session's CPU launches (tests/launches.py), stopped at the session's end."""
     from launches import CpuLaunches
 
-    started = request.config.stash.get(_LAUNCHES, None)
-    if started is not None:
-        yield started  # stopped at the session's end
-        return
-    launches = CpuLaunches()
-    yield launches
-    launches.stop()
+    if _LAUNCHES not in request.config.stash:
+        request.config.stash[_LAUNCHES] = CpuLaunches()
+    return request.config.stash[_LAUNCHES]
 
 
 @pytest.fixture(autouse=True)
