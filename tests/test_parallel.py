@@ -5,7 +5,6 @@ a rank that cannot load or compile stopping every rank with its error."""
 from __future__ import annotations
 
 import json
-import pathlib
 
 import pytest
 import torch
@@ -16,12 +15,6 @@ from model.parallel import Parallel
 from launches import Launch
 
 SHAPE = dict(max_batch=4, max_seq_len=64)
-
-
-def launch(world_size: int, out: pathlib.Path, checks: list[str], timeout: float) -> tuple[int, str, list[dict]]:
-    """torchrun with `world_size` ranks running the worker's `checks`: (exit status, output,
-    each rank's report). A launch past `timeout` is killed with all its ranks and fails."""
-    return Launch(world_size, out, checks, timeout).result()
 
 
 # -- the layout, in one process -------------------------------------------------------------
@@ -215,6 +208,6 @@ def test_gpus_capture_the_split_step(tmp_path, world_size):
     group and the runner of the split code on a machine of one GPU)."""
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} CUDA devices")
-    status, output, reports = launch(world_size, tmp_path, ["gpu-decode"], timeout=600)
+    status, output, reports = Launch(world_size, tmp_path, ["gpu-decode"], timeout=600).result()
     assert status == 0 and len(reports) == world_size, output[-4000:]
     assert all(r["gpu worst relative error"] <= 1e-4 for r in reports)
