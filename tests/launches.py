@@ -21,14 +21,14 @@ import pytest
 
 WORKER = pathlib.Path(__file__).with_name("parallel_worker.py")
 
-# The CPU launches by the name of the fixture that reads each: (world size, the worker's checks,
-# seconds allowed from the start). Each launch starts torch in every rank again, so the checks
-# that pass share one launch of two ranks.
+# The CPU launches by the name of the fixture that reads each: (world size, the worker's checks).
+# Each launch starts torch in every rank again, so the checks that pass share one launch of two ranks.
 CPU_LAUNCHES = {
-    "two_ranks": (2, ["load", "decode", "fuse-commands"], 900),
-    "four_ranks": (4, ["decode"], 900),
-    "failing_ranks": (2, ["corrupt", "compile-failure"], 900),
+    "two_ranks": (2, ["load", "decode", "fuse-commands"]),
+    "four_ranks": (4, ["decode"]),
+    "failing_ranks": (2, ["corrupt", "compile-failure"]),
 }
+CPU_LAUNCH_SECONDS = 900  # from the start, which is before the tests ahead of them run
 
 
 class Launch:
@@ -71,10 +71,10 @@ class CpuLaunches:
 
     def start(self, names) -> None:
         for name in sorted(set(names) - set(self.started)):
-            world_size, checks, timeout = CPU_LAUNCHES[name]
+            world_size, checks = CPU_LAUNCHES[name]
             out = self.root / name.replace("_", "-")
             out.mkdir()
-            self.started[name] = Launch(world_size, out, checks, timeout)
+            self.started[name] = Launch(world_size, out, checks, CPU_LAUNCH_SECONDS)
 
     def get(self, name: str) -> Launch:
         self.start([name])
