@@ -316,13 +316,13 @@ def test_scaled_gate_up_splits_only_where_tiles_leave_sms_idle():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
-@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("fmt,split", [("fp4", 2), ("fp4", 3), ("fp8", 3)])
 def test_scaled_gate_up_split_k(fmt, split):
     """K of the gate/up product split 2 or 3 ways (4 blocks: 2 + 2, and 2 + 1 + 1): the last split
     of each tile sums the partials and runs the epilogue, for every 16-row chunk of its segment
-    (20 tokens on one expert: two chunks, one arrival); the same result twice (the sum's order
-    does not depend on which split arrives last) and the arrival counters back at zero."""
+    (20 tokens on one expert: two chunks, one arrival), and the arrival counters are back at zero.
+    (The interpreter runs programs one after another, so the arrival order never varies here; the
+    GPU tests check that the result does not depend on it.)"""
     from kernels.moe.scaled import choose_scaled_tiles, moe_experts_scaled_triton
     from kernels.triton_util import split_counters
 
@@ -334,7 +334,6 @@ def test_scaled_gate_up_split_k(fmt, split):
         tiles = dataclasses.replace(choose_scaled_tiles(batch * picks, num_experts, dim, inter, 8), up_split=split)
         out = moe_experts_scaled_triton(x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles)
         assert_scaled_close(out, moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, -1, scales), torch.float32)
-        assert torch.equal(moe_experts_scaled_triton(x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles), out)
     assert not split_counters(torch.device("cpu"), 64).any()
 
 
@@ -536,6 +535,8 @@ def scaled_flash_inputs(batch, seed, pattern="random"):
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,pattern", [(1, "random"), (16, "random"), (64, "random"), (64, "one_hot_expert")])
 def test_scaled_flash_widths_bf16(flash_scaled, batch, pattern):
+    """The default implementation at V4-Flash widths; the same result twice (batch 1 splits K,
+    whose partial sums must not depend on which split arrives last)."""
     w1, w2, w3, scales = flash_scaled
     shared = SCALED_FLASH["num_experts"] - 1
     x, ids, weights = scaled_flash_inputs(batch, 310 + batch, pattern)
@@ -543,6 +544,7 @@ def test_scaled_flash_widths_bf16(flash_scaled, batch, pattern):
         out = moe_experts(x, ids, weights, w1, w2, w3, LIMIT, shared_expert=shared_expert, scales=scales)
         ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared_expert, scales)
         assert_scaled_close(out, ref, torch.bfloat16)
+        assert torch.equal(moe_experts(x, ids, weights, w1, w2, w3, LIMIT, shared_expert=shared_expert, scales=scales), out)
 
 
 @pytest.mark.gpu
