@@ -10,10 +10,13 @@ An artifact is a zip file:
                             ops' kernels, their launchers and their autotune choices
     inductor/<dir>/<file>   Inductor's compiled C++ libraries (CPU kernels), keyed by their source
                             and compiler command line
+    frames/<name>           the regional compile's frames, compiled ahead (fuse/frames.py): Dynamo's
+                            bytecode and guards with the compiled graph, per layer kind and batch shape
 
-A start from an artifact fills the process's compile caches from it, then builds as usual: Dynamo
-still traces the step (its guards and bytecode are not saved), and every Inductor and AOTAutograd
-compile is a cache hit. A mismatch of any MATCH_FIELDS entry is named: "refuse" raises, "rebuild"
+A start from an artifact fills the process's compile caches from it and loads its frames: Dynamo
+traces nothing, and what the frames' graphs and the custom ops launch loads from the caches.
+(Without frames, from the nested or whole-step compilation, Dynamo traces the step again and every
+Inductor and AOTAutograd compile is a cache hit.) A mismatch of any MATCH_FIELDS entry is named: "refuse" raises, "rebuild"
 warns, compiles without the artifact and overwrites it."""
 from __future__ import annotations
 
@@ -51,7 +54,9 @@ PRESETS = ("tiny", "bench", "flash")
 CONTENT_NAMES = {
     "inductor": "Inductor graphs", "aot_autograd": "AOTAutograd entries", "autotune": "Inductor autotune results",
     "pgo": "Dynamo profiles", "triton_entries": "Triton cache entries", "cpp_libraries": "C++ libraries",
+    "frames": "compiled frames",
 }
+FRAMES = "frames/"
 
 
 class ArtifactMismatch(ValueError):
@@ -72,6 +77,7 @@ class ArtifactUse:
     reason: str = ""  # why it was rebuilt
     size_bytes: int = 0
     contents: dict[str, int] = dataclasses.field(default_factory=dict)  # entries per kind
+    frames: dict[str, bytes] = dataclasses.field(default_factory=dict, repr=False)  # loaded: fuse/frames.py's, by name
 
     def describe(self) -> str:
         held = ", ".join(f"{n} {CONTENT_NAMES.get(kind, kind)}" for kind, n in self.contents.items())
@@ -231,8 +237,8 @@ def _read(path: str) -> tuple[zipfile.ZipFile, dict]:
         if any(part in ("", ".", "..") for name in names for part in name.split("/")) or any(n.startswith("/") for n in names):
             raise ValueError("a member's name leaves the caches it is for")
         absent = [name for name in manifest.get("files", ()) if name not in names]
-        if TORCH_CACHE not in names or absent:
-            raise ValueError(f"it lacks {[TORCH_CACHE] if TORCH_CACHE not in names else absent[:5]}")
+        if absent:
+            raise ValueError(f"it lacks {absent[:5]}")
     except (KeyError, ValueError, zipfile.BadZipFile, zlib.error, OSError) as error:
         archive.close()
         raise ValueError(f"fuse: {path} is not a readable fuse artifact ({error})") from error
@@ -243,8 +249,9 @@ def _read(path: str) -> tuple[zipfile.ZipFile, dict]:
 def load_artifact(archive: zipfile.ZipFile, path: str) -> ArtifactUse:
     """Fill this process's compile caches from the opened artifact (files already there are
     kept): torch's cache artifacts into Inductor's cache folder, the Triton entries into
-    Triton's cache folder, the C++ libraries into Inductor's."""
+    Triton's cache folder, the C++ libraries into Inductor's; the frames are returned."""
     manifest = json.loads(archive.read(MANIFEST))
+    frames, info = {}, True
     try:
         triton_root = _triton_cache_dir()
         inductor_root = _inductor_cache_dir()
@@ -258,14 +265,17 @@ def load_artifact(archive: zipfile.ZipFile, path: str) -> ArtifactUse:
                 _write_new(os.path.join(triton_root, key, filename), data)
             elif kind == "inductor":
                 _write_new(os.path.join(inductor_root, *rest.split("/")), archive.read(name))
-        info = torch.compiler.load_cache_artifacts(archive.read(TORCH_CACHE))
+            elif name.startswith(FRAMES):
+                frames[name.removeprefix(FRAMES)] = archive.read(name)
+        if TORCH_CACHE in archive.namelist():  # absent where frames hold every graph
+            info = torch.compiler.load_cache_artifacts(archive.read(TORCH_CACHE))
     except (zipfile.BadZipFile, zlib.error, KeyError, OSError) as error:  # a member's CRC or data, a truncated file
         raise ValueError(f"fuse: {path} is not a readable fuse artifact ({type(error).__name__}: {error})") from error
     finally:
         archive.close()
     if info is None:
         raise ValueError(f"fuse: {path} is not a readable fuse artifact (torch could not read its compile caches)")
-    return ArtifactUse(path, "loaded", size_bytes=os.path.getsize(path), contents=manifest.get("contents", {}))
+    return ArtifactUse(path, "loaded", size_bytes=os.path.getsize(path), contents=manifest.get("contents", {}), frames=frames)
 
 
 def _relocated_group(data: bytes, root: str) -> bytes:
@@ -315,12 +325,12 @@ class CompileCacheWatch:
         or its autotune run. Inductor's kernels are counted with its graphs."""
         return sum(1 for folder in self.triton_written if not _inductor_kernel(folder))
 
-    def triton_entries(self) -> list[str]:
+    def triton_entries(self, with_inductor_kernels: bool = False) -> list[str]:
         """The entry folders to ship: those the start opened that hold files, less Inductor's kernels
-        (its compiled graphs carry them)."""
+        (its cached graphs carry them) unless `with_inductor_kernels`."""
         return sorted(
             folder for folder in self.triton_opened
-            if os.path.isdir(folder) and _entry_files(folder) and not _inductor_kernel(folder)
+            if os.path.isdir(folder) and _entry_files(folder) and (with_inductor_kernels or not _inductor_kernel(folder))
         )
 
 
@@ -431,27 +441,32 @@ def inductor_cpp_libraries() -> list[str]:
 
 
 def save_artifact(path: str, match: dict, watch: CompileCacheWatch, action: str, reason: str = "",
-                  info: dict | None = None) -> ArtifactUse:
+                  info: dict | None = None, frames: dict[str, bytes] | None = None) -> ArtifactUse:
     """Write the artifact of the start that `watch` watched (call it inside the watch), replacing
-    any file at `path` in one step."""
+    any file at `path` in one step; with the start's `frames` (fuse/frames.py) where it has them."""
+    frames = frames or {}
     saved = torch.compiler.save_cache_artifacts()
-    if saved is None:
+    if saved is None and not frames:
         raise RuntimeError(
             f"fuse: no artifact written to {path}: the start neither compiled nor loaded anything through torch's "
             "compile caches (are they off? torch._inductor.config.fx_graph_cache, TORCHINDUCTOR_FORCE_DISABLE_CACHES)"
         )
-    torch_bytes, cache_info = saved
-    contents = {kind: len(keys) for kind, keys in sorted(cache_info.artifacts.items()) if keys}
+    torch_bytes, cache_info = saved or (None, None)
+    contents = {kind: len(keys) for kind, keys in sorted(cache_info.artifacts.items()) if keys} if cache_info else {}
     members: dict[str, str] = {}  # archive name -> file
-    for folder in watch.triton_entries():
+    # A frame's graph does not carry Inductor's kernels as a cached graph does: ship them too.
+    triton_entries = watch.triton_entries(with_inductor_kernels=bool(frames))
+    for folder in triton_entries:
         for name in _entry_files(folder):
             members[f"triton/{os.path.basename(folder)}/{name}"] = os.path.join(folder, name)
-    contents["triton_entries"] = len(watch.triton_entries())
+    contents["triton_entries"] = len(triton_entries)
     root = os.path.realpath(_inductor_cache_dir())
     libraries = inductor_cpp_libraries()
     for file in libraries:
         members["inductor/" + os.path.relpath(file, root).replace(os.sep, "/")] = file
     contents["cpp_libraries"] = sum(1 for f in libraries if f.endswith(".so"))
+    if frames:
+        contents["frames"] = len(frames)
     if (torch._inductor.config.bundle_triton_into_fx_graph_cache is False) and match.get("cuda"):
         warnings.warn("fuse: bundle_triton_into_fx_graph_cache is off: Inductor's Triton kernels are not in the "
                       "artifact, a start from it compiles them", stacklevel=3)
@@ -459,7 +474,7 @@ def save_artifact(path: str, match: dict, watch: CompileCacheWatch, action: str,
         "format": FORMAT,
         "match": match,
         "contents": contents,
-        "files": sorted(members) + [TORCH_CACHE],
+        "files": sorted(members) + [FRAMES + name for name in sorted(frames)] + ([TORCH_CACHE] if torch_bytes else []),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **(info or {}),
     }
@@ -468,9 +483,12 @@ def save_artifact(path: str, match: dict, watch: CompileCacheWatch, action: str,
     try:
         with zipfile.ZipFile(temporary, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
             archive.writestr(MANIFEST, json.dumps(manifest, indent=1))
-            archive.writestr(TORCH_CACHE, torch_bytes)
+            if torch_bytes:
+                archive.writestr(TORCH_CACHE, torch_bytes)
             for name, file in members.items():
                 archive.write(file, name)
+            for name, data in frames.items():
+                archive.writestr(FRAMES + name, data)
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):

@@ -11,7 +11,8 @@ code, and its kernels, from them (a layer kind's graph is the same whichever dec
 layer). Every worker compiles the head's graphs too (small, and no worker waits for another).
 
 Only where it can help: a model.Decoder in one process, the regional compile, Inductor's caches
-on. A worker that fails costs its time only: this process compiles what it did not, with a
+on, and not a start that compiles its frames ahead for an artifact (fuse/frames.py): those compiles
+do not read the caches. A worker that fails costs its time only: this process compiles what it did not, with a
 warning naming the worker's error."""
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fuse.frames import frames_apply
 from fuse.options import CompileOptions
 from fuse.step import compilation_for, layer_kinds, split_ranks
 from model import Decoder
@@ -49,7 +51,7 @@ def worker_layer_ids(model, options: CompileOptions) -> list[tuple[int, ...]]:
     requested = options.compile_workers
     if requested == 0 or not options.compile or type(model) is not Decoder or split_ranks(model) is not None:
         return []
-    if compilation_for(model, options) != "regional" or not _inductor_caches_on():
+    if compilation_for(model, options) != "regional" or not _inductor_caches_on() or frames_apply(model, options):
         return []
     firsts = [kind[0] for kind in layer_kinds(model)]
     if requested is None:

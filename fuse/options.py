@@ -21,10 +21,22 @@ def dynamo_reuses_nested_regions() -> bool:
     return "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters
 
 
-def resolve_compilation(compilation: str) -> str:
-    """"auto": "nested" where Dynamo reuses traced regions, else "regional"."""
+def dynamo_saves_frames() -> bool:
+    """Whether Dynamo compiles a frame ahead and loads it back in another process
+    (`aot_compile`, `torch.compiler.load_compiled_function`): an artifact can then hold the
+    regional compile's frames (fuse/frames.py), and a start from it traces nothing."""
+    import torch._dynamo
+
+    return hasattr(torch.compiler, "load_compiled_function") and hasattr(torch._dynamo.config, "enable_aot_compile")
+
+
+def resolve_compilation(compilation: str, artifact: bool = False) -> str:
+    """"auto": "regional" for a start with an artifact where Dynamo saves frames, else "nested"
+    where Dynamo reuses traced regions, else "regional"."""
     if compilation != "auto":
         return compilation
+    if artifact and dynamo_saves_frames():
+        return "regional"
     return "nested" if dynamo_reuses_nested_regions() else "regional"
 
 
@@ -69,7 +81,7 @@ class CompileOptions:
         if self.compilation not in COMPILATIONS:
             raise ValueError(f"compilation must be one of {COMPILATIONS}, got {self.compilation!r}")
         object.__setattr__(self, "requested_compilation", self.compilation)
-        object.__setattr__(self, "compilation", resolve_compilation(self.compilation))
+        object.__setattr__(self, "compilation", resolve_compilation(self.compilation, artifact=self.artifact is not None))
         if self.batch_one_shared and not self.dynamic_batch:
             raise ValueError("batch_one_shared=True needs dynamic_batch=True (batch 1 shares the symbolic batch's graph)")
         for name, meaning in (("kernel_compile_workers", "(0: none ahead) or None (one per CPU)"),

@@ -20,8 +20,9 @@ from fuse.artifact import (
     ArtifactUse, CompileCacheWatch, expected_manifest, load_artifact, manifest_details, open_artifact, save_artifact,
     watching_compile_caches,
 )
-from fuse.backend import pin_triton_toolchain, use_cache_dir
+from fuse.backend import compile_backend, pin_triton_toolchain, use_cache_dir
 from fuse import compile_workers
+from fuse.frames import Frames, frames_apply
 from fuse.graphs import build_buckets, supports_graphs
 from fuse.inspection import CodeDump, Inspection
 from fuse.output_code import Kernel
@@ -68,6 +69,8 @@ class DecodeRunner:
             use_cache_dir(options.cache_dir)
         match, reason = self._load_artifact() if options.artifact else (None, "")
         saving = options.artifact is not None and self.artifact is None
+        loaded = self.artifact is not None and self.artifact.action == "loaded"
+        self.frames = self._frames() if frames_apply(decoder, options) else None
         dump = CodeDump(options.dump_dir, model=decoder) if options.dump_dir else None
         watching = watching_compile_caches(fresh_record=saving) if options.compile else contextlib.nullcontext(CompileCacheWatch())
         with watching as watch:
@@ -76,11 +79,11 @@ class DecodeRunner:
             with dump or contextlib.nullcontext():
                 self.step = build_step(
                     decoder, options, after_block=dump.after_block if dump else None,
-                    on_graph=dump.record_graph if dump else None,
+                    on_graph=dump.record_graph if dump else None, frames=self.frames,
                 )
                 if dump:
                     dump.watch(self.step.once_per_step)
-                if not (self.artifact is not None and self.artifact.action == "loaded"):
+                if not loaded:
                     workers = compile_workers.start(decoder, options, buckets)
                     if workers:
                         with self.stats.phase("waiting for compile workers", self.device):
@@ -98,9 +101,13 @@ class DecodeRunner:
                     progress=options.progress, first_call=dump.first_call if dump else None,
                 )
             self.stats.triton_compiles = watch.triton_compiles()
+            if self.frames is not None:
+                self.stats.inductor_compiles += self.frames.uncounted_inductor_compiles
+                for name, seconds in self.frames.seconds.items():
+                    self.stats.start_seconds[name] = self.stats.start_seconds.get(name, 0.0) + seconds
             if saving:  # inside the watch: it holds what the start used
                 self._save_artifact(watch, match, reason)
-        if self.artifact is not None and self.artifact.action == "loaded":
+        if loaded:
             self._check_nothing_compiled()
         self.inspection: Inspection | None = None
         if dump:
@@ -121,6 +128,16 @@ class DecodeRunner:
                 log.warning("fuse: %s, in %.1f s", self.artifact.describe(), self.stats.start_seconds["artifact load"])
         return match, reason
 
+    def _frames(self) -> Frames:
+        """The step's frames: the artifact's, loaded (timed with the artifact's load), else none yet."""
+        options, saved = self.options, self.artifact.frames if self.artifact is not None else {}
+        start = time.perf_counter()
+        frames = Frames(self.decoder, compile_backend(options, self.device), symbolic=options.dynamic_batch,
+                        largest=max(options.buckets), batch_one_shared=options.batch_one_shared, saved=saved)
+        if saved:
+            self.stats.start_seconds["artifact load"] += time.perf_counter() - start
+        return frames
+
     def _save_artifact(self, watch: CompileCacheWatch, match: dict, reason: str) -> None:
         s = self.stats
         built_by = {
@@ -131,6 +148,7 @@ class DecodeRunner:
             self.artifact = save_artifact(
                 self.options.artifact, match, watch, "rebuilt" if reason else "built", reason,
                 info={**manifest_details(self.decoder), "built_by": built_by},
+                frames=self.frames.saved() if self.frames is not None else None,
             )
         if self.options.progress:
             log.warning("fuse: %s", self.artifact.describe())

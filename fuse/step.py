@@ -138,14 +138,23 @@ def build_step(
     options: CompileOptions,
     after_block: Callable[[int, types.CodeType], None] | None = None,
     on_graph: Callable[[torch.fx.GraphModule], None] | None = None,
+    frames=None,
 ) -> CompiledStep:
     """The decode step as `options` compile it (`options.compile=False`: the eager step).
     `after_block(index, code)` (regional compilation only) is called after each block's compiled
     call, with the code object its graphs belong to: readers of Dynamo's cache learn from it which
-    graph a layer ran. `on_graph(graph)`: the backend's (fuse/backend.py)."""
+    graph a layer ran. `on_graph(graph)`: the backend's (fuse/backend.py). `frames`
+    (fuse.frames.Frames, regional compilation only): the blocks and the head run its frames,
+    compiled ahead or loaded, instead of frames Dynamo traces at their first call."""
     if not options.compile:
         return CompiledStep(model.step, ())
     compilation = compilation_for(model, options)
+    if frames is not None:
+        if compilation != "regional" or after_block is not None or on_graph is not None:
+            raise ValueError(f"frames compiled ahead serve the regional compilation without a code dump, not {compilation!r}")
+        blocks, head = frames.blocks(), frames.head()
+        run = lambda tokens, positions, slots: model.step(tokens, positions, slots, layers=blocks, logits=head)  # noqa: E731
+        return CompiledStep(run, (), compilation=compilation)
     backend = compile_backend(options, model.device, on_graph, *_compiling_rank_0_first(split_ranks(model)))
     dynamic = None if options.dynamic_batch else False
     compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=backend)  # noqa: E731

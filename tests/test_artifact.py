@@ -18,10 +18,12 @@ import torch
 import fuse
 from decoders import TINY_SHAPE
 from fuse import artifact as art
+from fuse.step import layer_kinds
 from model import Decoder, ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUCKETS = (4,)  # with TINY_SHAPE: what other tests compile too, so in-process starts find a warm cache
+BUCKETS = (4,)
+LAYERS = 2  # one layer kind: an artifact's build compiles its frames (fuse/frames.py) without Inductor's cache
 
 # One start in a new process (the decoder SPEC describes, seed 3): compile_decode with the
 # artifact, then one step on fixed inputs; prints its counts and writes its logits.
@@ -41,7 +43,8 @@ START = textwrap.dedent("""
                       "triton": s.triton_compiles, "phases": s.start_seconds, "action": runner.artifact.action,
                       "contents": runner.artifact.contents, "describe": runner.describe()}))
 """)
-TINY_CPU = {"preset": "tiny", "device": "cpu", "dtype": "float32", "buckets": list(BUCKETS), "max_batch": 4, "max_seq_len": 64}
+TINY_CPU = {"preset": "tiny", "layers": LAYERS, "device": "cpu", "dtype": "float32", "buckets": list(BUCKETS), "max_batch": 4,
+            "max_seq_len": 64}
 
 
 def start_in_new_process(tmp_path, name: str, artifact: str, mode: str, spec: dict = TINY_CPU,
@@ -70,7 +73,7 @@ def built(tmp_path_factory):
 
 
 def tiny_decoder(config: ModelConfig | None = None, **shape) -> Decoder:
-    return Decoder(config or ModelConfig.preset("tiny"), **{**TINY_SHAPE, **shape}).init_random(seed=3)
+    return Decoder(config or ModelConfig.preset("tiny", layers=LAYERS), **{**TINY_SHAPE, **shape}).init_random(seed=3)
 
 
 def copy_with_manifest(source: str, target: str, change) -> str:
@@ -93,28 +96,60 @@ def test_a_start_from_the_artifact_alone_compiles_nothing_and_computes_the_same(
     assert "artifact save" in build["phases"] and "artifact: built and saved to" in build["describe"]
     with zipfile.ZipFile(path) as archive:
         manifest = json.loads(archive.read(art.MANIFEST))
-        assert set(art.MATCH_FIELDS) <= set(manifest["match"])
-        assert manifest["match"]["model_preset"] == "tiny" and manifest["match"]["buckets"] == [4]
-        assert manifest["contents"]["inductor"] >= 1 and manifest["contents"]["aot_autograd"] >= 1
-        assert manifest["contents"]["cpp_libraries"] >= 1  # the CPU kernels, so that the next start builds none
+        frames = sorted(n.removeprefix(art.FRAMES) for n in archive.namelist() if n.startswith(art.FRAMES))
+    assert set(art.MATCH_FIELDS) <= set(manifest["match"])
+    assert manifest["match"]["model_preset"] == "tiny" and manifest["match"]["buckets"] == [4]
+    assert manifest["match"]["compilation"] == "regional"  # "auto" with an artifact: the compilation whose frames it holds
+    # Every frame the build compiled (each layer kind's block and the head, at the symbolic batch), one per graph.
+    kinds = len(layer_kinds(tiny_decoder()))
+    assert frames == sorted([f"block{k}/batch" for k in range(kinds)] + ["head/batch"]), frames
+    assert manifest["contents"]["frames"] == build["compiles"] == kinds + 1
+    assert manifest["contents"]["cpp_libraries"] >= 1  # the CPU kernels, so that the next start builds none
 
     warm, logits = start_in_new_process(tmp_path, "load", path, "load")  # other, empty caches: only the artifact
     print(f"\nstart that builds the artifact {build['seconds']:.1f} s: {build['phases']}"
           f"\nstart from the artifact {warm['seconds']:.1f} s: {warm['phases']}")
     assert warm["action"] == "loaded", warm
-    # Dynamo still traces (its compile count is the same), but Inductor and AOTAutograd compile nothing.
-    assert warm["compiles"] == build["compiles"]
-    assert (warm["inductor"], warm["aot"], warm["triton"]) == (0, 0, 0), warm["describe"]
+    # Dynamo traces nothing (the frames are loaded), and Inductor, AOTAutograd and Triton compile nothing.
+    assert (warm["compiles"], warm["inductor"], warm["aot"], warm["triton"]) == (0, 0, 0, 0), warm["describe"]
     assert warm["phases"]["artifact load"] > 0 and "artifact save" not in warm["phases"]
     assert "artifact: loaded" in warm["describe"]
     assert torch.equal(logits, build_logits)
+
+
+def test_loaded_frames_compute_what_eager_does_and_refuse_calls_their_guards_do_not_accept(built):
+    """The artifact's frames loaded in this process: the head's frame at the symbolic batch gives
+    the eager head's logits for any batch of its range and compiles nothing; a call its guards
+    refuse (another dtype) raises naming the frame instead of running or recompiling; an
+    unreadable frame is named."""
+    from fuse.backend import compile_backend
+    from fuse.frames import Frames
+    from fuse.options import CompileOptions
+    from fuse.step import decode_mode
+
+    with zipfile.ZipFile(built[0]) as archive:
+        saved = {n.removeprefix(art.FRAMES): archive.read(n) for n in archive.namelist() if n.startswith(art.FRAMES)}
+    decoder = tiny_decoder()
+    shape = dict(symbolic=True, largest=4, batch_one_shared=False)
+    frames = Frames(decoder, compile_backend(CompileOptions(), decoder.device), saved=saved, **shape)
+    head = frames.head()
+    generator = torch.Generator().manual_seed(11)
+    with decode_mode():  # the runner's: grad mode is one of the saved guards
+        for batch in (2, 3):
+            streams = torch.randn(batch, decoder.config.hc_mult, decoder.config.dim, generator=generator)
+            torch.testing.assert_close(head(streams), decoder.logits(streams), rtol=1e-5, atol=1e-5)
+        assert frames.compiled == []
+        with pytest.raises(RuntimeError, match="compiled frame head/batch does not accept this call.*dtype"):
+            head(streams.double())
+    with pytest.raises(ValueError, match="compiled frame head/batch could not be loaded"):
+        Frames(decoder, compile_backend(CompileOptions(), decoder.device), saved={"head/batch": b"not a frame"}, **shape)
 
 
 def test_a_mismatched_artifact_is_refused_naming_every_difference(built):
     path = built[0]
     cases = [
         # another model: the preset's config no longer matches (named field by field)
-        (tiny_decoder(ModelConfig.preset("tiny").replace(qat=False)), {}, ["model_preset: 'tiny' in the artifact, None here",
+        (tiny_decoder(ModelConfig.preset("tiny", layers=LAYERS).replace(qat=False)), {}, ["model_preset: 'tiny' in the artifact, None here",
                                                                            "model_config", "qat True -> False"]),
         (tiny_decoder(), {"skinny_product_columns": 0}, ["skinny_product_columns: 64 in the artifact, 0 here"]),
         (tiny_decoder(max_seq_len=96), {"buckets": (2, 4)}, ["max_seq_len: 64 in the artifact, 96 here",
@@ -178,7 +213,7 @@ def test_precompile_refuses_a_mismatched_artifact(built, capsys):
     """`fuse precompile` on an artifact built with other options: exit status 1, the mismatch named."""
     from fuse.__main__ import main
 
-    argv = "precompile --preset tiny --device cpu --buckets 4 --max-seq-len 64 --skinny-product-columns 0 --artifact"
+    argv = f"precompile --preset tiny --layers {LAYERS} --device cpu --buckets 4 --max-seq-len 64 --skinny-product-columns 0 --artifact"
     assert main(argv.split() + [built[0]]) == 1
     err = capsys.readouterr().err
     assert err.startswith("fuse precompile: the artifact ") and "skinny_product_columns: 64 in the artifact, 0 here" in err, err
@@ -225,6 +260,9 @@ def test_the_triton_cache_entries_a_start_opens_are_recorded_and_counted(tmp_pat
     assert watch.triton_compiles() == 1
     entries = watch.triton_entries()  # the custom kernel's; not the miss's (empty), not Inductor's
     assert len(entries) == 1 and os.listdir(entries[0]) == ["_custom_kernel.cubin"], entries
+    # Inductor's too for an artifact with frames: a frame's graph does not carry its kernels.
+    assert sorted(os.listdir(e)[0] for e in watch.triton_entries(with_inductor_kernels=True)) == [
+        "_custom_kernel.cubin", "triton_poi_fused_add_0.cubin"]
 
 
 def test_triton_group_files_are_pointed_at_the_new_cache(tmp_path):
