@@ -144,6 +144,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     bench.add_argument("--results", default=None, help="also write the tables into this results file (docs/results.md)")
     bench.add_argument("--inductor-option", action="append", type=_inductor_option, default=[], metavar="KEY=VALUE",
                        help="an Inductor config patch for the compile_decode variant, e.g. combo_kernels=True (repeatable)")
+    bench.add_argument("--starts", type=lambda v: tuple(v.split(",")), default=None,
+                       help="with --start-times: which starts, among cold, warm, artifact, workers, stock (default all)")
     bench.add_argument("--start-time-child", action="store_true", help=argparse.SUPPRESS)
     bench.add_argument("--stock-start", action="store_true", help=argparse.SUPPRESS)  # the child times reduce-overhead
     bench.add_argument("--compile-workers", action="store_true", help=argparse.SUPPRESS)  # the child compiles in workers
@@ -261,6 +263,10 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
     for flag, given in (("--start-times", args.start_times), ("--compare-precision", args.compare_precision)):
         if given:
             _one_process_only(command, f"argument {flag}: ")
+    if args.starts is not None and not args.start_times:
+        command.error("argument --starts: only with --start-times")
+    if args.starts is not None and not set(args.starts) <= set(bench.START_KEYS):
+        command.error(f"argument --starts: choose among {', '.join(bench.START_KEYS)}, got {','.join(args.starts)}")
     if args.start_time_child:  # one timed start in this fresh process (see bench.measure_start_times)
         print(json.dumps(bench.start_time_child(settings, args.buckets or bench.START_BUCKETS, artifact=args.artifact, stock=args.stock_start,
                                                 compile_workers=args.compile_workers)))
@@ -268,7 +274,7 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
     from kernels.bench.results import write_section
 
     for flag, measure, name in (
-        (args.start_times, bench.measure_start_times, "start_times.json"),
+        (args.start_times, lambda s: bench.measure_start_times(s, starts=args.starts or tuple(bench.START_KEYS)), "start_times.json"),
         (args.compare_precision, bench.compare_precision, "precision.json"),
     ):
         if flag:

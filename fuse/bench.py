@@ -68,7 +68,7 @@ START_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # step as one graph), so that the start-time measurement fits one call of a GPU machine.
 STOCK_START_LIMIT_S = 240
 # The measured starts: name, the compile-cache folder its process uses, the child's flag (ARTIFACT:
-# --artifact with the cold start's file) and whether it needs CUDA.
+# --artifact with the cold start's file) and whether it needs CUDA; `--starts` picks them by key.
 ARTIFACT = "--artifact"
 STARTS = (
     ("cold", "caches", ARTIFACT, False),
@@ -77,6 +77,10 @@ STARTS = (
     ("cold, compile workers", "worker-caches", "--compile-workers", True),
     ("reduce-overhead cold", "stock-caches", "--stock-start", True),
 )
+START_KEYS = {"cold": "cold", "warm": "warm", "artifact": "artifact", "workers": "cold, compile workers",
+              "stock": "reduce-overhead cold"}
+# Stock reduce-overhead's start is stopped after this multiple of the cold start (enough to rank them).
+STOCK_START_COLD_MULTIPLE = 1.5
 YARDSTICK = "eager, padded"  # the accuracy checks' key for eager with padding rows
 FP32 = "against_fp32"  # the accuracy checks' key for the errors against the fp32 eager reference
 FP32_COMPILED = "fuse fp32"  # under FP32: the compile_decode variant compiled in fp32, against eager fp32
@@ -334,11 +338,18 @@ def start_time_child(
     }
 
 
-def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = START_BUCKETS) -> dict:
+def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = START_BUCKETS,
+                        starts: tuple[str, ...] = tuple(START_KEYS)) -> dict:
     """compile_decode for `buckets`, each of STARTS in a new process: cold (empty compile caches; it
     saves an artifact), warm (the caches the cold start filled) and artifact (other, empty caches
     and the cold start's artifact only); on CUDA also the cold start with compile workers and
-    stock reduce-overhead's (each with its own empty caches)."""
+    stock reduce-overhead's (each with its own empty caches, stock stopped after
+    STOCK_START_COLD_MULTIPLE times the cold start, or STOCK_START_LIMIT_S). `starts`: the
+    START_KEYS of those to run (warm and artifact need cold)."""
+    unknown = sorted(set(starts) - set(START_KEYS))
+    if unknown or ({"warm", "artifact"} & set(starts) and "cold" not in starts):
+        raise ValueError(f"starts must be among {list(START_KEYS)}, with cold where warm or artifact is, got {list(starts)}")
+    chosen = {START_KEYS[key] for key in starts}
     on_cuda = settings.device.startswith("cuda")
     results = {
         "gpu": torch.cuda.get_device_name() if on_cuda else "cpu",
@@ -347,7 +358,7 @@ def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = STAR
     with tempfile.TemporaryDirectory(prefix="fuse-start-") as folder:
         artifact = os.path.join(folder, "artifact.zip")
         for which, caches, flag, cuda_only in STARTS:
-            if cuda_only and not on_cuda:
+            if cuda_only and not on_cuda or which not in chosen:
                 continue
             command = [
                 sys.executable, "-m", "fuse", "bench", "--start-time-child",
@@ -358,11 +369,15 @@ def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = STAR
             # The compile caches are chosen before the child imports torch (Inductor reads them once).
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, caches, "inductor"),
                    "TRITON_CACHE_DIR": os.path.join(folder, caches, "triton")}
-            stock = flag == "--stock-start"
+            limit = None
+            if flag == "--stock-start":  # stock compiles the whole step inline: bounded, reported as "more than"
+                limit = STOCK_START_LIMIT_S
+                if "cold" in results:
+                    limit = min(limit, round(STOCK_START_COLD_MULTIPLE * results["cold"]["seconds"]))
             try:
-                done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=STOCK_START_LIMIT_S if stock else None)
-            except subprocess.TimeoutExpired:  # stock compiles the whole step inline: bounded, reported as "more than"
-                results[which] = {"timed_out_after": STOCK_START_LIMIT_S}
+                done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=limit)
+            except subprocess.TimeoutExpired:
+                results[which] = {"timed_out_after": limit}
                 continue
             if done.returncode:
                 raise RuntimeError(f"{which} start failed:\n{done.stderr[-3000:]}")
@@ -383,11 +398,13 @@ def start_times_markdown(result: dict) -> str:
     machine = f" on {result['gpu']}, torch {result['torch']}, triton {result['triton']}, {result['date']}" if "gpu" in result else ""
     lines = [
         f"`{result['command']}`{machine}: compile_decode for buckets {result['buckets']} at {result['layers']} layers, each start "
-        "in a new process: cold with empty compile caches (it saves an artifact), warm with the caches the cold start "
-        "filled, artifact with other, empty caches and the cold start's artifact only; cold, compile workers: `compile_workers=None` "
+        "in a new process: cold with empty compile caches (it saves an artifact: on a torch that saves Dynamo's frames, it "
+        "compiles the regional step's frames ahead, fuse/frames.py, which bypasses Inductor's graph cache), warm with the "
+        "caches the cold start filled and no artifact, artifact with other, empty caches and the cold start's artifact only; "
+        "cold, compile workers: `compile_workers=None` "
         "(the graphs compiled in worker processes, fuse/compile_workers.py) with its own empty caches; reduce-overhead cold: stock "
         "`torch.compile(step, mode=\"reduce-overhead\")` with its own empty caches, until cudagraph trees recorded every "
-        "bucket. Seconds; the compile timers are torch's own, parts of the first calls. Compiles: graphs Dynamo traced; "
+        f"bucket (stopped after {STOCK_START_COLD_MULTIPLE}x the cold start). Seconds; the compile timers are torch's own, parts of the first calls. Compiles: graphs Dynamo traced; "
         "Inductor, AOTAutograd: graphs compiled rather than loaded from a cache; Triton: the custom ops' kernels compiled or tuned.",
         "",
         "| start | total s | compiles | Inductor / AOTAutograd / Triton compiles | captured | " + " | ".join(phases) + " |",
