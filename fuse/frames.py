@@ -96,9 +96,12 @@ class Frames:
         name = f"{prefix}/{'batch' if dynamic else f'batch{batch}'}"
         frame = self.functions.get(name)
         if frame is None:
-            if dynamic:
-                mark_batch_dynamic(*per_sequence, unbacked_hint=self.largest if self.batch_one_shared else None)
-            frame = self.functions[name] = self._compile(fn, args)
+            example = args
+            if dynamic:  # marked on copies: a frame's guards refuse a call whose tensors carry marks it was not compiled with
+                copies = {id(t): t.clone() for t in per_sequence}  # (not views: a view's base would be guarded on too)
+                example = tuple(_replaced(a, copies) for a in args)
+                mark_batch_dynamic(*copies.values(), unbacked_hint=self.largest if self.batch_one_shared else None)
+            frame = self.functions[name] = self._compile(fn, example)
             self.compiled.append(name)
         try:
             return frame(*args)
@@ -134,6 +137,15 @@ class Frames:
                 with open(path, "rb") as f:
                     out[name] = f.read()
         return out
+
+
+def _replaced(value, tensors: dict[int, torch.Tensor]):
+    """`value` with the tensors `tensors` maps by id replaced, inside a NamedTuple (the block's DecodeStep) too."""
+    if isinstance(value, torch.Tensor):
+        return tensors.get(id(value), value)
+    if isinstance(value, tuple) and hasattr(value, "_replace"):
+        return value._replace(**{k: tensors.get(id(v), v) for k, v in value._asdict().items() if isinstance(v, torch.Tensor)})
+    return value
 
 
 def _unbound(fn: types.FunctionType, largest: int | None) -> types.FunctionType:
