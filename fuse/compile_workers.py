@@ -10,9 +10,12 @@ caches and the kernels in Triton's; this process then traces each graph and load
 code, and its kernels, from them (a layer kind's graph is the same whichever decoder holds the
 layer). Every worker compiles the head's graphs too (small, and no worker waits for another).
 
+A start that compiles its frames ahead for an artifact (fuse/frames.py) gets the workers' frames
+instead: each worker compiles its kinds' frames and writes them to a file, and this process loads
+them (frames compiled ahead do not go through the caches).
+
 Only where it can help: a model.Decoder in one process, the regional compile, Inductor's caches
-on, and not a start that compiles its frames ahead for an artifact (fuse/frames.py): those compiles
-do not read the caches. A worker that fails costs its time only: this process compiles what it did not, with a
+on. A worker that fails costs its time only: this process compiles what it did not, with a
 warning naming the worker's error."""
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ class Worker:
     process: subprocess.Popen
     log_path: str
     spec_path: str
+    frames_path: str | None  # where it writes its frames (a start that compiles frames ahead)
+    succeeded: bool = False
 
 
 def worker_layer_ids(model, options: CompileOptions) -> list[tuple[int, ...]]:
@@ -51,7 +56,7 @@ def worker_layer_ids(model, options: CompileOptions) -> list[tuple[int, ...]]:
     requested = options.compile_workers
     if requested == 0 or not options.compile or type(model) is not Decoder or split_ranks(model) is not None:
         return []
-    if compilation_for(model, options) != "regional" or not _inductor_caches_on() or frames_apply(model, options):
+    if compilation_for(model, options) != "regional" or not _inductor_caches_on():
         return []
     firsts = [kind[0] for kind in layer_kinds(model)]
     if requested is None:
@@ -67,6 +72,7 @@ def worker_layer_ids(model, options: CompileOptions) -> list[tuple[int, ...]]:
 def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Worker]:
     """One process per entry of worker_layer_ids, started; `finish` waits for them."""
     groups = worker_layer_ids(model, options)
+    with_frames = frames_apply(model, options)
     worker_options = dataclasses.replace(
         options, compilation=compilation_for(model, options), cuda_graphs=False, compile_workers=0,
         kernel_compile_workers=max(1, (os.cpu_count() or 1) // max(1, len(groups))),
@@ -88,9 +94,11 @@ def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Work
         with os.fdopen(handle, "wb") as f:
             pickle.dump(spec, f)
         log_path = spec_path[: -len(".pkl")] + ".log"
+        frames_path = spec_path[: -len(".pkl")] + ".frames" if with_frames else None
         with open(log_path, "w") as log:
-            process = subprocess.Popen([sys.executable, "-m", "fuse.compile_workers", spec_path], stdout=log, stderr=subprocess.STDOUT, env=env)
-        workers.append(Worker(layer_ids, process, log_path, spec_path))
+            command = [sys.executable, "-m", "fuse.compile_workers", spec_path] + ([frames_path] if frames_path else [])
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        workers.append(Worker(layer_ids, process, log_path, spec_path, frames_path))
     return workers
 
 
@@ -105,10 +113,35 @@ def finish(workers: list[Worker]) -> int:
             os.remove(path)
         if status == 0:
             succeeded += 1
+            worker.succeeded = True
         else:
             warnings.warn(f"fuse: the compile worker of layers {list(worker.layer_ids)} failed (exit status {status}); "
                           f"this process compiles their graphs instead. Its output ended with:\n{tail}")
     return succeeded
+
+
+def collect_frames(workers: list[Worker], model) -> tuple[dict[str, bytes], dict]:
+    """The frames the workers that succeeded wrote, named as `model`'s Frames name them (a worker's
+    decoder numbers its kinds among its own layers), one head's; and what compiling them took:
+    frames compiled, Inductor and AOTAutograd compiles, seconds per compile timer."""
+    kind_of = {index: kind for kind, indices in enumerate(layer_kinds(model)) for index in indices}
+    frames, took = {}, {"compiled": 0, "inductor": 0, "aot_autograd": 0, "seconds": {}}
+    for worker in workers:
+        if worker.frames_path is None or not worker.succeeded:
+            continue
+        with open(worker.frames_path, "rb") as f:
+            written = pickle.load(f)
+        os.remove(worker.frames_path)
+        for name, data in written["frames"].items():
+            prefix, _, shape = name.partition("/")
+            if prefix.startswith("block"):
+                name = f"block{kind_of[worker.layer_ids[int(prefix.removeprefix('block'))]]}/{shape}"
+            frames.setdefault(name, data)
+        for count in ("compiled", "inductor", "aot_autograd"):
+            took[count] += written[count]
+        for phase, seconds in written["seconds"].items():
+            took["seconds"][phase] = max(took["seconds"].get(phase, 0.0), seconds)  # side by side: the longest
+    return frames, took
 
 
 def _inductor_caches_on() -> bool:
@@ -128,13 +161,14 @@ def _workers_that_fit(model, firsts: list[int]) -> int:
     return int(0.9 * free // per_worker)
 
 
-def _run_worker(spec_path: str) -> None:
+def _run_worker(spec_path: str, frames_path: str | None) -> None:
     """Build the spec's decoder, compile its custom-op kernels ahead and run each bucket's first
     call (the runner's warm-up, without capturing): every graph and kernel of its layers lands in
-    the caches."""
-    from fuse.backend import pin_triton_toolchain
+    the caches, or, with `frames_path`, its frames compiled ahead are written there."""
+    from fuse.backend import compile_backend, pin_triton_toolchain
+    from fuse.frames import Frames
     from fuse.graphs import build_buckets
-    from fuse.stats import RunnerStats
+    from fuse.stats import RunnerStats, compile_counts
     from fuse.step import build_step
 
     with open(spec_path, "rb") as f:
@@ -142,14 +176,25 @@ def _run_worker(spec_path: str) -> None:
     decoder = Decoder(spec["config"], max_batch=spec["max_batch"], max_seq_len=spec["max_seq_len"], dtype=spec["dtype"],
                       device=spec["device"], layer_ids=spec["layer_ids"]).init_random(0)
     options = spec["options"]
-    step = build_step(decoder, options)
+    frames = None
+    if frames_path:
+        frames = Frames(decoder, compile_backend(options, decoder.device), symbolic=options.dynamic_batch,
+                        largest=max(options.buckets), batch_one_shared=options.batch_one_shared)
+    step = build_step(decoder, options, frames=frames)
     if decoder.device.type == "cuda":
         from fuse.precompile import compile_bucket_kernels  # imports Triton
 
         pin_triton_toolchain()  # as the runner does: the kernels' cache keys carry the toolchain
         compile_bucket_kernels(decoder, options.buckets, options.kernel_compile_workers)
     build_buckets(step.run, decoder, options.buckets, use_graphs=False, stats=RunnerStats(), eager=decoder.step, progress=False)
+    if frames is not None:
+        counts = compile_counts()
+        written = {"frames": frames.saved(), "compiled": len(frames.compiled), "seconds": frames.seconds,
+                   "inductor": counts["inductor"] + frames.uncounted_inductor_compiles, "aot_autograd": counts["aot_autograd"]}
+        with open(frames_path + ".tmp", "wb") as f:
+            pickle.dump(written, f)
+        os.replace(frames_path + ".tmp", frames_path)
 
 
 if __name__ == "__main__":
-    _run_worker(sys.argv[1])
+    _run_worker(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)

@@ -64,7 +64,11 @@ class Frames:
         self.seconds = {"dynamo": 0.0, "backend compile or cache load": 0.0}
         # Inductor compiles torch's counters missed: aot_compile bypasses Inductor's cache without counting it.
         self.uncounted_inductor_compiles = 0
-        for name, data in (saved or {}).items():
+        self.load(saved or {})
+
+    def load(self, saved: Mapping[str, bytes]) -> None:
+        """Add frames saved by `saved()` here or in another process (an artifact, a compile worker)."""
+        for name, data in saved.items():
             self.functions[name] = self._load(name, data)
 
     def _load(self, name: str, data: bytes) -> FrameFn:

@@ -88,6 +88,8 @@ class DecodeRunner:
                     if workers:
                         with self.stats.phase("waiting for compile workers", self.device):
                             self.stats.compile_workers = compile_workers.finish(workers)
+                            if self.frames is not None:
+                                self._load_worker_frames(workers)
                 if self.device.type == "cuda" and options.kernel_compile_workers != 0 and split_ranks(decoder) is None:
                     from fuse.precompile import compile_bucket_kernels  # imports Triton
 
@@ -137,6 +139,16 @@ class DecodeRunner:
         if saved:
             self.stats.start_seconds["artifact load"] += time.perf_counter() - start
         return frames
+
+    def _load_worker_frames(self, workers: list[compile_workers.Worker]) -> None:
+        """The frames the compile workers compiled, loaded; counted with this start's compiles."""
+        frames, took = compile_workers.collect_frames(workers, self.decoder)
+        self.frames.load(frames)
+        self.stats.compiles += took["compiled"]
+        self.stats.inductor_compiles += took["inductor"]
+        self.stats.aot_compiles += took["aot_autograd"]
+        for phase, seconds in took["seconds"].items():
+            self.stats.start_seconds[phase] = self.stats.start_seconds.get(phase, 0.0) + seconds
 
     def _save_artifact(self, watch: CompileCacheWatch, match: dict, reason: str) -> None:
         s = self.stats

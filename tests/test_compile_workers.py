@@ -45,12 +45,28 @@ def test_the_start_loads_every_graph_the_workers_compiled(tmp_path):
     eager = tiny(3, seed=5)
     model = tiny(3)
     model.load_state_dict(eager.state_dict())
-    runner = fuse.compile_decode(model, buckets=(1, 4), compilation="regional", compile_workers=2,
+    runner = fuse.compile_decode(model, buckets=(4,), compilation="regional", compile_workers=2,
                                  cache_dir=str(tmp_path), progress=False)
     s = runner.stats
-    assert s.compile_workers == 2 and s.compiles == 2 * (len(layer_kinds(model)) + 1)  # batch 1 and symbolic, blocks and head
+    assert s.compile_workers == 2 and s.compiles == len(layer_kinds(model)) + 1  # traced here: the blocks and the head
     assert (s.inductor_compiles, s.aot_compiles) == (0, 0), runner.describe()
     assert s.start_seconds["waiting for compile workers"] > 0
+    logits_match_eager(runner, eager)
+
+
+def test_an_artifact_build_loads_the_frames_the_workers_compiled(tmp_path):
+    """A start that builds an artifact compiles its frames ahead (fuse/frames.py): the workers
+    compile them, each block frame renamed from its worker's decoder to this one's kind, and
+    this process loads them without compiling."""
+    eager = tiny(3, seed=5)
+    model = tiny(3)
+    model.load_state_dict(eager.state_dict())
+    runner = fuse.compile_decode(model, buckets=(4,), compile_workers=2, artifact=str(tmp_path / "a.zip"), progress=False)
+    s, kinds = runner.stats, len(layer_kinds(model))
+    assert s.compile_workers == 2 and runner.frames.compiled == [], runner.describe()
+    assert sorted(runner.frames.functions) == sorted([f"block{k}/batch" for k in range(kinds)] + ["head/batch"])
+    assert s.compiles == kinds + 2  # each worker's blocks, and the head in each worker
+    assert runner.artifact.contents["frames"] == kinds + 1
     logits_match_eager(runner, eager)
 
 
