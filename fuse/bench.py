@@ -366,6 +366,8 @@ def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = STAR
                 "--buckets", ",".join(map(str, buckets)), "--fp32-products", settings.fp32_products, "--device", settings.device,
             ] + (["--layers", str(settings.layers)] if settings.layers else [])
             command += [ARTIFACT, artifact] if flag == ARTIFACT else [flag] if flag else []
+            if flag == "--compile-workers":  # a cold start building an artifact of its own, as `fuse precompile --compile-workers` does
+                command += [ARTIFACT, os.path.join(folder, "workers-artifact.zip")]
             # The compile caches are chosen before the child imports torch (Inductor reads them once).
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, caches, "inductor"),
                    "TRITON_CACHE_DIR": os.path.join(folder, caches, "triton")}
@@ -401,7 +403,7 @@ def start_times_markdown(result: dict) -> str:
         "in a new process: cold with empty compile caches (it saves an artifact: on a torch that saves Dynamo's frames, it "
         "compiles the regional step's frames ahead, fuse/frames.py, which bypasses Inductor's graph cache), warm with the "
         "caches the cold start filled and no artifact, artifact with other, empty caches and the cold start's artifact only; "
-        "cold, compile workers: `compile_workers=None` "
+        "cold, compile workers: `compile_workers=None` building an artifact of its own "
         "(the graphs compiled in worker processes, fuse/compile_workers.py) with its own empty caches; reduce-overhead cold: stock "
         "`torch.compile(step, mode=\"reduce-overhead\")` with its own empty caches, until cudagraph trees recorded every "
         f"bucket (stopped after {STOCK_START_COLD_MULTIPLE}x the cold start). Seconds; the compile timers are torch's own, parts of the first calls. Compiles: graphs Dynamo traced; "
