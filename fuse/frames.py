@@ -76,7 +76,7 @@ class Frames:
         try:
             return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=fn.__globals__)
         except Exception as error:  # noqa: BLE001 - torch raises several kinds for a frame of other versions
-            raise ValueError(f"fuse: the artifact's compiled frame {name} could not be loaded ({type(error).__name__}: "
+            raise ValueError(f"fuse: the compiled frame {name} could not be loaded ({type(error).__name__}: "
                              f"{str(error).splitlines()[0][:300] if str(error) else ''})") from error
 
     def blocks(self) -> list[Callable]:
@@ -192,10 +192,11 @@ def _serializable(backend: Callable, timed: Callable[[float], None]) -> Callable
 
 @contextlib.contextmanager
 def _unread_dtype_attributes(module: torch.nn.Module):
-    """Hide the module's own torch.dtype and torch.device attributes while its frame compiles.
-    torch saves a guarded module with each attribute no guard reads replaced by a placeholder,
-    matched by identity, so an attribute holding torch.float32 would replace the dtype of every
-    fp32 tensor guard too, and the frame would fail to load."""
+    """Hide the module's own torch.dtype and torch.device attributes while its frame compiles (the
+    blocks' forward and the head read none). torch saves a guarded module with each attribute no
+    guard reads replaced by a placeholder, matched by identity, so an attribute holding
+    torch.float32 would replace the dtype of every fp32 tensor guard too, and the frame would fail
+    to load."""
     hidden = {k: v for k, v in vars(module).items() if isinstance(v, (torch.dtype, torch.device))}
     for name in hidden:
         del module.__dict__[name]
