@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fuse.frames import frames_apply
+from fuse.frames import Frames, frames_apply
 from fuse.options import CompileOptions
 from fuse.step import compilation_for, layer_kinds, split_ranks
 from model import Decoder
@@ -120,12 +120,11 @@ def finish(workers: list[Worker]) -> int:
     return succeeded
 
 
-def collect_frames(workers: list[Worker], model) -> tuple[dict[str, bytes], dict]:
-    """The frames the workers that succeeded wrote, named as `model`'s Frames name them (a worker's
-    decoder numbers its kinds among its own layers), one head's; and what compiling them took:
-    frames compiled, Inductor and AOTAutograd compiles, seconds per compile timer."""
-    kind_of = {index: kind for kind, indices in enumerate(layer_kinds(model)) for index in indices}
-    frames, took = {}, {"compiled": 0, "inductor": 0, "aot_autograd": 0, "seconds": {}}
+def load_frames(workers: list[Worker], frames: Frames) -> dict:
+    """Load into `frames` the frames the workers that succeeded wrote, renamed to `frames`' layer
+    kinds (a worker's decoder numbers its kinds among its own layers), one head's; returns what
+    compiling them took: frames compiled, Inductor and AOTAutograd compiles, seconds per compile timer."""
+    written_frames, took = {}, {"compiled": 0, "inductor": 0, "aot_autograd": 0, "seconds": {}}
     for worker in workers:
         if worker.frames_path is None or not worker.succeeded:
             continue
@@ -135,13 +134,14 @@ def collect_frames(workers: list[Worker], model) -> tuple[dict[str, bytes], dict
         for name, data in written["frames"].items():
             prefix, _, shape = name.partition("/")
             if prefix.startswith("block"):
-                name = f"block{kind_of[worker.layer_ids[int(prefix.removeprefix('block'))]]}/{shape}"
-            frames.setdefault(name, data)
+                name = f"block{frames.kind_of[worker.layer_ids[int(prefix.removeprefix('block'))]]}/{shape}"
+            written_frames.setdefault(name, data)
         for count in ("compiled", "inductor", "aot_autograd"):
             took[count] += written[count]
         for phase, seconds in written["seconds"].items():
             took["seconds"][phase] = max(took["seconds"].get(phase, 0.0), seconds)  # side by side: the longest
-    return frames, took
+    frames.load(written_frames)
+    return took
 
 
 def _inductor_caches_on() -> bool:
@@ -165,8 +165,7 @@ def _run_worker(spec_path: str, frames_path: str | None) -> None:
     """Build the spec's decoder, compile its custom-op kernels ahead and run each bucket's first
     call (the runner's warm-up, without capturing): every graph and kernel of its layers lands in
     the caches, or, with `frames_path`, its frames compiled ahead are written there."""
-    from fuse.backend import compile_backend, pin_triton_toolchain
-    from fuse.frames import Frames
+    from fuse.backend import pin_triton_toolchain
     from fuse.graphs import build_buckets
     from fuse.stats import RunnerStats, compile_counts
     from fuse.step import build_step
@@ -176,10 +175,7 @@ def _run_worker(spec_path: str, frames_path: str | None) -> None:
     decoder = Decoder(spec["config"], max_batch=spec["max_batch"], max_seq_len=spec["max_seq_len"], dtype=spec["dtype"],
                       device=spec["device"], layer_ids=spec["layer_ids"]).init_random(0)
     options = spec["options"]
-    frames = None
-    if frames_path:
-        frames = Frames(decoder, compile_backend(options, decoder.device), symbolic=options.dynamic_batch,
-                        largest=max(options.buckets), batch_one_shared=options.batch_one_shared)
+    frames = Frames.for_options(decoder, options) if frames_path else None
     step = build_step(decoder, options, frames=frames)
     if decoder.device.type == "cuda":
         from fuse.precompile import compile_bucket_kernels  # imports Triton

@@ -26,6 +26,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from fuse.backend import compile_backend
 from fuse.options import CompileOptions, dynamo_saves_frames
 from fuse.stats import compile_counts
 from fuse.step import compilation_for, layer_kinds, mark_batch_dynamic
@@ -65,6 +66,12 @@ class Frames:
         # Inductor compiles torch's counters missed: aot_compile bypasses Inductor's cache without counting it.
         self.uncounted_inductor_compiles = 0
         self.load(saved or {})
+
+    @classmethod
+    def for_options(cls, model, options: CompileOptions, saved: Mapping[str, bytes] | None = None) -> "Frames":
+        """The frames of `model` compiled as `options` say (the backend, batch shapes and bound)."""
+        return cls(model, compile_backend(options, model.device), symbolic=options.dynamic_batch, largest=max(options.buckets),
+                   batch_one_shared=options.batch_one_shared, saved=saved)
 
     def load(self, saved: Mapping[str, bytes]) -> None:
         """Add frames saved by `saved()` here or in another process (an artifact, a compile worker)."""

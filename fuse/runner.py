@@ -20,7 +20,7 @@ from fuse.artifact import (
     ArtifactUse, CompileCacheWatch, expected_manifest, load_artifact, manifest_details, open_artifact, save_artifact,
     watching_compile_caches,
 )
-from fuse.backend import compile_backend, pin_triton_toolchain, use_cache_dir
+from fuse.backend import pin_triton_toolchain, use_cache_dir
 from fuse import compile_workers
 from fuse.frames import Frames, frames_apply
 from fuse.graphs import build_buckets, supports_graphs
@@ -132,18 +132,16 @@ class DecodeRunner:
 
     def _frames(self) -> Frames:
         """The step's frames: the artifact's, loaded (timed with the artifact's load), else none yet."""
-        options, saved = self.options, self.artifact.frames if self.artifact is not None else {}
+        saved = self.artifact.frames if self.artifact is not None else {}
         start = time.perf_counter()
-        frames = Frames(self.decoder, compile_backend(options, self.device), symbolic=options.dynamic_batch,
-                        largest=max(options.buckets), batch_one_shared=options.batch_one_shared, saved=saved)
+        frames = Frames.for_options(self.decoder, self.options, saved)
         if saved:
             self.stats.start_seconds["artifact load"] += time.perf_counter() - start
         return frames
 
     def _load_worker_frames(self, workers: list[compile_workers.Worker]) -> None:
         """The frames the compile workers compiled, loaded; counted with this start's compiles."""
-        frames, took = compile_workers.collect_frames(workers, self.decoder)
-        self.frames.load(frames)
+        took = compile_workers.load_frames(workers, self.frames)
         self.stats.compiles += took["compiled"]
         self.stats.inductor_compiles += took["inductor"]
         self.stats.aot_compiles += took["aot_autograd"]
