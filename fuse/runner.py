@@ -105,8 +105,7 @@ class DecodeRunner:
             self.stats.triton_compiles = watch.triton_compiles()
             if self.frames is not None:
                 self.stats.inductor_compiles += self.frames.uncounted_inductor_compiles
-                for name, seconds in self.frames.seconds.items():
-                    self.stats.start_seconds[name] = self.stats.start_seconds.get(name, 0.0) + seconds
+                self.stats.add_seconds(self.frames.seconds)
             if saving:  # inside the watch: it holds what the start used
                 self._save_artifact(watch, match, reason)
         if loaded:
@@ -145,8 +144,7 @@ class DecodeRunner:
         self.stats.compiles += took["compiled"]
         self.stats.inductor_compiles += took["inductor"]
         self.stats.aot_compiles += took["aot_autograd"]
-        for phase, seconds in took["seconds"].items():
-            self.stats.start_seconds[phase] = self.stats.start_seconds.get(phase, 0.0) + seconds
+        self.stats.add_seconds(took["seconds"])
 
     def _save_artifact(self, watch: CompileCacheWatch, match: dict, reason: str) -> None:
         s = self.stats

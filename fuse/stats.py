@@ -55,7 +55,12 @@ class RunnerStats:
         finally:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            self.start_seconds[name] = self.start_seconds.get(name, 0.0) + time.perf_counter() - start
+            self.add_seconds({name: time.perf_counter() - start})
+
+    def add_seconds(self, seconds: dict[str, float]) -> None:
+        """Adds each entry to start_seconds."""
+        for name, value in seconds.items():
+            self.start_seconds[name] = self.start_seconds.get(name, 0.0) + value
 
     @contextlib.contextmanager
     def counting_compiles(self):
@@ -72,8 +77,7 @@ class RunnerStats:
             backend1 = compile_counts()
             self.inductor_compiles += backend1["inductor"] - backend0["inductor"]
             self.aot_compiles += backend1["aot_autograd"] - backend0["aot_autograd"]
-            for name, total in compile_timer_totals().items():
-                self.start_seconds[name] = self.start_seconds.get(name, 0.0) + total - timers0[name]
+            self.add_seconds({name: total - timers0[name] for name, total in compile_timer_totals().items()})
 
     def describe_start(self) -> str | None:
         t = self.start_seconds
