@@ -265,12 +265,11 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
             _one_process_only(command, f"argument {flag}: ")
     if args.starts is not None and not args.start_times:
         command.error("argument --starts: only with --start-times")
-    if args.starts is not None and not set(args.starts) <= set(bench.START_KEYS):
-        command.error(f"argument --starts: choose among {', '.join(bench.START_KEYS)}, got {','.join(args.starts)}")
-    after_cold = [key for key in ("warm", "artifact") if args.starts and key in args.starts and "cold" not in args.starts]
-    if after_cold:
-        command.error(f"argument --starts: {' and '.join(after_cold)} {'need' if len(after_cold) > 1 else 'needs'} cold "
-                      "(the caches or the artifact it starts from)")
+    if args.starts is not None:
+        try:
+            bench.check_starts(args.starts)
+        except ValueError as error:
+            command.error(f"argument --starts: {error}")
     if args.start_time_child:  # one timed start in this fresh process (see bench.measure_start_times)
         print(json.dumps(bench.start_time_child(settings, args.buckets or bench.START_BUCKETS, artifact=args.artifact, stock=args.stock_start,
                                                 compile_workers=args.compile_workers)))

@@ -338,6 +338,18 @@ def start_time_child(
     }
 
 
+def check_starts(starts: tuple[str, ...]) -> None:
+    """Raises ValueError naming a start that is not among START_KEYS, or warm or artifact without
+    the cold start they start from."""
+    unknown = sorted(set(starts) - set(START_KEYS))
+    if unknown:
+        raise ValueError(f"choose among {', '.join(START_KEYS)}, got {','.join(starts)}")
+    after_cold = [key for key in ("warm", "artifact") if key in starts and "cold" not in starts]
+    if after_cold:
+        raise ValueError(f"{' and '.join(after_cold)} {'need' if len(after_cold) > 1 else 'needs'} cold "
+                         "(the caches or the artifact it starts from)")
+
+
 def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = START_BUCKETS,
                         starts: tuple[str, ...] = tuple(START_KEYS)) -> dict:
     """compile_decode for `buckets`, each of STARTS in a new process: cold (empty compile caches; it
@@ -346,9 +358,7 @@ def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = STAR
     stock reduce-overhead's (each with its own empty caches, stock stopped after
     STOCK_START_COLD_MULTIPLE times the cold start, or STOCK_START_LIMIT_S). `starts`: the
     START_KEYS of those to run (warm and artifact need cold)."""
-    unknown = sorted(set(starts) - set(START_KEYS))
-    if unknown or ({"warm", "artifact"} & set(starts) and "cold" not in starts):
-        raise ValueError(f"starts must be among {list(START_KEYS)}, with cold where warm or artifact is, got {list(starts)}")
+    check_starts(starts)
     chosen = {START_KEYS[key] for key in starts}
     on_cuda = settings.device.startswith("cuda")
     results = {
