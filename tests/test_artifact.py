@@ -122,16 +122,14 @@ def test_loaded_frames_compute_what_eager_does_and_refuse_calls_their_guards_do_
     the eager head's logits for any batch of its range and compiles nothing; a call its guards
     refuse (another dtype) raises naming the frame instead of running or recompiling; an
     unreadable frame is named."""
-    from fuse.backend import compile_backend
     from fuse.frames import Frames
-    from fuse.options import CompileOptions
     from fuse.step import decode_mode
 
     with zipfile.ZipFile(built[0]) as archive:
         saved = {n.removeprefix(art.FRAMES): archive.read(n) for n in archive.namelist() if n.startswith(art.FRAMES)}
     decoder = tiny_decoder()
-    shape = dict(symbolic=True, largest=4, batch_one_shared=False)
-    frames = Frames(decoder, compile_backend(CompileOptions(), decoder.device), saved=saved, **shape)
+    options = fuse.CompileOptions(buckets=BUCKETS, artifact="unused.zip")  # as the build's
+    frames = Frames.for_options(decoder, options, saved)
     head = frames.head()
     generator = torch.Generator().manual_seed(11)
     with decode_mode():  # the runner's: grad mode is one of the saved guards
@@ -142,7 +140,7 @@ def test_loaded_frames_compute_what_eager_does_and_refuse_calls_their_guards_do_
         with pytest.raises(RuntimeError, match="compiled frame head/batch does not accept this call.*dtype"):
             head(streams.double())
     with pytest.raises(ValueError, match="compiled frame head/batch could not be loaded"):
-        Frames(decoder, compile_backend(CompileOptions(), decoder.device), saved={"head/batch": b"not a frame"}, **shape)
+        Frames.for_options(decoder, options, {"head/batch": b"not a frame"})
 
 
 def test_a_mismatched_artifact_is_refused_naming_every_difference(built):
