@@ -176,7 +176,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                             help="an Inductor config patch (CompileOptions.inductor_options; repeatable)")
     precompile.add_argument("--cache-dir", default=None, help="CompileOptions.cache_dir: persistent compile caches to compile from")
     precompile.add_argument("--compile-workers", type=_workers, default=0, metavar="N|auto",
-                            help="CompileOptions.compile_workers: worker processes compiling the graphs (auto: one per layer kind that fits)")
+                            help="CompileOptions.compile_workers: worker processes compiling the graphs (auto: one per layer kind and batch shape, as many as fit)")
     precompile.add_argument("--rebuild", action="store_true", help="rebuild an artifact at PATH that does not match, instead of refusing")
 
     soak = commands.add_parser(

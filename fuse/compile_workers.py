@@ -1,14 +1,15 @@
-"""The decode step's graphs and the custom ops' kernels compiled in worker processes, a few layer
-kinds each, before this process compiles anything.
+"""The decode step's graphs and the custom ops' kernels compiled in worker processes, one layer
+kind and batch shape each where there are workers enough, before this process compiles anything.
 
 A regional compile (fuse/step.py) compiles one graph per layer kind and batch shape, one after
 another: Dynamo and Inductor compile in one thread. Each worker builds a decoder of only its
 kinds' first layers (`model.Decoder(layer_ids=...)`, random weights), compiles their custom-op
 kernels ahead (fuse/precompile.py, its share of the CPUs) and runs compile_decode's warm-up of
-the buckets on it without capturing. That leaves the graphs in Inductor's and AOTAutograd's
+its buckets on it without capturing. That leaves the graphs in Inductor's and AOTAutograd's
 caches and the kernels in Triton's; this process then traces each graph and loads its compiled
 code, and its kernels, from them (a layer kind's graph is the same whichever decoder holds the
-layer). Every worker compiles the head's graphs too (small, and no worker waits for another).
+layer). Every worker compiles the head's graph of its buckets too (small, and no worker waits
+for another).
 
 A start that compiles its frames ahead for an artifact (fuse/frames.py) gets the workers' frames
 instead: each worker compiles its kinds' frames and writes them to a file, and this process loads
@@ -39,44 +40,68 @@ from model import Decoder
 WORKER_OVERHEAD_BYTES = 2 * 2**30
 
 
+@dataclass(frozen=True)
+class Job:
+    """What one worker compiles: the graphs of its layers' kinds for its buckets."""
+
+    layer_ids: tuple[int, ...]  # the first layer of each of its kinds
+    buckets: tuple[int, ...]  # one batch shape's buckets where there are workers enough, else all
+
+
 @dataclass
 class Worker:
-    layer_ids: tuple[int, ...]
+    job: Job
     process: subprocess.Popen
     log_path: str
     spec_path: str
     frames_path: str | None  # where it writes its frames (a start that compiles frames ahead)
     succeeded: bool = False
 
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.job.layer_ids
 
-def worker_layer_ids(model, options: CompileOptions) -> list[tuple[int, ...]]:
-    """The layers each worker builds (the first layer of each of its kinds): none where workers
-    cannot help, else the kinds spread over at most options.compile_workers workers (None: as many as there
-    are kinds where the device's free memory holds them, on CUDA only)."""
+
+def batch_shapes(options: CompileOptions, buckets: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The buckets grouped by the graph they run: batch 1's and the symbolic batch's, one for all
+    with batch_one_shared, one per bucket without dynamic_batch."""
+    if not options.dynamic_batch:
+        return [(b,) for b in buckets]
+    if options.batch_one_shared:
+        return [tuple(buckets)]
+    return [shape for shape in ((1,) if 1 in buckets else (), tuple(b for b in buckets if b > 1)) if shape]
+
+
+def worker_jobs(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Job]:
+    """What each worker compiles: nothing where workers cannot help; else one job per layer kind
+    and batch shape where options.compile_workers allows that many (None: as many as fit in the
+    device's free memory, one per CPU, on CUDA only), else the kinds spread over the workers,
+    every bucket each. A worker builds the first layer of each of its kinds."""
     requested = options.compile_workers
     if requested == 0 or not options.compile or type(model) is not Decoder or split_ranks(model) is not None:
         return []
     if compilation_for(model, options) != "regional" or not _inductor_caches_on():
         return []
     firsts = [kind[0] for kind in layer_kinds(model)]
+    shapes = batch_shapes(options, tuple(buckets))
     if requested is None:
         if model.device.type != "cuda":
             return []
-        requested = min(len(firsts), _workers_that_fit(model, firsts), os.cpu_count() or 1)
+        requested = min(len(firsts) * len(shapes), _workers_that_fit(model, firsts), os.cpu_count() or 1)
+    if requested >= len(firsts) * len(shapes):
+        return [Job((first,), shape) for first in firsts for shape in shapes]
     count = min(requested, len(firsts))
-    if count < 1:
-        return []
-    return [tuple(firsts[i::count]) for i in range(count)]
+    return [Job(tuple(firsts[i::count]), tuple(buckets)) for i in range(count)]
 
 
 def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Worker]:
-    """One process per entry of worker_layer_ids, started; `finish` waits for them."""
-    groups = worker_layer_ids(model, options)
+    """One process per entry of worker_jobs, started; `finish` waits for them."""
+    jobs = worker_jobs(model, options, buckets)
     with_frames = frames_apply(model, options)
     worker_options = dataclasses.replace(
         options, compilation=compilation_for(model, options), cuda_graphs=False, compile_workers=0,
-        kernel_compile_workers=max(1, (os.cpu_count() or 1) // max(1, len(groups))),
-        progress=False, artifact=None, dump_dir=None, strict=False, buckets=buckets,
+        kernel_compile_workers=max(1, (os.cpu_count() or 1) // max(1, len(jobs))),
+        progress=False, artifact=None, dump_dir=None, strict=False,
     )
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
@@ -84,11 +109,11 @@ def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Work
     # each worker starts one per CPU), unless the user chose its size.
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(worker_options.kernel_compile_workers))
     workers = []
-    for layer_ids in groups:
+    for job in jobs:
         spec = {
             "config": model.config, "max_batch": model.max_batch, "max_seq_len": model.max_seq_len,
-            "dtype": model.dtype, "device": str(model.device), "layer_ids": layer_ids,
-            "options": worker_options,
+            "dtype": model.dtype, "device": str(model.device), "layer_ids": job.layer_ids,
+            "options": dataclasses.replace(worker_options, buckets=job.buckets),
         }
         handle, spec_path = tempfile.mkstemp(prefix="fuse-compile-worker-", suffix=".pkl")
         with os.fdopen(handle, "wb") as f:
@@ -98,7 +123,7 @@ def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Work
         with open(log_path, "w") as log:
             command = [sys.executable, "-m", "fuse.compile_workers", spec_path] + ([frames_path] if frames_path else [])
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        workers.append(Worker(layer_ids, process, log_path, spec_path, frames_path))
+        workers.append(Worker(job, process, log_path, spec_path, frames_path))
     return workers
 
 

@@ -68,8 +68,8 @@ class CompileOptions:
     # The custom ops' Triton kernels of every bucket compiled before the first calls, this many at
     # a time (fuse/precompile.py; None: one per CPU; 0: each compiles at its first launch). CUDA only.
     kernel_compile_workers: int | None = None
-    # The step's graphs and kernels compiled first in this many worker processes, a few layer kinds each
-    # (fuse/compile_workers.py; None: one per kind as the GPU's free memory allows, on CUDA; 0: none).
+    # The step's graphs and kernels compiled first in this many worker processes, one layer kind and batch
+    # shape each where there are enough (fuse/compile_workers.py; None: as many as fit, on CUDA; 0: none).
     compile_workers: int | None = 0
     progress: bool = True  # one log line per bucket with its warm-up time
     requested_compilation: str = field(default="auto", init=False, repr=False, compare=False)  # before resolving
@@ -85,7 +85,7 @@ class CompileOptions:
         if self.batch_one_shared and not self.dynamic_batch:
             raise ValueError("batch_one_shared=True needs dynamic_batch=True (batch 1 shares the symbolic batch's graph)")
         for name, meaning in (("kernel_compile_workers", "(0: none ahead) or None (one per CPU)"),
-                              ("compile_workers", "(0: none) or None (one per layer kind on CUDA)")):
+                              ("compile_workers", "(0: none) or None (as many as fit, on CUDA)")):
             workers = getattr(self, name)
             if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
                 raise ValueError(f"{name} must be >= 0 {meaning}, got {workers!r}")

@@ -28,15 +28,27 @@ def test_each_worker_builds_the_first_layer_of_its_kinds():
     model = tiny(6)
     firsts = [kind[0] for kind in layer_kinds(model)]
     assert len(firsts) < len(model.layers)  # kinds repeat
-    for count in (1, 2, len(firsts), len(firsts) + 3):
-        groups = compile_workers.worker_layer_ids(model, fuse.CompileOptions(compilation="regional", compile_workers=count))
-        assert len(groups) == min(count, len(firsts))
-        assert sorted(i for group in groups for i in group) == firsts
-    assert compile_workers.worker_layer_ids(model, fuse.CompileOptions(compilation="regional", compile_workers=0)) == []
+    buckets = (1, 2, 4)
+
+    def jobs(**options):
+        return compile_workers.worker_jobs(model, fuse.CompileOptions(compilation="regional", **options), buckets)
+
+    # fewer workers than kinds and shapes: the kinds spread over them, every bucket each
+    for count in (1, 2, len(firsts)):
+        assert len(jobs(compile_workers=count)) == min(count, len(firsts))
+        assert sorted(i for job in jobs(compile_workers=count) for i in job.layer_ids) == firsts
+        assert all(job.buckets == buckets for job in jobs(compile_workers=count))
+    # enough: one per kind and batch shape (batch 1's graph, the symbolic batch's)
+    expected = sorted(((first,), shape) for first in firsts for shape in ((1,), (2, 4)))
+    for count in (2 * len(firsts), 2 * len(firsts) + 3):
+        assert sorted((job.layer_ids, job.buckets) for job in jobs(compile_workers=count)) == expected
+    assert {job.buckets for job in jobs(compile_workers=9 * len(firsts), batch_one_shared=True)} == {buckets}
+    assert {job.buckets for job in jobs(compile_workers=9 * len(firsts), dynamic_batch=False)} == {(1,), (2,), (4,)}
+    assert jobs(compile_workers=0) == []
     # not where they cannot help: a whole-step graph, or "as many as fit" (CUDA only) on a CPU; off by default
-    assert compile_workers.worker_layer_ids(model, fuse.CompileOptions(compilation="whole", compile_workers=2)) == []
-    assert compile_workers.worker_layer_ids(model, fuse.CompileOptions(compilation="regional", compile_workers=None)) == []
-    assert compile_workers.worker_layer_ids(model, fuse.CompileOptions(compilation="regional")) == []
+    assert compile_workers.worker_jobs(model, fuse.CompileOptions(compilation="whole", compile_workers=2), buckets) == []
+    assert jobs(compile_workers=None) == []
+    assert jobs() == []
     with pytest.raises(ValueError, match="compile_workers must be >= 0"):
         fuse.CompileOptions(compile_workers=-1)
 
@@ -56,17 +68,20 @@ def test_the_start_loads_every_graph_the_workers_compiled(tmp_path):
 
 def test_an_artifact_build_loads_the_frames_the_workers_compiled(tmp_path):
     """A start that builds an artifact compiles its frames ahead (fuse/frames.py): the workers
-    compile them, each block frame renamed from its worker's decoder to this one's kind, and
-    this process loads them without compiling."""
+    compile them, one layer kind and batch shape each, each block frame renamed from its worker's
+    decoder to this one's kind, and this process loads them without compiling."""
     eager = tiny(3, seed=5)
     model = tiny(3)
     model.load_state_dict(eager.state_dict())
-    runner = fuse.compile_decode(model, buckets=(4,), compile_workers=2, artifact=str(tmp_path / "a.zip"), progress=False)
-    s, kinds = runner.stats, len(layer_kinds(model))
-    assert s.compile_workers == 2 and runner.frames.compiled == [], runner.describe()
-    assert sorted(runner.frames.functions) == sorted([f"block{k}/batch" for k in range(kinds)] + ["head/batch"])
-    assert s.compiles == kinds + 2  # each worker's blocks, and the head in each worker
-    assert runner.artifact.contents["frames"] == kinds + 1
+    kinds = len(layer_kinds(model))
+    runner = fuse.compile_decode(model, buckets=(1, 4), compile_workers=2 * kinds, artifact=str(tmp_path / "a.zip"),
+                                 progress=False)
+    s = runner.stats
+    assert s.compile_workers == 2 * kinds and runner.frames.compiled == [], runner.describe()
+    names = [f"{frame}/{shape}" for frame in [f"block{k}" for k in range(kinds)] + ["head"] for shape in ("batch1", "batch")]
+    assert sorted(runner.frames.functions) == sorted(names)
+    assert s.compiles == 2 * 2 * kinds  # each worker's block and head
+    assert runner.artifact.contents["frames"] == len(names)
     logits_match_eager(runner, eager)
 
 
@@ -74,7 +89,7 @@ def test_a_failed_worker_warns_and_the_start_compiles_its_graphs(tmp_path, monke
     eager = tiny(1, seed=6)
     model = tiny(1)
     model.load_state_dict(eager.state_dict())
-    monkeypatch.setattr(compile_workers, "worker_layer_ids", lambda model, options: [(7,)])  # no such layer
+    monkeypatch.setattr(compile_workers, "worker_jobs", lambda model, options, buckets: [compile_workers.Job((7,), buckets)])  # no such layer
     with pytest.warns(UserWarning, match=r"(?s)compile worker of layers \[7\] failed .*layer_ids must name some"):
         runner = fuse.compile_decode(model, buckets=(4,), compilation="regional", cache_dir=str(tmp_path), progress=False)
     assert runner.stats.compile_workers == 0 and runner.stats.inductor_compiles > 0
