@@ -54,13 +54,15 @@ def test_each_worker_builds_the_first_layer_of_its_kinds():
 
 
 def test_the_start_loads_every_graph_the_workers_compiled(tmp_path):
-    eager = tiny(3, seed=5)
-    model = tiny(3)
+    """Two workers for one layer kind: one compiles batch 1's graphs, the other the symbolic batch's."""
+    eager = tiny(2, seed=5)
+    model = tiny(2)
     model.load_state_dict(eager.state_dict())
-    runner = fuse.compile_decode(model, buckets=(4,), compilation="regional", compile_workers=2,
+    assert len(layer_kinds(model)) == 1
+    runner = fuse.compile_decode(model, buckets=(1, 4), compilation="regional", compile_workers=2,
                                  cache_dir=str(tmp_path), progress=False)
     s = runner.stats
-    assert s.compile_workers == 2 and s.compiles == len(layer_kinds(model)) + 1  # traced here: the blocks and the head
+    assert s.compile_workers == 2 and s.compiles == 2 * 2  # traced here: the block and the head at each batch shape
     assert (s.inductor_compiles, s.aot_compiles) == (0, 0), runner.describe()
     assert s.start_seconds["waiting for compile workers"] > 0
     logits_match_eager(runner, eager)
@@ -68,20 +70,17 @@ def test_the_start_loads_every_graph_the_workers_compiled(tmp_path):
 
 def test_an_artifact_build_loads_the_frames_the_workers_compiled(tmp_path):
     """A start that builds an artifact compiles its frames ahead (fuse/frames.py): the workers
-    compile them, one layer kind and batch shape each, each block frame renamed from its worker's
-    decoder to this one's kind, and this process loads them without compiling."""
+    compile them, one layer kind each, each block frame renamed from its worker's decoder to this
+    one's kind, and this process loads them without compiling."""
     eager = tiny(3, seed=5)
     model = tiny(3)
     model.load_state_dict(eager.state_dict())
-    kinds = len(layer_kinds(model))
-    runner = fuse.compile_decode(model, buckets=(1, 4), compile_workers=2 * kinds, artifact=str(tmp_path / "a.zip"),
-                                 progress=False)
-    s = runner.stats
-    assert s.compile_workers == 2 * kinds and runner.frames.compiled == [], runner.describe()
-    names = [f"{frame}/{shape}" for frame in [f"block{k}" for k in range(kinds)] + ["head"] for shape in ("batch1", "batch")]
-    assert sorted(runner.frames.functions) == sorted(names)
-    assert s.compiles == 2 * 2 * kinds  # each worker's block and head
-    assert runner.artifact.contents["frames"] == len(names)
+    runner = fuse.compile_decode(model, buckets=(4,), compile_workers=2, artifact=str(tmp_path / "a.zip"), progress=False)
+    s, kinds = runner.stats, len(layer_kinds(model))
+    assert s.compile_workers == 2 and runner.frames.compiled == [], runner.describe()
+    assert sorted(runner.frames.functions) == sorted([f"block{k}/batch" for k in range(kinds)] + ["head/batch"])
+    assert s.compiles == kinds + 2  # each worker's blocks, and the head in each worker
+    assert runner.artifact.contents["frames"] == kinds + 1
     logits_match_eager(runner, eager)
 
 
