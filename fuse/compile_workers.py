@@ -140,7 +140,8 @@ def finish(workers: list[Worker]) -> int:
             succeeded += 1
             worker.succeeded = True
         else:
-            warnings.warn(f"fuse: the compile worker of layers {list(worker.layer_ids)} failed (exit status {status}); "
+            warnings.warn(f"fuse: the compile worker of layers {list(worker.layer_ids)}, buckets {list(worker.job.buckets)}, "
+                          f"failed (exit status {status}); "
                           f"this process compiles their graphs instead. Its output ended with:\n{tail}")
     return succeeded
 

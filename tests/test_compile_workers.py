@@ -89,7 +89,7 @@ def test_a_failed_worker_warns_and_the_start_compiles_its_graphs(tmp_path, monke
     model = tiny(1)
     model.load_state_dict(eager.state_dict())
     monkeypatch.setattr(compile_workers, "worker_jobs", lambda model, options, buckets: [compile_workers.Job((7,), buckets)])  # no such layer
-    with pytest.warns(UserWarning, match=r"(?s)compile worker of layers \[7\] failed .*layer_ids must name some"):
+    with pytest.warns(UserWarning, match=r"(?s)compile worker of layers \[7\], buckets \[4\], failed .*layer_ids must name some"):
         runner = fuse.compile_decode(model, buckets=(4,), compilation="regional", cache_dir=str(tmp_path), progress=False)
     assert runner.stats.compile_workers == 0 and runner.stats.inductor_compiles > 0
     logits_match_eager(runner, eager)
