@@ -23,7 +23,7 @@ from kernels.bench.timing import graph_time_us, median_time_us
 from kernels.blockscale.op import blockscale_linear
 from kernels.blockscale.ref import FP4_BLOCK, dequantize_fp4_weight, quantize_fp4_weight, quantize_fp8_weight
 from kernels.moe import moe_experts, swiglu
-from kernels.moe.scaled import choose_scaled_tiles, moe_experts_scaled_triton
+from kernels.moe.scaled import ScaledTiles, choose_scaled_tiles, moe_experts_scaled_triton
 from kernels.moe.triton import MoeTiles, choose_tiles, moe_experts_triton
 from kernels.triton_util import num_sms, shared_memory_per_block
 
@@ -252,6 +252,8 @@ def scaled_table(copy_gbs: float) -> str:
     """FP4 experts through the op (its CUDA product) against the other products of the same
     semantics and the same experts dequantised to bf16 through the dense kernel; GB/s counts the
     bytes each must move: the distinct picked experts' weights (and scales), x, and the fp32 output."""
+    from kernels.moe.scaled_gluon import moe_experts_scaled_mma  # Gluon: imported where a GPU runs it
+
     fp4, dense, shared = make_scaled_experts()
     w1, w2, w3, scales = fp4
     d1, d2, d3 = dense
@@ -268,12 +270,20 @@ def scaled_table(copy_gbs: float) -> str:
     def tiles(ids, **changes):
         return dataclasses.replace(choose_scaled_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device)), **changes)
 
-    # The products the op does not run by default, each on the op's semantics (kernels/moe/scaled*.py).
+    def mma_split(ids, factor: int) -> ScaledTiles:  # the op's tiles, its gate/up K split `factor` times the ways
+        return tiles(ids, up_split=factor * tiles(ids).up_split)
+
+    # The products the op does not run by default, each on the op's semantics (kernels/moe/scaled*.py),
+    # and the op's own product with its gate/up K split into more ways.
     candidates = {
         "Triton dot_scaled": lambda x, ids, weights: moe_experts_scaled_triton(
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles(ids, product="dot_scaled")),
         "Triton codes decoded": lambda x, ids, weights: moe_experts_scaled_triton(
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles(ids, product="codes", num_warps=CODES_WARPS)),
+        "Gluon split x2": lambda x, ids, weights: moe_experts_scaled_mma(
+            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=mma_split(ids, 2)),
+        "Gluon split x4": lambda x, ids, weights: moe_experts_scaled_mma(
+            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=mma_split(ids, 4)),
     }
 
     shared_bytes = sum(t.numel() * t.element_size() for t in shared)
@@ -328,6 +338,7 @@ def scaled_table(copy_gbs: float) -> str:
         "differ (its bytes added). 'bf16 dequantised': the same experts dequantised to bf16 through the dense Triton kernel. "
         "The other products of the same semantics, each with its 'speedup' (the op's time over its own): 'Triton dot_scaled' "
         "(kernels/moe/scaled.py, `tl.dot_scaled` on the packed codes), 'Triton codes decoded' (the codes decoded in the "
-        f"Triton kernel, then an fp16 dot, {CODES_WARPS} warps).\n\n"
+        f"Triton kernel, then an fp16 dot, {CODES_WARPS} warps); 'Gluon split x2', 'x4': the op's Gluon product with "
+        "the gate/up product's K split into 2 or 4 times the ways the op chooses (`ScaledTiles.up_split`).\n\n"
         f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
     )
