@@ -277,7 +277,7 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
     from kernels.bench.results import write_section
 
     for flag, measure, name in (
-        (args.start_times, lambda s: bench.measure_start_times(s, starts=args.starts or tuple(bench.START_KEYS)), "start_times.json"),
+        (args.start_times, lambda s: bench.measure_start_times(s, starts=args.starts or bench.START_KEYS), "start_times.json"),
         (args.compare_precision, bench.compare_precision, "precision.json"),
     ):
         if flag:

@@ -67,18 +67,17 @@ START_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # Stock reduce-overhead's cold start is stopped after this long (it traces and compiles the whole
 # step as one graph), so that the start-time measurement fits one call of a GPU machine.
 STOCK_START_LIMIT_S = 240
-# The measured starts: name, the compile-cache folder its process uses, the child's flag (ARTIFACT:
-# --artifact with the cold start's file) and whether it needs CUDA; `--starts` picks them by key.
+# The measured starts: the key `--starts` picks it by, its name, the compile-cache folder its process
+# uses, the child's flag (ARTIFACT: --artifact with the cold start's file) and whether it needs CUDA.
 ARTIFACT = "--artifact"
 STARTS = (
-    ("cold", "caches", ARTIFACT, False),
-    ("warm", "caches", None, False),
-    ("artifact", "empty-caches", ARTIFACT, False),
-    ("cold, compile workers", "worker-caches", "--compile-workers", True),
-    ("reduce-overhead cold", "stock-caches", "--stock-start", True),
+    ("cold", "cold", "caches", ARTIFACT, False),
+    ("warm", "warm", "caches", None, False),
+    ("artifact", "artifact", "empty-caches", ARTIFACT, False),
+    ("workers", "cold, compile workers", "worker-caches", "--compile-workers", True),
+    ("stock", "reduce-overhead cold", "stock-caches", "--stock-start", True),
 )
-START_KEYS = {"cold": "cold", "warm": "warm", "artifact": "artifact", "workers": "cold, compile workers",
-              "stock": "reduce-overhead cold"}
+START_KEYS = tuple(start[0] for start in STARTS)
 # Stock reduce-overhead's start is stopped after this multiple of the cold start (enough to rank them).
 STOCK_START_COLD_MULTIPLE = 1.5
 YARDSTICK = "eager, padded"  # the accuracy checks' key for eager with padding rows
@@ -339,7 +338,7 @@ def start_time_child(
 
 
 def check_starts(starts: tuple[str, ...]) -> None:
-    """Raises ValueError naming a start that is not among START_KEYS, or warm or artifact without
+    """Raises ValueError naming a start whose key is not among START_KEYS, or warm or artifact without
     the cold start they start from."""
     unknown = sorted(set(starts) - set(START_KEYS))
     if unknown:
@@ -351,7 +350,7 @@ def check_starts(starts: tuple[str, ...]) -> None:
 
 
 def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = START_BUCKETS,
-                        starts: tuple[str, ...] = tuple(START_KEYS)) -> dict:
+                        starts: tuple[str, ...] = START_KEYS) -> dict:
     """compile_decode for `buckets`, each of STARTS in a new process: cold (empty compile caches; it
     saves an artifact), warm (the caches the cold start filled) and artifact (other, empty caches
     and the cold start's artifact only); on CUDA also the cold start with compile workers and
@@ -359,7 +358,6 @@ def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = STAR
     STOCK_START_COLD_MULTIPLE times the cold start, or STOCK_START_LIMIT_S). `starts`: the
     START_KEYS of those to run (warm and artifact need cold)."""
     check_starts(starts)
-    chosen = {START_KEYS[key] for key in starts}
     on_cuda = settings.device.startswith("cuda")
     results = {
         "gpu": torch.cuda.get_device_name() if on_cuda else "cpu",
@@ -367,8 +365,8 @@ def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = STAR
     }
     with tempfile.TemporaryDirectory(prefix="fuse-start-") as folder:
         artifact = os.path.join(folder, "artifact.zip")
-        for which, caches, flag, cuda_only in STARTS:
-            if cuda_only and not on_cuda or which not in chosen:
+        for key, which, caches, flag, cuda_only in STARTS:
+            if cuda_only and not on_cuda or key not in starts:
                 continue
             command = [
                 sys.executable, "-m", "fuse", "bench", "--start-time-child",
@@ -406,7 +404,7 @@ def start_times_markdown(result: dict) -> str:
     from fuse.stats import COMPILE_PHASES, START_PHASES
 
     phases = list(START_PHASES) + list(COMPILE_PHASES)
-    starts = [start[0] for start in STARTS if start[0] in result]
+    starts = [start[1] for start in STARTS if start[1] in result]
     machine = f" on {result['gpu']}, torch {result['torch']}, triton {result['triton']}, {result['date']}" if "gpu" in result else ""
     lines = [
         f"`{result['command']}`{machine}: compile_decode for buckets {result['buckets']} at {result['layers']} layers, each start "
