@@ -252,8 +252,8 @@ def init_random_weights(decoder: nn.Module, seed: int) -> None:
         shape = parallel.full_shape(name, tuple(shape))
 
         def normal(std: float, mean: float = 0.0) -> torch.Tensor:
-            t = torch.randn(shape, generator=generator, device=param.device, dtype=torch.float32)
-            return t * std + mean
+            # in place: one fp32 temporary of the tensor's size (the embedding's is gigabytes)
+            return torch.randn(shape, generator=generator, device=param.device, dtype=torch.float32).mul_(std).add_(mean)
 
         if leaf == "tid2eid":
             vocab, picks = param.shape
@@ -282,7 +282,7 @@ def init_random_weights(decoder: nn.Module, seed: int) -> None:
             value = normal(shape[-1] ** -0.5)
         part = parallel.part(name, tuple(value.shape))
         if scale is None:
-            param.copy_(_narrow(value, part).to(param.dtype))
+            param.copy_(_narrow(value, part))  # copy_ rounds to param's dtype as .to() would
         else:
             quantize = quantize_fp8_weight if param.dtype == torch.float8_e4m3fn else quantize_fp4_weight
             values, scales = _quantize_by_leading_slices(quantize, value, scale.dtype)  # the whole tensor's blocks
