@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -326,14 +327,18 @@ def start_time_child(
         return {"seconds": seconds, "compiles": dynamo_totals()[0] - compiles0, "captured": None,
                 "phases": {name: timers.get(name, 0.0) - timers0.get(name, 0.0) for name in timers}}
     start = time.perf_counter()
-    runner = compile_decode(decoder, buckets=buckets, dynamic_batch=True, progress=False, artifact=artifact,
-                            compile_workers=None if compile_workers else 0)  # caches: see measure_start_times
+    with warnings.catch_warnings(record=True) as caught:  # a failed compile worker's, say: the table names them
+        warnings.simplefilter("always")
+        runner = compile_decode(decoder, buckets=buckets, dynamic_batch=True, progress=False, artifact=artifact,
+                                compile_workers=None if compile_workers else 0)  # caches: see measure_start_times
     seconds = time.perf_counter() - start
     s = runner.stats
     return {
         "seconds": seconds, "compiles": s.compiles, "captured": len(s.captured), "phases": s.start_seconds,
         "inductor_compiles": s.inductor_compiles, "aot_compiles": s.aot_compiles, "triton_compiles": s.triton_compiles,
+        "compile_workers": [s.compile_workers, s.compile_workers_started],
         "artifact": runner.artifact.describe() if runner.artifact else None,
+        "warnings": [str(w.message) for w in caught if "fuse" in str(w.message)],
     }
 
 
@@ -429,7 +434,13 @@ def start_times_markdown(result: dict) -> str:
         backend = " / ".join(str(r[k]) if k in r else "-" for k in ("inductor_compiles", "aot_compiles", "triton_compiles"))
         captured = "-" if r.get("captured") is None else r["captured"]
         lines.append(f"| {which} | {r['seconds']:.1f} | {r['compiles']} | {backend} | {captured} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    notes = []
+    for which in starts:
+        succeeded, started = result[which].get("compile_workers", (0, 0))
+        if started:
+            notes.append(f"- {which}: {succeeded} of {started} compile workers succeeded.")
+        notes += [f"- {which}: {' '.join(w.split())[:600]}" for w in result[which].get("warnings", ())]
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 # -- the run ------------------------------------------------------------------------------------
