@@ -176,13 +176,17 @@ def _inductor_caches_on() -> bool:
 
 
 def _workers_that_fit(model, firsts: list[int]) -> int:
-    """How many workers, each holding the largest of the kinds' layers besides the decoder's other
-    parameters and buffers, fit in the device's free memory (with a tenth of it left over)."""
+    """How many workers fit in the device's free memory (with a tenth of it left over), each
+    holding the largest of the kinds' layers besides the decoder's other parameters and buffers,
+    and, while init_random draws it, its largest parameter in fp32. This process's cached, unused
+    blocks go back to the device first."""
     def nbytes(module) -> int:
         return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
     layers = sum(nbytes(layer) for layer in model.layers)
-    per_worker = nbytes(model) - layers + max(nbytes(model.layers[i]) for i in firsts) + WORKER_OVERHEAD_BYTES
+    drawing = 4 * max(p.numel() for p in model.parameters())
+    per_worker = nbytes(model) - layers + max(nbytes(model.layers[i]) for i in firsts) + drawing + WORKER_OVERHEAD_BYTES
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(model.device)
     return int(0.9 * free // per_worker)
 

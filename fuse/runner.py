@@ -85,6 +85,7 @@ class DecodeRunner:
                     dump.watch(self.step.once_per_step)
                 if not loaded:
                     workers = compile_workers.start(decoder, options, buckets)
+                    self.stats.compile_workers_started = len(workers)
                     if workers:
                         with self.stats.phase("waiting for compile workers", self.device):
                             self.stats.compile_workers = compile_workers.finish(workers)
@@ -239,7 +240,8 @@ class DecodeRunner:
                 f"compiled rather than loaded from caches: Inductor {s.inductor_compiles}, AOTAutograd {s.aot_compiles}, "
                 f"Triton cache entries of the custom ops {s.triton_compiles}"
                 + (f" ({s.kernels_compiled_ahead} kernels compiled ahead)" if s.kernels_compiled_ahead else "")
-                + (f", graphs from {s.compile_workers} compile worker(s)" if s.compile_workers else "")
+                + (f", graphs from {s.compile_workers} of {s.compile_workers_started} compile workers"
+                   if s.compile_workers_started else "")
             )
         if self.artifact is not None:
             lines.append(self.artifact.describe())

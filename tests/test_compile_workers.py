@@ -13,13 +13,13 @@ from model import Decoder, ModelConfig
 SHAPE = dict(max_batch=4, max_seq_len=64)
 
 
-def tiny(layers: int, seed: int = 0, dtype=torch.float32) -> Decoder:
-    return Decoder(ModelConfig.preset("tiny", layers=layers), dtype=dtype, **SHAPE).init_random(seed)
+def tiny(layers: int, seed: int = 0, dtype=torch.float32, device: str = "cpu") -> Decoder:
+    return Decoder(ModelConfig.preset("tiny", layers=layers), dtype=dtype, device=device, **SHAPE).init_random(seed)
 
 
 def logits_match_eager(runner, eager: Decoder) -> None:
     for size in (1, 3):
-        inputs = torch.arange(size) * 5 + 2, torch.zeros(size, dtype=torch.long), torch.arange(size).flip(0)
+        inputs = [t.to(eager.device) for t in (torch.arange(size) * 5 + 2, torch.zeros(size, dtype=torch.long), torch.arange(size).flip(0))]
         expected = eager(*inputs)
         assert ((runner(*inputs) - expected).abs().max() / expected.abs().max()).item() <= 1e-4
 
@@ -84,6 +84,21 @@ def test_an_artifact_build_loads_the_frames_the_workers_compiled(tmp_path):
     logits_match_eager(runner, eager)
 
 
+@pytest.mark.gpu
+def test_gpu_workers_compile_each_batch_shape_and_the_artifact_build_loads_their_frames(tmp_path):
+    """On CUDA, where the workers also compile their kernels ahead: one worker per batch shape of
+    the one layer kind, and this process loads their frames without compiling."""
+    eager = tiny(1, seed=5, device="cuda")
+    model = tiny(1, device="cuda")
+    model.load_state_dict(eager.state_dict())
+    runner = fuse.compile_decode(model, buckets=(1, 4), compile_workers=2, artifact=str(tmp_path / "a.zip"), progress=False)
+    s = runner.stats
+    assert s.compile_workers == s.compile_workers_started == 2 and runner.frames.compiled == [], runner.describe()
+    assert sorted(runner.frames.functions) == ["block0/batch", "block0/batch1", "head/batch", "head/batch1"]
+    assert s.captured == [4, 1]
+    logits_match_eager(runner, eager)
+
+
 def test_a_failed_worker_warns_and_the_start_compiles_its_graphs(tmp_path, monkeypatch):
     eager = tiny(1, seed=6)
     model = tiny(1)
@@ -91,5 +106,6 @@ def test_a_failed_worker_warns_and_the_start_compiles_its_graphs(tmp_path, monke
     monkeypatch.setattr(compile_workers, "worker_jobs", lambda model, options, buckets: [compile_workers.Job((7,), buckets)])  # no such layer
     with pytest.warns(UserWarning, match=r"(?s)compile worker of layers \[7\], buckets \[4\], failed .*layer_ids must name some"):
         runner = fuse.compile_decode(model, buckets=(4,), compilation="regional", cache_dir=str(tmp_path), progress=False)
-    assert runner.stats.compile_workers == 0 and runner.stats.inductor_compiles > 0
+    assert (runner.stats.compile_workers, runner.stats.compile_workers_started) == (0, 1) and runner.stats.inductor_compiles > 0
+    assert "graphs from 0 of 1 compile workers" in runner.describe()
     logits_match_eager(runner, eager)
