@@ -91,10 +91,12 @@ class DecodeRunner:
                             self.stats.compile_workers = compile_workers.finish(workers)
                             if self.frames is not None:
                                 self._load_worker_frames(workers)
-                if self.device.type == "cuda" and options.kernel_compile_workers != 0 and split_ranks(decoder) is None:
+                if (not loaded and self.device.type == "cuda" and options.kernel_compile_workers != 0
+                        and split_ranks(decoder) is None):
                     from fuse.precompile import compile_bucket_kernels  # imports Triton
 
-                    # after the workers: their kernels load from Triton's cache instead of compiling
+                    # after the workers: their kernels load from Triton's cache instead of compiling.
+                    # Not from an artifact: nothing to compile, and the fake steps alone take seconds.
                     with self.stats.phase("kernel compiles ahead", self.device):
                         self.stats.kernels_compiled_ahead = compile_bucket_kernels(
                             decoder, buckets, options.kernel_compile_workers

@@ -316,6 +316,11 @@ def test_start_times_table_has_the_artifact_start():
     assert "| reduce-overhead cold | 120.0 | 8 | - / - / - | - |" in table
     stopped = bench.start_times_markdown({**on_gpu, "reduce-overhead cold": {"timed_out_after": 240}})
     assert "| reduce-overhead cold | > 240 (stopped) | - |" in stopped
+    # a compile-workers start whose workers failed: named under the table, with their warning
+    failed = {**start, "compile_workers": [0, 4], "warnings": ["fuse: the compile worker of layers [0], buckets [1],\nfailed (exit status 1)"]}
+    notes = bench.start_times_markdown({**on_gpu, "cold, compile workers": failed}).split("\n\n")[-1].splitlines()
+    assert notes == ["- cold, compile workers: 0 of 4 compile workers succeeded.",
+                     "- cold, compile workers: fuse: the compile worker of layers [0], buckets [1], failed (exit status 1)"]
 
 
 # -- on a GPU: the custom ops' Triton kernels and autotune choices travel too -----------------------
@@ -343,6 +348,7 @@ def check_gpu_artifact_start(tmp_path, spec: dict, build_with_precompile: bool =
           f"\n{warm['describe']}")
     assert warm["action"] == "loaded"
     assert (warm["inductor"], warm["aot"], warm["triton"]) == (0, 0, 0), warm["describe"]
+    assert "kernel compiles ahead" not in warm["phases"]  # the first calls load the kernels from the artifact's
     if cold is not None:
         torch.testing.assert_close(logits, cold_logits, rtol=1e-5, atol=1e-5)
 
