@@ -42,9 +42,8 @@ class Launch:
         path = os.pathsep.join(filter(None, [str(WORKER.parents[1]), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}  # this checkout's packages first
         self.world_size, self.out, self.deadline = world_size, out, time.monotonic() + timeout
-        # At a lower priority: the tests that run beside a launch come first, and it takes the CPU time they leave.
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     start_new_session=True, preexec_fn=lambda: os.nice(10))
+                                     start_new_session=True)
 
     def result(self) -> tuple[int, str, list[dict]]:
         """(exit status, output, each rank's report)."""
