@@ -47,8 +47,8 @@ _LAUNCHES = pytest.StashKey()
 
 
 def pytest_collection_finish(session):
-    """The CPU launches the selected tests read start now, beside the tests before theirs. Not in
-    a pytest-xdist worker (each collects every test): there the tests start theirs."""
+    """The CPU launches the selected tests read start now, one after another beside the tests
+    before theirs. Not in a pytest-xdist worker (each collects every test): there the tests start theirs."""
     from launches import CPU_LAUNCHES, CpuLaunches
 
     wanted = {name for item in session.items for name in getattr(item, "fixturenames", ()) if name in CPU_LAUNCHES}

@@ -2,9 +2,10 @@
 so that a hang fails.
 
 The CPU launches the tests read (CPU_LAUNCHES) start when collection ends (tests/conftest.py),
-beside the tests before theirs: a split step's ranks wait while rank 0 compiles on one core
-(fuse/step.py), and most tests keep one core busy, so on a small machine the launches take
-little of the tier's time. A test then waits for its launch's end."""
+one after another beside the tests before theirs: most tests keep one core busy, and one launch
+at a time mostly another (a split step's ranks wait while rank 0 compiles, fuse/step.py), where
+all at once they would slow the tests beside them several times over. A test then waits for
+its launch's end (started then, if it was still queued)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -28,7 +30,7 @@ CPU_LAUNCHES = {
     "four_ranks": (4, ["decode"]),
     "failing_ranks": (2, ["corrupt", "compile-failure"]),
 }
-CPU_LAUNCH_SECONDS = 900  # from the start, which is before the tests ahead of them run
+CPU_LAUNCH_SECONDS = 900  # from a launch's start
 
 
 class Launch:
@@ -42,19 +44,26 @@ class Launch:
         path = os.pathsep.join(filter(None, [str(WORKER.parents[1]), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}  # this checkout's packages first
         self.world_size, self.out, self.deadline = world_size, out, time.monotonic() + timeout
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     start_new_session=True)
+        self.output = out / "torchrun.log"  # a file, not a pipe: nobody needs to read it while it runs
+        with open(self.output, "w") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait(self) -> bool:
+        """Wait for the end, until the deadline; whether it ended."""
+        try:
+            self.proc.wait(timeout=max(self.deadline - time.monotonic(), 1))
+            return True
+        except subprocess.TimeoutExpired:
+            return False
 
     def result(self) -> tuple[int, str, list[dict]]:
         """(exit status, output, each rank's report)."""
-        try:
-            output, _ = self.proc.communicate(timeout=max(self.deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
+        if not self.wait():
             self.stop()
-            output, _ = self.proc.communicate()
-            pytest.fail(f"torchrun with {self.world_size} ranks ran past its time (a hang?):\n{output[-3000:]}")
+            self.proc.wait()
+            pytest.fail(f"torchrun with {self.world_size} ranks ran past its time (a hang?):\n{self.output.read_text()[-3000:]}")
         reports = [json.loads(path.read_text()) for path in sorted(self.out.glob("rank*.json"))]
-        return self.proc.returncode, output, reports
+        return self.proc.returncode, self.output.read_text(), reports
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -62,25 +71,51 @@ class Launch:
 
 
 class CpuLaunches:
-    """The CPU launches of one session, each started once: `start(names)` those not yet started,
-    `get(name)` one (started then if it was not), `stop()` every one at the session's end."""
+    """The CPU launches of one session, each started once: `start(names)` queues those not yet
+    started, run one at a time in CPU_LAUNCHES' order; `get(name)` one (started now if it was
+    still queued); `stop()` every one at the session's end."""
 
     def __init__(self):
         self.root = pathlib.Path(tempfile.mkdtemp(prefix="fuse-launches-"))
         self.started: dict[str, Launch] = {}
+        self.queued: list[str] = []
+        self.lock = threading.Lock()
+        self.runner: threading.Thread | None = None
 
     def start(self, names) -> None:
-        for name in sorted(set(names) - set(self.started)):
-            world_size, checks = CPU_LAUNCHES[name]
-            out = self.root / name.replace("_", "-")
-            out.mkdir()
-            self.started[name] = Launch(world_size, out, checks, CPU_LAUNCH_SECONDS)
+        with self.lock:
+            self.queued += [name for name in CPU_LAUNCHES if name in set(names) - set(self.started) - set(self.queued)]
+            if self.runner is None and self.queued:
+                self.runner = threading.Thread(target=self._run_queued, daemon=True)
+                self.runner.start()
 
     def get(self, name: str) -> Launch:
-        self.start([name])
-        return self.started[name]
+        with self.lock:
+            if name not in self.started:
+                if name in self.queued:
+                    self.queued.remove(name)
+                self._launch(name)
+            return self.started[name]
 
     def stop(self) -> None:
-        for launched in self.started.values():
-            launched.stop()
+        with self.lock:
+            self.queued.clear()
+            for launched in self.started.values():
+                launched.stop()
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def _launch(self, name: str) -> Launch:
+        world_size, checks = CPU_LAUNCHES[name]
+        out = self.root / name.replace("_", "-")
+        out.mkdir()
+        self.started[name] = Launch(world_size, out, checks, CPU_LAUNCH_SECONDS)
+        return self.started[name]
+
+    def _run_queued(self) -> None:
+        while True:
+            with self.lock:
+                if not self.queued:
+                    self.runner = None
+                    return
+                launched = self._launch(self.queued.pop(0))
+            launched.wait()
