@@ -3,9 +3,9 @@ so that a hang fails.
 
 The CPU launches the tests read (CPU_LAUNCHES) start when collection ends (tests/conftest.py),
 one after another beside the tests before theirs: most tests keep one core busy, and one launch
-at a time mostly another (a split step's ranks wait while rank 0 compiles, fuse/step.py), where
-all at once they would slow the tests beside them several times over. A test then waits for
-its launch's end (started then, if it was still queued)."""
+at a time mostly the other (a split step's ranks wait while rank 0 compiles, fuse/step.py); all
+at once they slowed the tests beside them several times over. A test then waits for its
+launch's end (started then, if it was still queued)."""
 from __future__ import annotations
 
 import json
@@ -80,14 +80,14 @@ class CpuLaunches:
         self.started: dict[str, Launch] = {}
         self.queued: list[str] = []
         self.lock = threading.Lock()
-        self.runner: threading.Thread | None = None
+        self.queue_thread: threading.Thread | None = None
 
     def start(self, names) -> None:
         with self.lock:
             self.queued += [name for name in CPU_LAUNCHES if name in set(names) - set(self.started) - set(self.queued)]
-            if self.runner is None and self.queued:
-                self.runner = threading.Thread(target=self._run_queued, daemon=True)
-                self.runner.start()
+            if self.queue_thread is None and self.queued:
+                self.queue_thread = threading.Thread(target=self._run_queued, daemon=True)
+                self.queue_thread.start()
 
     def get(self, name: str) -> Launch:
         with self.lock:
@@ -115,7 +115,7 @@ class CpuLaunches:
         while True:
             with self.lock:
                 if not self.queued:
-                    self.runner = None
+                    self.queue_thread = None
                     return
                 launched = self._launch(self.queued.pop(0))
             launched.wait()
