@@ -43,7 +43,12 @@ def bucket_op_calls(model, sizes: tuple[int, ...], step: Callable | None = None)
     return list(recorded.calls)
 
 
+def compile_op_calls(calls: list[OpCall], workers: int | None) -> int:
+    """Compile every Triton kernel the recorded calls launch, `workers` at a time; the number of
+    compiles submitted. For calls on a GPU (elsewhere the ops run their references)."""
+    return compile_ahead([call.replay for call in calls], workers)
+
+
 def compile_bucket_kernels(model, sizes: tuple[int, ...], workers: int | None) -> int:
-    """Compile every Triton kernel the buckets' steps launch, `workers` at a time; the number of
-    compiles submitted. For a model on a GPU (elsewhere the ops run their references)."""
-    return compile_ahead([call.replay for call in bucket_op_calls(model, sizes)], workers)
+    """compile_op_calls of the buckets' steps."""
+    return compile_op_calls(bucket_op_calls(model, sizes), workers)

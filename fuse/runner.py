@@ -83,24 +83,26 @@ class DecodeRunner:
                 )
                 if dump:
                     dump.watch(self.step.once_per_step)
+                # Not from an artifact: nothing to compile, and the fake steps alone take seconds.
+                kernels_ahead = (not loaded and self.device.type == "cuda" and options.kernel_compile_workers != 0
+                                 and split_ranks(decoder) is None)
                 if not loaded:
                     workers = compile_workers.start(decoder, options, buckets)
                     self.stats.compile_workers_started = len(workers)
+                    if kernels_ahead:
+                        from fuse.precompile import bucket_op_calls, compile_op_calls  # imports Triton
+
+                        with self.stats.phase("kernel compiles ahead", self.device):  # its fake steps, beside the workers
+                            op_calls = bucket_op_calls(decoder, buckets)
                     if workers:
                         with self.stats.phase("waiting for compile workers", self.device):
                             self.stats.compile_workers = compile_workers.finish(workers)
                             if self.frames is not None:
                                 self._load_worker_frames(workers)
-                if (not loaded and self.device.type == "cuda" and options.kernel_compile_workers != 0
-                        and split_ranks(decoder) is None):
-                    from fuse.precompile import compile_bucket_kernels  # imports Triton
-
-                    # after the workers: their kernels load from Triton's cache instead of compiling.
-                    # Not from an artifact: nothing to compile, and the fake steps alone take seconds.
+                if kernels_ahead:
+                    # after the workers: their kernels load from Triton's cache instead of compiling
                     with self.stats.phase("kernel compiles ahead", self.device):
-                        self.stats.kernels_compiled_ahead = compile_bucket_kernels(
-                            decoder, buckets, options.kernel_compile_workers
-                        )
+                        self.stats.kernels_compiled_ahead = compile_op_calls(op_calls, options.kernel_compile_workers)
                 self._buckets = build_buckets(
                     self.step.run, decoder, buckets, self.use_graphs, self.stats, eager=decoder.step,
                     progress=options.progress, first_call=dump.first_call if dump else None,
