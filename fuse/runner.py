@@ -83,10 +83,9 @@ class DecodeRunner:
                 )
                 if dump:
                     dump.watch(self.step.once_per_step)
-                # Not from an artifact: nothing to compile, and the fake steps alone take seconds.
-                kernels_ahead = (not loaded and self.device.type == "cuda" and options.kernel_compile_workers != 0
-                                 and split_ranks(decoder) is None)
-                if not loaded:
+                if not loaded:  # from an artifact nothing compiles (and the fake steps alone would take seconds)
+                    kernels_ahead = (self.device.type == "cuda" and options.kernel_compile_workers != 0
+                                     and split_ranks(decoder) is None)
                     workers = compile_workers.start(decoder, options, buckets)
                     self.stats.compile_workers_started = len(workers)
                     if kernels_ahead:
@@ -99,10 +98,10 @@ class DecodeRunner:
                             self.stats.compile_workers = compile_workers.finish(workers)
                             if self.frames is not None:
                                 self._load_worker_frames(workers)
-                if kernels_ahead:
-                    # after the workers: their kernels load from Triton's cache instead of compiling
-                    with self.stats.phase("kernel compiles ahead", self.device):
-                        self.stats.kernels_compiled_ahead = compile_op_calls(op_calls, options.kernel_compile_workers)
+                    if kernels_ahead:
+                        # after the workers: their kernels load from Triton's cache instead of compiling
+                        with self.stats.phase("kernel compiles ahead", self.device):
+                            self.stats.kernels_compiled_ahead = compile_op_calls(op_calls, options.kernel_compile_workers)
                 self._buckets = build_buckets(
                     self.step.run, decoder, buckets, self.use_graphs, self.stats, eager=decoder.step,
                     progress=options.progress, first_call=dump.first_call if dump else None,
