@@ -3,7 +3,9 @@ kind and batch shape each where there are workers enough, before this process co
 
 A regional compile (fuse/step.py) compiles one graph per layer kind and batch shape, one after
 another: Dynamo and Inductor compile in one thread. Each worker builds a decoder of only its
-kinds' first layers (`model.Decoder(layer_ids=...)`, random weights), compiles their custom-op
+kinds' first layers (`model.Decoder(layer_ids=...)`; on CUDA it maps this process's weights of
+those layers through CUDA IPC instead of holding its own, and copies their buffers; on the CPU
+it draws random weights), compiles their custom-op
 kernels ahead (fuse/precompile.py, its share of the CPUs) and runs compile_decode's warm-up of
 its buckets on it without capturing. That leaves the graphs in Inductor's and AOTAutograd's
 caches and the kernels in Triton's; this process then traces each graph and loads its compiled
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+from multiprocessing.reduction import ForkingPickler
 import subprocess
 import sys
 import tempfile
@@ -30,13 +33,15 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.multiprocessing  # registers the CUDA tensors' reductions (IPC handles) with ForkingPickler
+from torch import nn
 
 from fuse.frames import Frames, frames_apply
 from fuse.options import CompileOptions
 from fuse.step import compilation_for, layer_kinds, split_ranks
 from model import Decoder
 
-# A worker's CUDA context, allocator slack and the compile's workspace, besides its decoder.
+# A worker's CUDA context, allocator slack and the compile's workspace, besides its decoder's buffers.
 WORKER_OVERHEAD_BYTES = 2 * 2**30
 
 
@@ -114,10 +119,15 @@ def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Work
             "config": model.config, "max_batch": model.max_batch, "max_seq_len": model.max_seq_len,
             "dtype": model.dtype, "device": str(model.device), "layer_ids": job.layer_ids,
             "options": dataclasses.replace(worker_options, buckets=job.buckets),
+            "tensors": worker_tensors(model, job.layer_ids) if model.device.type == "cuda" else None,
         }
         handle, spec_path = tempfile.mkstemp(prefix="fuse-compile-worker-", suffix=".pkl")
         with os.fdopen(handle, "wb") as f:
-            pickle.dump(spec, f)
+            try:
+                f.write(ForkingPickler.dumps(spec, pickle.HIGHEST_PROTOCOL))  # CUDA tensors as IPC handles
+            except RuntimeError as error:  # an allocator whose memory cannot be shared
+                warnings.warn(f"fuse: the compile workers draw weights of their own: this process's could not be shared ({error})")
+                pickle.dump({**spec, "tensors": None}, f)
         log_path = spec_path[: -len(".pkl")] + ".log"
         frames_path = spec_path[: -len(".pkl")] + ".frames" if with_frames else None
         with open(log_path, "w") as log:
@@ -125,6 +135,38 @@ def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Work
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         workers.append(Worker(job, process, log_path, spec_path, frames_path))
     return workers
+
+
+def worker_tensors(model, layer_ids: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """`model`'s parameters and buffers outside its layers and those of `layer_ids`, named as in a
+    worker's decoder of `layer_ids` (its layer j is layers[layer_ids[j]] here)."""
+    renamed = {f"layers.{i}.": f"layers.{j}." for j, i in enumerate(layer_ids)}
+    tensors = {}
+    for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        if name.startswith("layers."):
+            layer = name[: name.index(".", len("layers.")) + 1]
+            if layer not in renamed:
+                continue
+            name = renamed[layer] + name[len(layer):]
+        tensors[name] = tensor
+    return tensors
+
+
+def adopt_tensors(decoder: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Give `decoder` (built on the meta device) the tensors of `worker_tensors`: the parameters
+    as they are (mapped, read only), each buffer as a copy of its own (the worker's steps write
+    its caches)."""
+    modules = dict(decoder.named_modules())
+    for name, tensor in tensors.items():
+        path, _, key = name.rpartition(".")
+        module = modules[path]
+        if key in module._parameters:
+            module._parameters[key] = nn.Parameter(tensor, requires_grad=False)
+        else:
+            module._buffers[key] = tensor.clone()
+    left = [name for name, t in (*decoder.named_parameters(), *decoder.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"compile worker: no tensor given for {left[:5]}")
 
 
 def finish(workers: list[Worker]) -> int:
@@ -143,6 +185,8 @@ def finish(workers: list[Worker]) -> int:
             warnings.warn(f"fuse: the compile worker of layers {list(worker.layer_ids)}, buckets {list(worker.job.buckets)}, "
                           f"failed (exit status {status}); "
                           f"this process compiles their graphs instead. Its output ended with:\n{tail}")
+    if workers and torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()  # the shared tensors' reference counts, released by the workers
     return succeeded
 
 
@@ -177,15 +221,14 @@ def _inductor_caches_on() -> bool:
 
 def _workers_that_fit(model, firsts: list[int]) -> int:
     """How many workers fit in the device's free memory (with a tenth of it left over), each
-    holding the largest of the kinds' layers besides the decoder's other parameters and buffers,
-    and, while init_random draws it, its largest parameter in fp32. This process's cached, unused
-    blocks go back to the device first."""
+    holding its copy of the decoder's buffers outside the layers and of the largest of the kinds'
+    layers' (the weights it maps from this process). This process's cached, unused blocks go back
+    to the device first."""
     def nbytes(module) -> int:
-        return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+        return sum(t.numel() * t.element_size() for t in module.buffers())
 
     layers = sum(nbytes(layer) for layer in model.layers)
-    drawing = 4 * max(p.numel() for p in model.parameters())
-    per_worker = nbytes(model) - layers + max(nbytes(model.layers[i]) for i in firsts) + drawing + WORKER_OVERHEAD_BYTES
+    per_worker = nbytes(model) - layers + max(nbytes(model.layers[i]) for i in firsts) + WORKER_OVERHEAD_BYTES
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(model.device)
     return int(0.9 * free // per_worker)
@@ -202,9 +245,14 @@ def _run_worker(spec_path: str, frames_path: str | None) -> None:
 
     with open(spec_path, "rb") as f:
         spec = pickle.load(f)
+    tensors, options = spec.pop("tensors"), spec["options"]
     decoder = Decoder(spec["config"], max_batch=spec["max_batch"], max_seq_len=spec["max_seq_len"], dtype=spec["dtype"],
-                      device=spec["device"], layer_ids=spec["layer_ids"]).init_random(0)
-    options = spec["options"]
+                      device=spec["device"] if tensors is None else "meta", layer_ids=spec["layer_ids"])
+    if tensors is None:
+        decoder.init_random(0)
+    else:
+        adopt_tensors(decoder, tensors)
+        del tensors  # the buffers' mapped originals
     frames = Frames.for_options(decoder, options) if frames_path else None
     step = build_step(decoder, options, frames=frames)
     if decoder.device.type == "cuda":

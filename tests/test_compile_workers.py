@@ -53,6 +53,35 @@ def test_each_worker_builds_the_first_layer_of_its_kinds():
         fuse.CompileOptions(compile_workers=-1)
 
 
+def test_a_worker_decoder_maps_the_weights_of_its_layers_and_copies_their_buffers():
+    """On CUDA a worker's decoder takes this process's tensors (fuse/compile_workers.py sends them
+    as IPC handles): its layer j is this decoder's layer layer_ids[j], the weights the same memory,
+    the buffers copies it writes alone. Its step computes what a decoder of those layers loaded
+    with the same state computes."""
+    model = tiny(6, seed=3)
+    model.layers[4].attn.kv_cache.normal_()  # a buffer holding something
+    layer_ids = tuple(kind[0] for kind in layer_kinds(model))[::-1]
+    worker = Decoder(model.config, dtype=torch.float32, device="meta", layer_ids=layer_ids, **SHAPE)
+    compile_workers.adopt_tensors(worker, compile_workers.worker_tensors(model, layer_ids))
+    here = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name, tensor in (*worker.named_parameters(), *worker.named_buffers()):
+        original = here[name if not name.startswith("layers.") else
+                        "layers.{}.{}".format(layer_ids[int(name.split(".")[1])], name.split(".", 2)[2])]
+        assert torch.equal(tensor, original), name
+        assert (tensor.data_ptr() == original.data_ptr()) == isinstance(tensor, torch.nn.Parameter), name
+    built = Decoder(model.config, dtype=torch.float32, layer_ids=layer_ids, **SHAPE)
+    adopted = {**dict(worker.named_parameters()), **dict(worker.named_buffers())}
+    with torch.no_grad():
+        for name, tensor in (*built.named_parameters(), *built.named_buffers()):
+            tensor.copy_(adopted[name])
+    inputs = (torch.tensor([7, 3]), torch.tensor([0, 5]), torch.tensor([1, 0]))
+    assert torch.equal(worker(*inputs), built(*inputs))
+    assert not torch.equal(model.layers[4].attn.kv_cache, worker.layers[layer_ids.index(4)].attn.kv_cache)  # the step wrote the copy
+    outside = {k: v for k, v in compile_workers.worker_tensors(model, (1,)).items() if not k.startswith("layers.")}
+    with pytest.raises(RuntimeError, match=r"no tensor given for \['layers\.0\."):
+        compile_workers.adopt_tensors(Decoder(model.config, dtype=torch.float32, device="meta", layer_ids=(1,), **SHAPE), outside)
+
+
 def test_the_start_loads_every_graph_the_workers_compiled(tmp_path):
     """Two workers for one layer kind: one compiles batch 1's graphs, the other the symbolic batch's."""
     eager = tiny(2, seed=5)
