@@ -286,7 +286,8 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
             with open(os.path.join(settings.out_dir, name), "w") as f:
                 json.dump(result, f, indent=2)
             if args.results and args.start_times:
-                write_section(args.results, f"fuse bench start-times {args.preset}", bench.start_times_markdown(result))
+                some = f" ({','.join(args.starts)})" if args.starts and set(args.starts) != set(bench.START_KEYS) else ""
+                write_section(args.results, f"fuse bench start-times {args.preset}{some}", bench.start_times_markdown(result))
             print(json.dumps(result, indent=1))
             return 0
     result = bench.run_bench(settings)

@@ -400,7 +400,8 @@ def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = STAR
     results["buckets"] = list(buckets)
     results["layers"] = settings.config().n_layers
     results["command"] = (f"python -m fuse bench --start-times --preset {settings.preset}"
-                          + (f" --layers {settings.layers}" if settings.layers else ""))
+                          + (f" --layers {settings.layers}" if settings.layers else "")
+                          + (f" --starts {','.join(starts)}" if set(starts) != set(START_KEYS) else ""))
     return results
 
 

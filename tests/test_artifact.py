@@ -366,3 +366,29 @@ def test_gpu_bench_preset_artifact_from_precompile(tmp_path):
     spec = {"preset": "bench", "device": "cuda", "dtype": "bfloat16", "buckets": [1, 2, 4, 8, 16, 32, 64], "max_batch": 64,
             "max_seq_len": 2048}
     check_gpu_artifact_start(tmp_path, spec, build_with_precompile=True)
+
+
+def test_some_starts_are_a_section_of_their_own_naming_them(tmp_path, monkeypatch):
+    """`--starts cold` runs the cold start only, and writes its table beside the full run's, not over it."""
+    import json
+    import subprocess
+
+    from fuse import bench
+    from fuse.__main__ import main
+
+    launched = []
+    start = {"seconds": 9.0, "compiles": 1, "captured": 0, "phases": {"first calls": 8.0},
+             "inductor_compiles": 1, "aot_compiles": 1, "triton_compiles": 0}
+
+    def child(command, **kwargs):
+        launched.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout=json.dumps(start) + "\n", stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", child)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results.md").write_text("<!-- results: fuse bench start-times bench -->\nthe full run\n<!-- /results -->\n")
+    assert main("bench --device cpu --start-times --starts cold --results results.md".split()) == 0
+    assert len(launched) == 1 and "--artifact" in launched[0]
+    written = (tmp_path / "results.md").read_text()
+    assert "the full run" in written and "<!-- results: fuse bench start-times bench (cold) -->" in written
+    assert "`python -m fuse bench --start-times --preset bench --starts cold`" in written
