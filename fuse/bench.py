@@ -337,6 +337,7 @@ def start_time_child(
         "seconds": seconds, "compiles": s.compiles, "captured": len(s.captured), "phases": s.start_seconds,
         "inductor_compiles": s.inductor_compiles, "aot_compiles": s.aot_compiles, "triton_compiles": s.triton_compiles,
         "compile_workers": [s.compile_workers, s.compile_workers_started],
+        "compile_worker_seconds": s.compile_worker_seconds,
         "artifact": runner.artifact.describe() if runner.artifact else None,
         "warnings": [str(w.message) for w in caught if "fuse" in str(w.message)],
     }
@@ -440,6 +441,11 @@ def start_times_markdown(result: dict) -> str:
         succeeded, started = result[which].get("compile_workers", (0, 0))
         if started:
             notes.append(f"- {which}: {succeeded} of {started} compile workers succeeded.")
+        reported = result[which].get("compile_worker_seconds") or []
+        if reported:
+            slowest = max(reported, key=lambda seconds: sum(seconds.values()))
+            notes.append(f"- {which}: the slowest compile worker, {sum(slowest.values()):.1f} s from its launch: "
+                         + ", ".join(f"{phase} {s:.1f}" for phase, s in slowest.items()) + ".")
         notes += [f"- {which}: {' '.join(w.split())[:600]}" for w in result[which].get("warnings", ())]
     return "\n".join(lines + ([""] + notes if notes else []))
 

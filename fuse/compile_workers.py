@@ -23,12 +23,15 @@ warning naming the worker's error."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import json
 import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -43,6 +46,13 @@ from model import Decoder
 
 # A worker's CUDA context, allocator slack and the compile's workspace, besides its decoder's buffers.
 WORKER_OVERHEAD_BYTES = 2 * 2**30
+# The last line of a worker's output: the wall-clock times (time.time()) at which it reached
+# each of WORKER_PHASES, as JSON after this prefix.
+PHASES_LINE = "fuse compile worker phases: "
+# A worker's phases, each ending at the time its name is recorded under: the interpreter and the
+# imports, its decoder (weights mapped or drawn), its custom ops' kernels compiled ahead (CUDA),
+# its buckets' first calls (the graphs compiled), the frames written (a start building an artifact).
+WORKER_PHASES = ("start-up", "decoder", "kernel compiles ahead", "graphs", "frames written")
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,9 @@ class Worker:
     log_path: str
     spec_path: str
     frames_path: str | None  # where it writes its frames (a start that compiles frames ahead)
+    launched: float  # time.time() at its launch
     succeeded: bool = False
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # per WORKER_PHASES entry it reached
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
@@ -132,8 +144,9 @@ def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Work
         frames_path = spec_path[: -len(".pkl")] + ".frames" if with_frames else None
         with open(log_path, "w") as log:
             command = [sys.executable, "-m", "fuse.compile_workers", spec_path] + ([frames_path] if frames_path else [])
+            launched = time.time()
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        workers.append(Worker(job, process, log_path, spec_path, frames_path))
+        workers.append(Worker(job, process, log_path, spec_path, frames_path, launched))
     return workers
 
 
@@ -175,9 +188,11 @@ def finish(workers: list[Worker]) -> int:
     for worker in workers:
         status = worker.process.wait()
         with open(worker.log_path) as log:
-            tail = log.read()[-1500:]
+            output = log.read()
+        tail = output[-1500:]
         for path in (worker.log_path, worker.spec_path):
             os.remove(path)
+        worker.seconds = phase_seconds(output, worker.launched)
         if status == 0:
             succeeded += 1
             worker.succeeded = True
@@ -188,6 +203,21 @@ def finish(workers: list[Worker]) -> int:
     if workers and torch.cuda.is_initialized():
         torch.cuda.ipc_collect()  # the shared tensors' reference counts, released by the workers
     return succeeded
+
+
+def phase_seconds(output: str, launched: float) -> dict[str, float]:
+    """Seconds per WORKER_PHASES entry from a worker's output (its PHASES_LINE) and its launch
+    time; empty where it printed none (it failed before its end)."""
+    lines = [line for line in output.splitlines() if line.startswith(PHASES_LINE)]
+    if not lines:
+        return {}
+    reached = json.loads(lines[-1][len(PHASES_LINE):])
+    seconds, before = {}, launched
+    for phase in WORKER_PHASES:
+        if phase in reached:
+            seconds[phase] = reached[phase] - before
+            before = reached[phase]
+    return seconds
 
 
 def load_frames(workers: list[Worker], frames: Frames) -> dict:
@@ -243,6 +273,7 @@ def _run_worker(spec_path: str, frames_path: str | None) -> None:
     from fuse.stats import RunnerStats, compile_counts
     from fuse.step import build_step
 
+    reached = {"start-up": time.time()}
     with open(spec_path, "rb") as f:
         spec = pickle.load(f)
     tensors, options = spec.pop("tensors"), spec["options"]
@@ -253,6 +284,7 @@ def _run_worker(spec_path: str, frames_path: str | None) -> None:
     else:
         adopt_tensors(decoder, tensors)
         del tensors  # the buffers' mapped originals
+    reached["decoder"] = time.time()
     frames = Frames.for_options(decoder, options) if frames_path else None
     step = build_step(decoder, options, frames=frames)
     if decoder.device.type == "cuda":
@@ -260,7 +292,9 @@ def _run_worker(spec_path: str, frames_path: str | None) -> None:
 
         pin_triton_toolchain()  # as the runner does: the kernels' cache keys carry the toolchain
         compile_bucket_kernels(decoder, options.buckets, options.kernel_compile_workers)
+        reached["kernel compiles ahead"] = time.time()
     build_buckets(step.run, decoder, options.buckets, use_graphs=False, stats=RunnerStats(), eager=decoder.step, progress=False)
+    reached["graphs"] = time.time()
     if frames is not None:
         counts = compile_counts()
         written = {"frames": frames.saved(), "compiled": len(frames.compiled), "seconds": frames.seconds,
@@ -268,6 +302,13 @@ def _run_worker(spec_path: str, frames_path: str | None) -> None:
         with open(frames_path + ".tmp", "wb") as f:
             pickle.dump(written, f)
         os.replace(frames_path + ".tmp", frames_path)
+        reached["frames written"] = time.time()
+    print(PHASES_LINE + json.dumps(reached), flush=True)
+    # The mapped weights released before the interpreter ends, so that this process's references
+    # to the runner's memory are counted as gone (else the runner warns about them at its exit).
+    del step, frames, decoder
+    torch._dynamo.reset()
+    gc.collect()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ class RunnerStats:
     kernels_compiled_ahead: int = 0  # Triton compiles (or disk-cache loads) submitted before the first calls
     compile_workers: int = 0  # worker processes that compiled the step's graphs into the caches (fuse/compile_workers.py)
     compile_workers_started: int = 0  # worker processes started: those not counted above failed, with a warning
+    # Per compile worker that reached its end: seconds per phase (fuse/compile_workers.py WORKER_PHASES).
+    compile_worker_seconds: list[dict[str, float]] = field(default_factory=list)
     graph_breaks: int = 0
     recompiles: int = 0  # compiles after warm-up (lenient mode only; strict mode raises)
     captured: list[int] = field(default_factory=list)  # buckets replayed from a CUDA graph

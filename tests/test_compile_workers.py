@@ -94,6 +94,10 @@ def test_the_start_loads_every_graph_the_workers_compiled(tmp_path):
     assert s.compile_workers == 2 and s.compiles == 2 * 2  # traced here: the block and the head at each batch shape
     assert (s.inductor_compiles, s.aot_compiles) == (0, 0), runner.describe()
     assert s.start_seconds["waiting for compile workers"] > 0
+    # each worker's phases, from its launch: together no longer than the wait for them
+    assert [list(w) for w in s.compile_worker_seconds] == [["start-up", "decoder", "graphs"]] * 2
+    for seconds in s.compile_worker_seconds:
+        assert all(v > 0 for v in seconds.values()) and sum(seconds.values()) <= s.start_seconds["waiting for compile workers"] + 0.1
     logits_match_eager(runner, eager)
 
 
@@ -110,6 +114,7 @@ def test_an_artifact_build_loads_the_frames_the_workers_compiled(tmp_path):
     assert sorted(runner.frames.functions) == sorted([f"block{k}/batch" for k in range(kinds)] + ["head/batch"])
     assert s.compiles == kinds + 2  # each worker's blocks, and the head in each worker
     assert runner.artifact.contents["frames"] == kinds + 1
+    assert [list(w)[-1] for w in s.compile_worker_seconds] == ["frames written"] * 2
     logits_match_eager(runner, eager)
 
 
@@ -128,6 +133,13 @@ def test_gpu_workers_compile_each_batch_shape_and_the_artifact_build_loads_their
     logits_match_eager(runner, eager)
 
 
+def test_a_workers_phases_are_read_from_its_last_phases_line():
+    output = ("compiling\n" + compile_workers.PHASES_LINE + '{"start-up": 1.0}\n'
+              + compile_workers.PHASES_LINE + '{"start-up": 102.0, "decoder": 103.5, "graphs": 110.0}\nbye\n')
+    assert compile_workers.phase_seconds(output, launched=100.0) == {"start-up": 2.0, "decoder": 1.5, "graphs": 6.5}
+    assert compile_workers.phase_seconds("Traceback ...\n", launched=100.0) == {}
+
+
 def test_a_failed_worker_warns_and_the_start_compiles_its_graphs(tmp_path, monkeypatch):
     eager = tiny(1, seed=6)
     model = tiny(1)
@@ -137,4 +149,5 @@ def test_a_failed_worker_warns_and_the_start_compiles_its_graphs(tmp_path, monke
         runner = fuse.compile_decode(model, buckets=(4,), compilation="regional", cache_dir=str(tmp_path), progress=False)
     assert (runner.stats.compile_workers, runner.stats.compile_workers_started) == (0, 1) and runner.stats.inductor_compiles > 0
     assert "graphs from 0 of 1 compile workers" in runner.describe()
+    assert runner.stats.compile_worker_seconds == []
     logits_match_eager(runner, eager)
