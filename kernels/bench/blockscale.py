@@ -63,14 +63,14 @@ def op_product(batch: int, q: torch.Tensor, scale: torch.Tensor, e4m3_gpu: bool)
 
 def describe_plan(plan: Plan) -> str:
     quant = "pre-pass" if plan.x_quantized else "in-kernel"
-    return f"{plan.block_m}x{plan.block_n}, split {plan.split}, x {quant}"
+    return f"{plan.block_m}x{plan.block_n} {plan.product}, split {plan.split}, x {quant}"
 
 
 def candidates(batch: int, n: int, k: int, sms: int) -> dict[str, tuple[str, Callable]]:
     """The products of the op's semantics timed beside it, each with its launch shape in words:
     the Triton kernel and the Gluon mma product with their own plans, and at one row the GEMV."""
     found = {
-        "Triton": (describe_plan(plan_launch(batch, n, k, sms)), blockscale_linear_triton),
+        "Triton": (describe_plan(plan_launch(batch, n, k, sms, e4m3=converts_e4m3(torch.device("cuda")))), blockscale_linear_triton),
         "mma": (describe_plan(plan_mma(batch, n, k, sms)), blockscale_linear_mma),
     }
     if batch == 1:

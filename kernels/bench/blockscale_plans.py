@@ -19,7 +19,7 @@ from kernels.bench.timing import chained_time_us, rotation_count
 from kernels.blockscale import blockscale_linear_reference, quantize_fp8_weight
 from kernels.blockscale import gluon
 from kernels.blockscale.triton import PRODUCTS, Plan, blockscale_linear_triton, plan_launch, split_where_idle
-from kernels.triton_util import num_sms
+from kernels.triton_util import converts_e4m3, num_sms
 
 BATCHES = (1, 16, 64)
 TOLERANCE = 8e-3  # as kernels/bench/blockscale.py; the e4m3 dot adds its groups with fewer bits
@@ -28,7 +28,7 @@ SHOWN = 3  # best plans listed per shape and batch
 
 def candidate_plans(batch: int, n: int, k: int, sms: int) -> dict[str, Plan]:
     """The default and the swept plans, by a short name."""
-    default = plan_launch(batch, n, k, sms)
+    default = plan_launch(batch, n, k, sms, e4m3=converts_e4m3(torch.device("cuda")))
     plans = {"default": default}
     quantised = (False, True) if batch <= 16 else (True,)
     for block_n, warps, stages, product, pre in itertools.product((32, 64, 128), (4, 8), (2, 4), PRODUCTS, quantised):

@@ -17,6 +17,10 @@ weight byte once with all SMs busy:
   after the dot, so the result differs from the reference (operands
   dequantised to fp32, one product) in summation order only. The same dtype runs under
   TRITON_INTERPRET=1, whose bf16 dot is wrong.
+- FP8 weights on a GPU with e4m3 tensor cores (sm_89 or newer) take an e4m3 x e4m3 dot instead,
+  as the official FP8 GEMM does: no conversion of the codes, each 128-block's products summed by
+  the tensor cores with fewer bits than fp32 (held to 0.008 of the output's scale), then scaled
+  and added in fp32. The fp16 dot stays the product for FP4 weights and under the interpreter.
 - Split K: each program writes its fp32 partial tile to a scratch buffer and counts its arrival;
   the last program of a tile sums the partials in split order (deterministic whichever program
   arrives last), writes the output and sets the counter back to zero for the next launch (no
@@ -38,7 +42,7 @@ import triton.language as tl
 from kernels.blockscale.act_quant_pass import act_quant_triton
 from kernels.blockscale.device import act_scale, quantize_e4m3, unpack_e2m1, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
-from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, interpreting, num_sms, split_counters
+from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, converts_e4m3, interpreting, num_sms, split_counters
 
 
 @triton.jit
@@ -172,14 +176,23 @@ class Plan:
     blocks_per_step: int = 1  # mma: 128-blocks of K whose loads are issued together (1 or 2)
 
 
-def plan_launch(rows: int, n: int, k: int, sms: int) -> Plan:
+def plan_launch(rows: int, n: int, k: int, sms: int, e4m3: bool = False) -> Plan:
     """Tiles for `rows` x [n, k]: all rows in one tile up to 64 (the weight read once), 32 columns
     a program up to 16 rows (more programs for narrow weights) and 64 above (a program's x tile
     costs no more L2 reads than its weight strip); K split when the tiles leave SMs idle; the
-    product an fp16 dot (`_product`)."""
+    product an fp16 dot (`_product`).
+
+    With `e4m3` (FP8 weights on a GPU that has the e4m3 dot) the product is the e4m3 dot, with
+    the tiles that measured fastest for it at V4-Flash's FP8 shapes (`python -m kernels.bench
+    --only blockscale_plans`): 128 columns and 8 warps up to 16 rows; above, 64 columns and 4
+    warps, or 128 and 8 where 128-column tiles alone fill every SM."""
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
-    block_n = 32 if rows <= IN_KERNEL_QUANT_MAX_ROWS else 64
-    plan = Plan(block_m, block_n, 1, k // FP8_BLOCK, rows > IN_KERNEL_QUANT_MAX_ROWS)
+    x_quantized = rows > IN_KERNEL_QUANT_MAX_ROWS
+    if not e4m3:
+        plan = Plan(block_m, 64 if x_quantized else 32, 1, k // FP8_BLOCK, x_quantized)
+    else:
+        wide = not x_quantized or triton.cdiv(n, 128) >= sms
+        plan = Plan(block_m, 128 if wide else 64, 1, k // FP8_BLOCK, x_quantized, num_warps=8 if wide else 4, product="e4m3")
     return split_where_idle(plan, rows, n, k, sms)
 
 
@@ -248,9 +261,9 @@ def blockscale_linear_triton(
     m, n, k = out.shape[0], out.shape[1], rows.shape[1]
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
-    if plan is None:
-        plan = plan_launch(m, n, k, num_sms(x.device))
     fp4 = weight.dtype == torch.uint8
+    if plan is None:
+        plan = plan_launch(m, n, k, num_sms(x.device), e4m3=not fp4 and converts_e4m3(x.device))
     if plan.product not in PRODUCTS:
         raise ValueError(f"blockscale_linear (triton): product {plan.product!r} is not one of {sorted(PRODUCTS)}")
     if plan.product == "e4m3" and (fp4 or interpreting()):
