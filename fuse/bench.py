@@ -338,6 +338,7 @@ def start_time_child(
         "inductor_compiles": s.inductor_compiles, "aot_compiles": s.aot_compiles, "triton_compiles": s.triton_compiles,
         "compile_workers": [s.compile_workers, s.compile_workers_started],
         "compile_worker_seconds": s.compile_worker_seconds,
+        "compile_worker_peak_bytes": s.compile_worker_peak_bytes,
         "artifact": runner.artifact.describe() if runner.artifact else None,
         "warnings": [str(w.message) for w in caught if "fuse" in str(w.message)],
     }
@@ -446,6 +447,9 @@ def start_times_markdown(result: dict) -> str:
             slowest = max(reported, key=lambda seconds: sum(seconds.values()))
             notes.append(f"- {which}: the slowest compile worker, {sum(slowest.values()):.1f} s from its launch: "
                          + ", ".join(f"{phase} {s:.1f}" for phase, s in slowest.items()) + ".")
+        if result[which].get("compile_worker_peak_bytes"):
+            notes.append(f"- {which}: the largest compile worker's allocator peak "
+                         f"{result[which]['compile_worker_peak_bytes'] / 2**30:.2f} GiB (its CUDA context besides).")
         notes += [f"- {which}: {' '.join(w.split())[:600]}" for w in result[which].get("warnings", ())]
     return "\n".join(lines + ([""] + notes if notes else []))
 

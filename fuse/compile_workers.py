@@ -46,9 +46,10 @@ from model import Decoder
 
 # A worker's CUDA context, allocator slack and the compile's workspace, besides its decoder's buffers.
 WORKER_OVERHEAD_BYTES = 2 * 2**30
-# The last line of a worker's output: the wall-clock times (time.time()) at which it reached
-# each of WORKER_PHASES, as JSON after this prefix.
-PHASES_LINE = "fuse compile worker phases: "
+# The last line of a worker's output, as JSON after this prefix: the wall-clock times (time.time())
+# at which it reached each of WORKER_PHASES ("reached") and its allocator's peak ("peak_bytes",
+# CUDA only: the memory a worker holds besides its CUDA context, which WORKER_OVERHEAD_BYTES counts).
+REPORT_LINE = "fuse compile worker: "
 # A worker's phases, each ending at the time its name is recorded under: the interpreter and the
 # imports, its decoder (weights mapped or drawn), its custom ops' kernels compiled ahead (CUDA),
 # its buckets' first calls (the graphs compiled), the frames written (a start building an artifact).
@@ -73,6 +74,7 @@ class Worker:
     launched: float  # time.time() at its launch
     succeeded: bool = False
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # per WORKER_PHASES entry it reached
+    peak_bytes: int = 0  # its CUDA allocator's peak reservation
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
@@ -192,7 +194,7 @@ def finish(workers: list[Worker]) -> int:
         tail = output[-1500:]
         for path in (worker.log_path, worker.spec_path):
             os.remove(path)
-        worker.seconds = phase_seconds(output, worker.launched)
+        worker.seconds, worker.peak_bytes = read_report(output, worker.launched)
         if status == 0:
             succeeded += 1
             worker.succeeded = True
@@ -205,19 +207,20 @@ def finish(workers: list[Worker]) -> int:
     return succeeded
 
 
-def phase_seconds(output: str, launched: float) -> dict[str, float]:
-    """Seconds per WORKER_PHASES entry from a worker's output (its PHASES_LINE) and its launch
-    time; empty where it printed none (it failed before its end)."""
-    lines = [line for line in output.splitlines() if line.startswith(PHASES_LINE)]
+def read_report(output: str, launched: float) -> tuple[dict[str, float], int]:
+    """From a worker's output (its REPORT_LINE) and its launch time: seconds per WORKER_PHASES
+    entry it reached, and its allocator's peak; ({}, 0) where it printed none (it failed before
+    its end)."""
+    lines = [line for line in output.splitlines() if line.startswith(REPORT_LINE)]
     if not lines:
-        return {}
-    reached = json.loads(lines[-1][len(PHASES_LINE):])
+        return {}, 0
+    report = json.loads(lines[-1][len(REPORT_LINE):])
     seconds, before = {}, launched
     for phase in WORKER_PHASES:
-        if phase in reached:
-            seconds[phase] = reached[phase] - before
-            before = reached[phase]
-    return seconds
+        if phase in report["reached"]:
+            seconds[phase] = report["reached"][phase] - before
+            before = report["reached"][phase]
+    return seconds, report["peak_bytes"]
 
 
 def load_frames(workers: list[Worker], frames: Frames) -> dict:
@@ -303,7 +306,8 @@ def _run_worker(spec_path: str, frames_path: str | None) -> None:
             pickle.dump(written, f)
         os.replace(frames_path + ".tmp", frames_path)
         reached["frames written"] = time.time()
-    print(PHASES_LINE + json.dumps(reached), flush=True)
+    peak = torch.cuda.max_memory_reserved(decoder.device) if decoder.device.type == "cuda" else 0
+    print(REPORT_LINE + json.dumps({"reached": reached, "peak_bytes": peak}), flush=True)
     # The mapped weights released before the interpreter ends, so that this process's references
     # to the runner's memory are counted as gone (else the runner warns about them at its exit).
     del step, frames, decoder

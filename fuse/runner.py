@@ -97,6 +97,7 @@ class DecodeRunner:
                         with self.stats.phase("waiting for compile workers", self.device):
                             self.stats.compile_workers = compile_workers.finish(workers)
                             self.stats.compile_worker_seconds = [w.seconds for w in workers if w.seconds]
+                            self.stats.compile_worker_peak_bytes = max(w.peak_bytes for w in workers)
                             if self.frames is not None:
                                 self._load_worker_frames(workers)
                     if kernels_ahead:

@@ -40,6 +40,7 @@ class RunnerStats:
     compile_workers_started: int = 0  # worker processes started: those not counted above failed, with a warning
     # Per compile worker that reached its end: seconds per phase (fuse/compile_workers.py WORKER_PHASES).
     compile_worker_seconds: list[dict[str, float]] = field(default_factory=list)
+    compile_worker_peak_bytes: int = 0  # the largest CUDA allocator peak among them (their contexts besides)
     graph_breaks: int = 0
     recompiles: int = 0  # compiles after warm-up (lenient mode only; strict mode raises)
     captured: list[int] = field(default_factory=list)  # buckets replayed from a CUDA graph

@@ -322,10 +322,11 @@ def test_start_times_table_has_the_artifact_start():
     assert notes == ["- cold, compile workers: 0 of 4 compile workers succeeded.",
                      "- cold, compile workers: fuse: the compile worker of layers [0], buckets [1], failed (exit status 1)"]
     # the slowest worker's phases, where they reported them
-    reported = {**start, "compile_workers": [2, 2], "compile_worker_seconds": [
+    reported = {**start, "compile_workers": [2, 2], "compile_worker_peak_bytes": 3 * 2**29, "compile_worker_seconds": [
         {"start-up": 5.0, "decoder": 1.0, "graphs": 20.0}, {"start-up": 4.0, "decoder": 1.0, "graphs": 30.0}]}
     notes = bench.start_times_markdown({**on_gpu, "cold, compile workers": reported}).split("\n\n")[-1].splitlines()
-    assert notes[-1] == "- cold, compile workers: the slowest compile worker, 35.0 s from its launch: start-up 4.0, decoder 1.0, graphs 30.0."
+    assert notes[-2:] == ["- cold, compile workers: the slowest compile worker, 35.0 s from its launch: start-up 4.0, decoder 1.0, graphs 30.0.",
+                          "- cold, compile workers: the largest compile worker's allocator peak 1.50 GiB (its CUDA context besides)."]
 
 
 # -- on a GPU: the custom ops' Triton kernels and autotune choices travel too -----------------------

@@ -128,16 +128,18 @@ def test_gpu_workers_compile_each_batch_shape_and_the_artifact_build_loads_their
     runner = fuse.compile_decode(model, buckets=(1, 4), compile_workers=2, artifact=str(tmp_path / "a.zip"), progress=False)
     s = runner.stats
     assert s.compile_workers == s.compile_workers_started == 2 and runner.frames.compiled == [], runner.describe()
+    assert 0 < s.compile_worker_peak_bytes < compile_workers.WORKER_OVERHEAD_BYTES  # what a worker is counted for
     assert sorted(runner.frames.functions) == ["block0/batch", "block0/batch1", "head/batch", "head/batch1"]
     assert s.captured == [4, 1]
     logits_match_eager(runner, eager)
 
 
-def test_a_workers_phases_are_read_from_its_last_phases_line():
-    output = ("compiling\n" + compile_workers.PHASES_LINE + '{"start-up": 1.0}\n'
-              + compile_workers.PHASES_LINE + '{"start-up": 102.0, "decoder": 103.5, "graphs": 110.0}\nbye\n')
-    assert compile_workers.phase_seconds(output, launched=100.0) == {"start-up": 2.0, "decoder": 1.5, "graphs": 6.5}
-    assert compile_workers.phase_seconds("Traceback ...\n", launched=100.0) == {}
+def test_a_workers_phases_and_peak_are_read_from_its_last_report_line():
+    line = compile_workers.REPORT_LINE
+    output = (f'compiling\n{line}{{"reached": {{"start-up": 1.0}}, "peak_bytes": 5}}\n'
+              f'{line}{{"reached": {{"start-up": 102.0, "decoder": 103.5, "graphs": 110.0}}, "peak_bytes": 7}}\nbye\n')
+    assert compile_workers.read_report(output, launched=100.0) == ({"start-up": 2.0, "decoder": 1.5, "graphs": 6.5}, 7)
+    assert compile_workers.read_report("Traceback ...\n", launched=100.0) == ({}, 0)
 
 
 def test_a_failed_worker_warns_and_the_start_compiles_its_graphs(tmp_path, monkeypatch):
@@ -149,5 +151,5 @@ def test_a_failed_worker_warns_and_the_start_compiles_its_graphs(tmp_path, monke
         runner = fuse.compile_decode(model, buckets=(4,), compilation="regional", cache_dir=str(tmp_path), progress=False)
     assert (runner.stats.compile_workers, runner.stats.compile_workers_started) == (0, 1) and runner.stats.inductor_compiles > 0
     assert "graphs from 0 of 1 compile workers" in runner.describe()
-    assert runner.stats.compile_worker_seconds == []
+    assert runner.stats.compile_worker_seconds == [] and runner.stats.compile_worker_peak_bytes == 0
     logits_match_eager(runner, eager)
