@@ -9,7 +9,7 @@ launch the same kernels, and fake tensors cost about as much Python per op as re
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -25,30 +25,40 @@ def distinct_blocks(model) -> list[torch.nn.Module]:
     return [model.layers[kind[0]] for kind in layer_kinds(model)]
 
 
-def bucket_op_calls(model, sizes: tuple[int, ...], step: Callable | None = None) -> list[OpCall]:
+def bucket_op_calls(model, sizes: tuple[int, ...], step: Callable | None = None) -> dict[OpCall, set[tuple[int | None, int]]]:
     """The distinct custom-op calls of one eager step per bucket size (`step`, default
-    model.step, called with `layers=` one block per kind), on fake tensors. A step that cannot
-    run on fake tensors gives the calls recorded before it stopped, with a warning (compiling
-    ahead only saves time; the first calls compile the rest)."""
+    model.step, called with `layers=` one block per kind), on fake tensors, each with where it
+    was made: (the index of the block's kind in layer_kinds, or None outside the blocks; the
+    bucket size). A step that cannot run on fake tensors gives the calls recorded before it
+    stopped, with a warning (compiling ahead only saves time; the first calls compile the rest)."""
     step = step or model.step
     blocks = distinct_blocks(model)
     inputs = [padding_rows(model, size) for size in sizes]
     with FakeTensorMode(allow_non_fake_inputs=True), record_op_calls() as recorded:
         try:
-            for step_inputs in inputs:
-                step(*step_inputs, layers=blocks)
+            for size, step_inputs in zip(sizes, inputs):
+                recorded.where = (None, size)
+                step(*step_inputs, layers=[_recorded_at(recorded, (kind, size), block) for kind, block in enumerate(blocks)])
         except Exception as error:  # noqa: BLE001
             warnings.warn(f"compiling kernels ahead: the step did not run on fake tensors ({type(error).__name__}: "
                           f"{str(error).splitlines()[0][:200]}); the first calls compile what was not recorded")
-    return list(recorded.calls)
+    return recorded.calls
 
 
-def compile_op_calls(calls: list[OpCall], workers: int | None) -> int:
+def _recorded_at(recorder: record_op_calls, where: tuple[int, int], block: Callable) -> Callable:
+    """`block`, the calls it makes recorded as made at `where`."""
+    def run(*args):
+        outside, recorder.where = recorder.where, where
+        try:
+            return block(*args)
+        finally:
+            recorder.where = outside
+
+    return run
+
+
+def compile_op_calls(calls: Iterable[OpCall], workers: int | None) -> int:
     """Compile every Triton kernel the recorded calls launch, `workers` at a time; the number of
     compiles submitted. For calls on a GPU (elsewhere the ops run their references)."""
     return compile_ahead([call.replay for call in calls], workers)
 
-
-def compile_bucket_kernels(model, sizes: tuple[int, ...], workers: int | None) -> int:
-    """compile_op_calls of the buckets' steps."""
-    return compile_op_calls(bucket_op_calls(model, sizes), workers)

@@ -86,13 +86,17 @@ class DecodeRunner:
                 if not loaded:  # from an artifact nothing compiles (and the fake steps alone would take seconds)
                     kernels_ahead = (self.device.type == "cuda" and options.kernel_compile_workers != 0
                                      and split_ranks(decoder) is None)
-                    workers = compile_workers.start(decoder, options, buckets)
+                    workers = compile_workers.start(decoder, options, buckets, share_kernels=kernels_ahead)
                     self.stats.compile_workers_started = len(workers)
                     if kernels_ahead:
                         from fuse.precompile import bucket_op_calls, compile_op_calls  # imports Triton
 
-                        with self.stats.phase("kernel compiles ahead", self.device):  # its fake steps, beside the workers
-                            op_calls = bucket_op_calls(decoder, buckets)
+                        op_calls = {}
+                        try:
+                            with self.stats.phase("kernel compiles ahead", self.device):  # its fake steps, beside the workers
+                                op_calls = bucket_op_calls(decoder, buckets)
+                        finally:  # the workers wait for it
+                            compile_workers.share_kernels(workers, decoder, op_calls)
                     if workers:
                         with self.stats.phase("waiting for compile workers", self.device):
                             self.stats.compile_workers = compile_workers.finish(workers)

@@ -69,6 +69,12 @@ class OpCall:
     def name(self) -> str:
         return self.op.name().split("::")[1]
 
+    @property
+    def key(self) -> str:
+        """The call as text (the op, the layouts and values of its arguments): the same call
+        recorded in another process has the same key."""
+        return f"{self.op}{self.args!r}{self.kwargs!r}"
+
     def arguments(self, device: torch.device | None = None) -> tuple[list, dict]:
         """The real tensors the op only reads, else new tensors of the recorded layouts (on
         `device` if given: then new ones only); the other values as recorded."""
@@ -108,12 +114,14 @@ def _written(func: torch._ops.OpOverload) -> set:
 
 
 class record_op_calls(TorchDispatchMode):
-    """Records every v4:: op call made inside it (each distinct call once, in order). Run the
-    step under torch's FakeTensorMode, inside this mode, and nothing executes."""
+    """Records every v4:: op call made inside it (each distinct call once, in order), each with
+    the values `where` held at the calls that made it (set it to say where a call came from).
+    Run the step under torch's FakeTensorMode, inside this mode, and nothing executes."""
 
     def __init__(self):
         super().__init__()
-        self.calls: dict[OpCall, None] = {}
+        self.calls: dict[OpCall, set] = {}
+        self.where = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -123,7 +131,7 @@ class record_op_calls(TorchDispatchMode):
                 func, tuple(_frozen(v, i not in written, stand_ins) for i, v in enumerate(args)),
                 tuple((k, _frozen(v, k not in written, stand_ins)) for k, v in kwargs.items()), stand_ins,
             )
-            self.calls.setdefault(call, None)
+            self.calls.setdefault(call, set()).add(self.where)
         return func(*args, **kwargs)
 
 

@@ -82,6 +82,40 @@ def test_a_worker_decoder_maps_the_weights_of_its_layers_and_copies_their_buffer
         compile_workers.adopt_tensors(Decoder(model.config, dtype=torch.float32, device="meta", layer_ids=(1,), **SHAPE), outside)
 
 
+@pytest.mark.parametrize("per_kind_and_shape", [False, True])
+def test_each_kernel_the_workers_share_is_handed_to_one_worker_that_launches_it(per_kind_and_shape):
+    """The runner records every bucket's op calls and hands each to one worker whose layers and
+    buckets make it: every call once, and each worker, recording its own decoder's calls, makes
+    every call it was handed under the same key (so it compiles them, and skips the others')."""
+    from fuse.precompile import bucket_op_calls
+
+    model = tiny(6, seed=2)
+    firsts, buckets = [kind[0] for kind in layer_kinds(model)], (1, 2, 4)
+    count = 2 * len(firsts) if per_kind_and_shape else 2
+    jobs = compile_workers.worker_jobs(model, fuse.CompileOptions(compilation="regional", compile_workers=count), buckets)
+    recorded = bucket_op_calls(model, buckets)
+    owner = compile_workers.assign_kernels(recorded, jobs, firsts)
+    assert set(owner) == {call.key for call in recorded}
+    made = []
+    for index, job in enumerate(jobs):
+        worker = Decoder(model.config, dtype=torch.float32, device="meta", layer_ids=job.layer_ids, **SHAPE)
+        compile_workers.adopt_tensors(worker, compile_workers.worker_tensors(model, job.layer_ids))
+        keys = {call.key for call in bucket_op_calls(worker, job.buckets)}
+        assert {key for key, i in owner.items() if i == index} <= keys, index
+        made.append(keys)
+    assert sum(map(len, made)) > len(owner)  # without sharing, some kernels would compile in several workers
+    assert set().union(*made) == set(owner)
+    loads = [list(owner.values()).count(i) for i in range(len(jobs))]
+    assert min(loads) > 0, loads
+
+
+def test_a_worker_waits_for_the_runners_kernel_shares_and_gives_up_on_them(tmp_path):
+    path = tmp_path / "shares.json"
+    assert compile_workers.read_kernel_shares(str(path), wait_s=0.1) == {}
+    path.write_text('{"v4.op(1)": 1}')
+    assert compile_workers.read_kernel_shares(str(path), wait_s=0.1) == {"v4.op(1)": 1}
+
+
 def test_the_start_loads_every_graph_the_workers_compiled(tmp_path):
     """Two workers for one layer kind: one compiles batch 1's graphs, the other the symbolic batch's."""
     eager = tiny(2, seed=5)

@@ -29,8 +29,15 @@ def test_the_fake_run_records_the_calls_of_a_real_step_and_changes_nothing():
     with record_op_calls() as real:  # the same steps, executed
         for size in (1, 4):
             model.step(*padding_rows(model, size))
-    assert recorded == list(real.calls)
+    assert list(recorded) == list(real.calls)
     assert {call.name for call in recorded} >= {"sparse_mla_decode", "moe_experts", "indexer_topk"}
+    # where each was made: the kind of the block (its index in layer_kinds) or outside the blocks, and the bucket
+    kinds = len(distinct_blocks(model))
+    for call, sites in recorded.items():
+        assert all(kind is None or 0 <= kind < kinds for kind, _ in sites) and {size for _, size in sites} <= {1, 4}
+        if call.name == "moe_experts":  # in every block, at its bucket's rows
+            assert {size for _, size in sites} == {call.args[0].shape[0]} and None not in {kind for kind, _ in sites}
+    assert {kind for sites in recorded.values() for kind, _ in sites} == set(range(kinds))
     sizes = {call.args[0].shape[0] for call in recorded if call.name == "moe_experts"}
     assert sizes == {1, 4}
 
