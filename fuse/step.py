@@ -156,6 +156,7 @@ def build_step(
         run = lambda tokens, positions, slots: model.step(tokens, positions, slots, layers=blocks, logits=head)  # noqa: E731
         return CompiledStep(run, (), compilation=compilation)
     backend = compile_backend(options, model.device, on_graph, *_compiling_rank_0_first(split_ranks(model)))
+    _mark_buffers_static(model)
     dynamic = None if options.dynamic_batch else False
     compile_ = lambda fn: torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=backend)  # noqa: E731
     symbolic = options.dynamic_batch
@@ -202,6 +203,16 @@ def layer_kinds(model: DecodeModel) -> list[list[int]]:
         tensors = [*block.named_parameters(), *block.named_buffers()]
         kinds.setdefault((type(block), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors)), []).append(index)
     return list(kinds.values())
+
+
+def _mark_buffers_static(model) -> None:
+    """Every buffer of `model` a static input of the graphs that take it as an argument (the rope
+    tables and the Hadamard matrix the step hands the blocks). Dynamo marks a module's buffers so
+    the first time it traces one of the module's methods (the head), so a graph traced before
+    that and one traced after would differ, and a compile worker, which traces in another order,
+    would miss the runner's cache."""
+    for buffer in model.buffers():
+        torch._dynamo.mark_static_address(buffer, guard=False)
 
 
 def _shared_forward(model: DecodeModel) -> types.FunctionType:
