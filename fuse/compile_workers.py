@@ -119,13 +119,13 @@ def worker_jobs(model, options: CompileOptions, buckets: tuple[int, ...]) -> lis
     return [Job(tuple(firsts[i::count]), tuple(buckets)) for i in range(count)]
 
 
-def start(model, options: CompileOptions, buckets: tuple[int, ...], share_kernels: bool = False) -> list[Worker]:
+def start(model, options: CompileOptions, buckets: tuple[int, ...], kernels_shared: bool = False) -> list[Worker]:
     """One process per entry of worker_jobs, started; `finish` waits for them. With
-    `share_kernels` each worker compiles ahead only the kernels `share_kernels` hands it (the
+    `kernels_shared` each worker compiles ahead only the kernels `share_kernels` hands it (the
     runner must call it); else all of its own."""
     jobs = worker_jobs(model, options, buckets)
     shares_path = None
-    if share_kernels and jobs and model.device.type == "cuda":
+    if kernels_shared and jobs and model.device.type == "cuda":
         handle, shares_path = tempfile.mkstemp(prefix="fuse-compile-kernels-", suffix=".json")
         os.close(handle)
         os.remove(shares_path)  # the workers wait for it to appear

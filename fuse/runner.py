@@ -86,7 +86,7 @@ class DecodeRunner:
                 if not loaded:  # from an artifact nothing compiles (and the fake steps alone would take seconds)
                     kernels_ahead = (self.device.type == "cuda" and options.kernel_compile_workers != 0
                                      and split_ranks(decoder) is None)
-                    workers = compile_workers.start(decoder, options, buckets, share_kernels=kernels_ahead)
+                    workers = compile_workers.start(decoder, options, buckets, kernels_shared=kernels_ahead)
                     self.stats.compile_workers_started = len(workers)
                     if kernels_ahead:
                         from fuse.precompile import bucket_op_calls, compile_op_calls  # imports Triton
