@@ -276,8 +276,14 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
         return 0
     from kernels.bench.results import write_section
 
+    def write_start_times(result: dict) -> None:  # after each start: a run cut short keeps the starts it measured
+        if args.results:
+            some = f" ({','.join(args.starts)})" if args.starts and set(args.starts) != set(bench.START_KEYS) else ""
+            write_section(args.results, f"fuse bench start-times {args.preset}{some}", bench.start_times_markdown(result))
+
     for flag, measure, name in (
-        (args.start_times, lambda s: bench.measure_start_times(s, starts=args.starts or bench.START_KEYS), "start_times.json"),
+        (args.start_times, lambda s: bench.measure_start_times(s, starts=args.starts or bench.START_KEYS, on_start=write_start_times),
+         "start_times.json"),
         (args.compare_precision, bench.compare_precision, "precision.json"),
     ):
         if flag:
@@ -285,9 +291,6 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
             os.makedirs(settings.out_dir, exist_ok=True)
             with open(os.path.join(settings.out_dir, name), "w") as f:
                 json.dump(result, f, indent=2)
-            if args.results and args.start_times:
-                some = f" ({','.join(args.starts)})" if args.starts and set(args.starts) != set(bench.START_KEYS) else ""
-                write_section(args.results, f"fuse bench start-times {args.preset}{some}", bench.start_times_markdown(result))
             print(json.dumps(result, indent=1))
             return 0
     result = bench.run_bench(settings)

@@ -357,18 +357,23 @@ def check_starts(starts: tuple[str, ...]) -> None:
 
 
 def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = START_BUCKETS,
-                        starts: tuple[str, ...] = START_KEYS) -> dict:
+                        starts: tuple[str, ...] = START_KEYS, on_start: Callable[[dict], None] | None = None) -> dict:
     """compile_decode for `buckets`, each of STARTS in a new process: cold (empty compile caches; it
     saves an artifact), warm (the caches the cold start filled) and artifact (other, empty caches
     and the cold start's artifact only); on CUDA also the cold start with compile workers and
     stock reduce-overhead's (each with its own empty caches, stock stopped after
     STOCK_START_COLD_MULTIPLE times the cold start, or STOCK_START_LIMIT_S). `starts`: the
-    START_KEYS of those to run (warm and artifact need cold)."""
+    START_KEYS of those to run (warm and artifact need cold). `on_start(results)` after each start,
+    with the starts measured so far (a run cut short keeps them)."""
     check_starts(starts)
     on_cuda = settings.device.startswith("cuda")
     results = {
         "gpu": torch.cuda.get_device_name() if on_cuda else "cpu",
         "torch": torch.__version__, "triton": _triton_version(), "date": datetime.date.today().isoformat(),
+        "buckets": list(buckets), "layers": settings.config().n_layers,
+        "command": (f"python -m fuse bench --start-times --preset {settings.preset}"
+                    + (f" --layers {settings.layers}" if settings.layers else "")
+                    + (f" --starts {','.join(starts)}" if set(starts) != set(START_KEYS) else "")),
     }
     with tempfile.TemporaryDirectory(prefix="fuse-start-") as folder:
         artifact = os.path.join(folder, "artifact.zip")
@@ -394,16 +399,12 @@ def measure_start_times(settings: BenchSettings, buckets: tuple[int, ...] = STAR
             try:
                 done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=limit)
             except subprocess.TimeoutExpired:
-                results[which] = {"timed_out_after": limit}
-                continue
-            if done.returncode:
+                done = None
+            if done is not None and done.returncode:
                 raise RuntimeError(f"{which} start failed:\n{done.stderr[-3000:]}")
-            results[which] = json.loads(done.stdout.strip().splitlines()[-1])
-    results["buckets"] = list(buckets)
-    results["layers"] = settings.config().n_layers
-    results["command"] = (f"python -m fuse bench --start-times --preset {settings.preset}"
-                          + (f" --layers {settings.layers}" if settings.layers else "")
-                          + (f" --starts {','.join(starts)}" if set(starts) != set(START_KEYS) else ""))
+            results[which] = {"timed_out_after": limit} if done is None else json.loads(done.stdout.strip().splitlines()[-1])
+            if on_start is not None:
+                on_start(results)
     return results
 
 

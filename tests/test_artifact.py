@@ -398,3 +398,27 @@ def test_some_starts_are_a_section_of_their_own_naming_them(tmp_path, monkeypatc
     written = (tmp_path / "results.md").read_text()
     assert "the full run" in written and "<!-- results: fuse bench start-times bench (cold) -->" in written
     assert "`python -m fuse bench --start-times --preset bench --starts cold`" in written
+
+
+def test_a_start_times_run_cut_short_keeps_the_starts_it_measured(tmp_path, monkeypatch):
+    """The results section is written after each start: a later start that fails (or a run
+    stopped at a time limit) leaves the rows measured before it."""
+    import json
+    import subprocess
+
+    from fuse import bench
+    from fuse.__main__ import main
+
+    start = {"seconds": 9.0, "compiles": 1, "captured": 0, "phases": {"first calls": 8.0},
+             "inductor_compiles": 1, "aot_compiles": 1, "triton_compiles": 0}
+
+    def child(command, **kwargs):
+        failed = "--artifact" not in command  # the warm start
+        return subprocess.CompletedProcess(command, int(failed), stdout="" if failed else json.dumps(start) + "\n", stderr="boom")
+
+    monkeypatch.setattr(bench.subprocess, "run", child)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError, match="warm start failed"):
+        main("bench --device cpu --start-times --starts cold,warm --results results.md".split())
+    rows = [line for line in (tmp_path / "results.md").read_text().splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[1:]] == ["| cold"]
