@@ -61,4 +61,3 @@ def compile_op_calls(calls: Iterable[OpCall], workers: int | None) -> int:
     """Compile every Triton kernel the recorded calls launch, `workers` at a time; the number of
     compiles submitted. For calls on a GPU (elsewhere the ops run their references)."""
     return compile_ahead([call.replay for call in calls], workers)
-
