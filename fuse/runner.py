@@ -84,30 +84,7 @@ class DecodeRunner:
                 if dump:
                     dump.watch(self.step.once_per_step)
                 if not loaded:  # from an artifact nothing compiles (and the fake steps alone would take seconds)
-                    kernels_ahead = (self.device.type == "cuda" and options.kernel_compile_workers != 0
-                                     and split_ranks(decoder) is None)
-                    workers = compile_workers.start(decoder, options, buckets, kernels_shared=kernels_ahead)
-                    self.stats.compile_workers_started = len(workers)
-                    if kernels_ahead:
-                        from fuse.precompile import bucket_op_calls, compile_op_calls  # imports Triton
-
-                        op_calls = {}
-                        try:
-                            with self.stats.phase("kernel compiles ahead", self.device):  # its fake steps, beside the workers
-                                op_calls = bucket_op_calls(decoder, buckets)
-                        finally:  # the workers wait for it
-                            compile_workers.share_kernels(workers, decoder, op_calls)
-                    if workers:
-                        with self.stats.phase("waiting for compile workers", self.device):
-                            self.stats.compile_workers = compile_workers.finish(workers)
-                            self.stats.compile_worker_seconds = [w.seconds for w in workers if w.seconds]
-                            self.stats.compile_worker_peak_bytes = max(w.peak_bytes for w in workers)
-                            if self.frames is not None:
-                                self._load_worker_frames(workers)
-                    if kernels_ahead:
-                        # after the workers: their kernels load from Triton's cache instead of compiling
-                        with self.stats.phase("kernel compiles ahead", self.device):
-                            self.stats.kernels_compiled_ahead = compile_op_calls(op_calls, options.kernel_compile_workers)
+                    self._compile_ahead(buckets)
                 self._buckets = build_buckets(
                     self.step.run, decoder, buckets, self.use_graphs, self.stats, eager=decoder.step,
                     progress=options.progress, first_call=dump.first_call if dump else None,
@@ -124,6 +101,34 @@ class DecodeRunner:
         if dump:
             settings = {"device": str(self.device), "dynamic_batch": options.dynamic_batch, "mode": options.mode}
             self.inspection = dump.inspection(self.step.compilation, buckets, settings, AROUND_THE_STEP)
+
+    def _compile_ahead(self, buckets: tuple[int, ...]) -> None:
+        """Before the buckets' first calls: their graphs in compile workers (fuse/compile_workers.py)
+        and, on CUDA, the custom ops' kernels in a pool of threads (fuse/precompile.py)."""
+        decoder, options = self.decoder, self.options
+        kernels_ahead = self.device.type == "cuda" and options.kernel_compile_workers != 0 and split_ranks(decoder) is None
+        workers = compile_workers.start(decoder, options, buckets, kernels_shared=kernels_ahead)
+        self.stats.compile_workers_started = len(workers)
+        if kernels_ahead:
+            from fuse.precompile import bucket_op_calls, compile_op_calls  # imports Triton
+
+            op_calls = {}
+            try:
+                with self.stats.phase("kernel compiles ahead", self.device):  # its fake steps, beside the workers
+                    op_calls = bucket_op_calls(decoder, buckets)
+            finally:  # the workers wait for it
+                compile_workers.share_kernels(workers, decoder, op_calls)
+        if workers:
+            with self.stats.phase("waiting for compile workers", self.device):
+                self.stats.compile_workers = compile_workers.finish(workers)
+                self.stats.compile_worker_seconds = [w.seconds for w in workers if w.seconds]
+                self.stats.compile_worker_peak_bytes = max(w.peak_bytes for w in workers)
+                if self.frames is not None:
+                    self._load_worker_frames(workers)
+        if kernels_ahead:
+            # after the workers: their kernels load from Triton's cache instead of compiling
+            with self.stats.phase("kernel compiles ahead", self.device):
+                self.stats.kernels_compiled_ahead = compile_op_calls(op_calls, options.kernel_compile_workers)
 
     def _load_artifact(self) -> tuple[dict, str]:
         """Load options.artifact into the compile caches where it is there and matches (else raise,
