@@ -29,8 +29,16 @@ LAYERS = 2  # one layer kind: an artifact's build compiles its frames (fuse/fram
 # artifact, then one step on fixed inputs; prints its counts and writes its logits.
 START = textwrap.dedent("""
     import json, sys, time, torch, fuse
+    from torch._inductor import async_compile
     from model import Decoder, ModelConfig
     spec = json.loads(sys.argv[4])
+    # The compile threads Inductor has while it loads (or compiles) each kernel.
+    threads = set()
+    for name in ("triton", "cpp", "cpp_pybinding"):
+        def counted(self, *args, _load=getattr(async_compile.AsyncCompile, name), **kwargs):
+            threads.add(async_compile.get_compile_threads())
+            return _load(self, *args, **kwargs)
+        setattr(async_compile.AsyncCompile, name, counted)
     decoder = Decoder(ModelConfig.preset(spec["preset"], layers=spec.get("layers")), max_batch=spec["max_batch"],
                       max_seq_len=spec["max_seq_len"], dtype=getattr(torch, spec["dtype"]), device=spec["device"]).init_random(seed=3)
     start = time.perf_counter()
@@ -41,17 +49,20 @@ START = textwrap.dedent("""
     s = runner.stats
     print(json.dumps({"seconds": seconds, "compiles": s.compiles, "inductor": s.inductor_compiles, "aot": s.aot_compiles,
                       "triton": s.triton_compiles, "phases": s.start_seconds, "action": runner.artifact.action,
-                      "contents": runner.artifact.contents, "describe": runner.describe()}))
+                      "contents": runner.artifact.contents, "describe": runner.describe(), "threads": sorted(threads)}))
 """)
 TINY_CPU = {"preset": "tiny", "layers": LAYERS, "device": "cpu", "dtype": "float32", "buckets": list(BUCKETS), "max_batch": 4,
             "max_seq_len": 64}
 
 
 def start_in_new_process(tmp_path, name: str, artifact: str, mode: str, spec: dict = TINY_CPU,
-                         empty_caches: bool = True) -> tuple[dict, torch.Tensor]:
+                         empty_caches: bool = True, compile_threads: int | None = None) -> tuple[dict, torch.Tensor]:
     """A start in a new process: with `empty_caches`, compile caches that are new, empty folders;
-    else this session's (what it compiles serves the in-process starts of later tests)."""
+    else this session's (what it compiles serves the in-process starts of later tests). With
+    `compile_threads`, Inductor's (TORCHINDUCTOR_COMPILE_THREADS)."""
     env = {**os.environ, "PYTHONPATH": ROOT}
+    if compile_threads is not None:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(compile_threads)
     if empty_caches:
         caches = tmp_path / f"caches-{name}"
         env.update(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"))
@@ -106,7 +117,8 @@ def test_a_start_from_the_artifact_alone_compiles_nothing_and_computes_the_same(
     assert manifest["contents"]["frames"] == build["compiles"] == kinds + 1
     assert manifest["contents"]["cpp_libraries"] >= 1  # the CPU kernels, so that the next start builds none
 
-    warm, logits = start_in_new_process(tmp_path, "load", path, "load")  # other, empty caches: only the artifact
+    # Other, empty caches: only the artifact. Inductor set to compile in a pool of processes, as on a many-core host.
+    warm, logits = start_in_new_process(tmp_path, "load", path, "load", compile_threads=4)
     print(f"\nstart that builds the artifact {build['seconds']:.1f} s: {build['phases']}"
           f"\nstart from the artifact {warm['seconds']:.1f} s: {warm['phases']}")
     assert warm["action"] == "loaded", warm
@@ -114,6 +126,8 @@ def test_a_start_from_the_artifact_alone_compiles_nothing_and_computes_the_same(
     assert (warm["compiles"], warm["inductor"], warm["aot"], warm["triton"]) == (0, 0, 0, 0), warm["describe"]
     assert warm["phases"]["artifact load"] > 0 and "artifact save" not in warm["phases"]
     assert "artifact: loaded" in warm["describe"]
+    # Its kernels load in this process: no pool of compile processes starts beside it.
+    assert warm["threads"] == [1], warm["threads"]
     assert torch.equal(logits, build_logits)
 
 
