@@ -363,12 +363,13 @@ def check_gpu_artifact_start(tmp_path, spec: dict, build_with_precompile: bool =
     with zipfile.ZipFile(path) as archive:
         contents = json.loads(archive.read(art.MANIFEST))["contents"]
     assert contents["triton_entries"] >= 1, contents  # the custom ops' kernels (and launchers)
-    warm, logits = start_in_new_process(tmp_path, "load", path, "load", spec)
+    warm, logits = start_in_new_process(tmp_path, "load", path, "load", spec, compile_threads=4)
     print(f"\n{spec['preset']}: cold {cold['seconds'] if cold else '-'} s, from the artifact {warm['seconds']:.1f} s"
           f"\n{warm['describe']}")
     assert warm["action"] == "loaded"
     assert (warm["inductor"], warm["aot"], warm["triton"]) == (0, 0, 0), warm["describe"]
     assert "kernel compiles ahead" not in warm["phases"]  # the first calls load the kernels from the artifact's
+    assert warm["threads"] == [1], warm["threads"]  # and Inductor's in this process, without a pool of compile processes
     if cold is not None:
         torch.testing.assert_close(logits, cold_logits, rtol=1e-5, atol=1e-5)
 
