@@ -142,3 +142,18 @@ def pin_triton_toolchain() -> None:
         setter = getattr(compile_tasks, name, None)  # private helpers; absent in some versions
         if setter is not None:
             setter()
+
+
+def warm_compile_pool(device: torch.device) -> None:
+    """Start Inductor's pool of Triton compile processes now, for a start that is about to compile
+    on `device`. Until the pool is ready Inductor compiles each Triton kernel in this process, one
+    at a time; torch's own "inductor" backend starts it at its first call, this one (compile_fx
+    called directly) would only at the first kernel. No pool on the CPU (its C++ kernels compile
+    in threads), with one compile thread, or where TORCH_WARM_POOL=0."""
+    if device.type != "cuda":
+        return
+    from torch._inductor import async_compile
+
+    warm = getattr(async_compile, "maybe_warm_pool", None)  # absent in some versions
+    if warm is not None:
+        warm()

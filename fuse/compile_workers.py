@@ -327,7 +327,7 @@ def _run_worker(spec_path: str, frames_path: str | None) -> None:
     """Build the spec's decoder, compile its custom-op kernels ahead and run each bucket's first
     call (the runner's warm-up, without capturing): every graph and kernel of its layers lands in
     the caches, or, with `frames_path`, its frames compiled ahead are written there."""
-    from fuse.backend import pin_triton_toolchain
+    from fuse.backend import pin_triton_toolchain, warm_compile_pool
     from fuse.graphs import build_buckets
     from fuse.stats import RunnerStats, compile_counts
     from fuse.step import build_step
@@ -336,6 +336,7 @@ def _run_worker(spec_path: str, frames_path: str | None) -> None:
     with open(spec_path, "rb") as f:
         spec = pickle.load(f)
     tensors, options = spec.pop("tensors"), spec["options"]
+    warm_compile_pool(torch.device(spec["device"]))  # ready by the graphs' compile
     decoder = Decoder(spec["config"], max_batch=spec["max_batch"], max_seq_len=spec["max_seq_len"], dtype=spec["dtype"],
                       device=spec["device"] if tensors is None else "meta", layer_ids=spec["layer_ids"])
     if tensors is None:

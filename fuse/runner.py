@@ -21,7 +21,7 @@ from fuse.artifact import (
     ArtifactUse, CompileCacheWatch, expected_manifest, load_artifact, manifest_details, open_artifact, save_artifact,
     watching_compile_caches,
 )
-from fuse.backend import pin_triton_toolchain, use_cache_dir
+from fuse.backend import pin_triton_toolchain, use_cache_dir, warm_compile_pool
 from fuse import compile_workers
 from fuse.frames import Frames, frames_apply
 from fuse.graphs import build_buckets, supports_graphs
@@ -113,6 +113,8 @@ class DecodeRunner:
         kernels_ahead = self.device.type == "cuda" and options.kernel_compile_workers != 0 and split_ranks(decoder) is None
         workers = compile_workers.start(decoder, options, buckets, kernels_shared=kernels_ahead)
         self.stats.compile_workers_started = len(workers)
+        if not workers:  # the graphs compile here (with workers, they load from the caches)
+            warm_compile_pool(self.device)
         if kernels_ahead:
             from fuse.precompile import bucket_op_calls, compile_op_calls  # imports Triton
 

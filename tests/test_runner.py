@@ -208,6 +208,21 @@ def test_inductor_options_reach_the_backend_last():
     assert compile_backend(fuse.CompileOptions(), torch.device("cuda")).config_patches["split_reductions"] is False
 
 
+def test_the_compile_pool_starts_ahead_only_for_gpu_compiles(monkeypatch):
+    """warm_compile_pool starts Inductor's pool of Triton compile processes for a CUDA device
+    (torch's own backend does at its first call) and leaves the CPU's C++ compiles alone."""
+    from torch._inductor import async_compile
+
+    from fuse.backend import warm_compile_pool
+
+    started = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: started.append(True))
+    warm_compile_pool(torch.device("cpu"))
+    assert started == []
+    warm_compile_pool(torch.device("cuda", 0))
+    assert started == [True]
+
+
 def test_regional_compile_matches_eager(tiny_regional):
     """compilation="regional" with batch_one_shared: per layer kind (ratio, hash or score routing)
     one graph with the batch unbacked, and the head (hc head, final norm, LM head) as one more
