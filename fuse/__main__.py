@@ -249,7 +249,7 @@ def _report(args) -> int:
 
 
 def _bench(command: argparse.ArgumentParser, args) -> int:
-    from fuse import bench
+    from fuse import bench, start_times
 
     try:
         settings = bench.BenchSettings(
@@ -267,22 +267,22 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
         command.error("argument --starts: only with --start-times")
     if args.starts is not None:
         try:
-            bench.check_starts(args.starts)
+            start_times.check_starts(args.starts)
         except ValueError as error:
             command.error(f"argument --starts: {error}")
-    if args.start_time_child:  # one timed start in this fresh process (see bench.measure_start_times)
-        print(json.dumps(bench.start_time_child(settings, args.buckets or bench.START_BUCKETS, artifact=args.artifact, stock=args.stock_start,
+    if args.start_time_child:  # one timed start in this fresh process (see start_times.measure)
+        print(json.dumps(start_times.timed_start(settings, args.buckets or start_times.START_BUCKETS, artifact=args.artifact, stock=args.stock_start,
                                                 compile_workers=args.compile_workers)))
         return 0
     from kernels.bench.results import write_section
 
     def write_start_times(result: dict) -> None:  # after each start: a run cut short keeps the starts it measured
         if args.results:
-            some = f" ({','.join(args.starts)})" if args.starts and set(args.starts) != set(bench.START_KEYS) else ""
-            write_section(args.results, f"fuse bench start-times {args.preset}{some}", bench.start_times_markdown(result))
+            some = f" ({','.join(args.starts)})" if args.starts and set(args.starts) != set(start_times.START_KEYS) else ""
+            write_section(args.results, f"fuse bench start-times {args.preset}{some}", start_times.to_markdown(result))
 
     for flag, measure, name in (
-        (args.start_times, lambda s: bench.measure_start_times(s, starts=args.starts or bench.START_KEYS, on_start=write_start_times),
+        (args.start_times, lambda s: start_times.measure(s, starts=args.starts or start_times.START_KEYS, on_start=write_start_times),
          "start_times.json"),
         (args.compare_precision, bench.compare_precision, "precision.json"),
     ):

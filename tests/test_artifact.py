@@ -309,36 +309,36 @@ def test_loading_restores_triton_entries_and_libraries_into_this_process_caches(
 
 
 def test_start_times_table_has_the_artifact_start():
-    from fuse import bench
+    from fuse import start_times
 
     start = {"seconds": 9.0, "compiles": 1, "captured": 0, "phases": {"first calls": 8.0, "dynamo": 5.0},
              "inductor_compiles": 0, "aot_compiles": 0, "triton_compiles": 0}
     result = {"command": "python -m fuse bench --start-times", "buckets": [1], "layers": 2,
               "cold": {**start, "seconds": 90.0, "inductor_compiles": 1, "aot_compiles": 1}, "warm": start,
               "artifact": {**start, "phases": {"artifact load": 0.2, "first calls": 8.0}}}
-    table = bench.start_times_markdown(result)
+    table = start_times.to_markdown(result)
     rows = [line for line in table.splitlines() if line.startswith("| ")]
     assert [r.split(" | ")[0] for r in rows[1:]] == ["| cold", "| warm", "| artifact"]
     assert "artifact load" in rows[0] and "| 1 / 1 / 0 |" in rows[1] and "| 0 / 0 / 0 |" in rows[3]
     old = {k: v for k, v in result.items() if k != "artifact"}  # results written before artifacts still render
-    assert "| artifact |" not in bench.start_times_markdown(old)
+    assert "| artifact |" not in start_times.to_markdown(old)
     # on a GPU: the machine, and stock reduce-overhead's cold start beside compile_decode's
     stock = {"seconds": 120.0, "compiles": 8, "captured": None, "phases": {"dynamo": 30.0}}
     on_gpu = {**result, "reduce-overhead cold": stock, "gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "date": "2026-12-05"}
-    table = bench.start_times_markdown(on_gpu)
+    table = start_times.to_markdown(on_gpu)
     assert "on NVIDIA H200, torch 2.11.0, triton 3.6.0" in table
     assert "| reduce-overhead cold | 120.0 | 8 | - / - / - | - |" in table
-    stopped = bench.start_times_markdown({**on_gpu, "reduce-overhead cold": {"timed_out_after": 240}})
+    stopped = start_times.to_markdown({**on_gpu, "reduce-overhead cold": {"timed_out_after": 240}})
     assert "| reduce-overhead cold | > 240 (stopped) | - |" in stopped
     # a compile-workers start whose workers failed: named under the table, with their warning
     failed = {**start, "compile_workers": [0, 4], "warnings": ["fuse: the compile worker of layers [0], buckets [1],\nfailed (exit status 1)"]}
-    notes = bench.start_times_markdown({**on_gpu, "cold, compile workers": failed}).split("\n\n")[-1].splitlines()
+    notes = start_times.to_markdown({**on_gpu, "cold, compile workers": failed}).split("\n\n")[-1].splitlines()
     assert notes == ["- cold, compile workers: 0 of 4 compile workers succeeded.",
                      "- cold, compile workers: fuse: the compile worker of layers [0], buckets [1], failed (exit status 1)"]
     # the slowest worker's phases, where they reported them
     reported = {**start, "compile_workers": [2, 2], "compile_worker_peak_bytes": 3 * 2**29, "compile_worker_seconds": [
         {"start-up": 5.0, "decoder": 1.0, "graphs": 20.0}, {"start-up": 4.0, "decoder": 1.0, "graphs": 30.0}]}
-    notes = bench.start_times_markdown({**on_gpu, "cold, compile workers": reported}).split("\n\n")[-1].splitlines()
+    notes = start_times.to_markdown({**on_gpu, "cold, compile workers": reported}).split("\n\n")[-1].splitlines()
     assert notes[-2:] == ["- cold, compile workers: the slowest compile worker, 35.0 s from its launch: start-up 4.0, decoder 1.0, graphs 30.0.",
                           "- cold, compile workers: the largest compile worker's allocator peak 1.50 GiB (its CUDA context besides)."]
 
@@ -394,7 +394,7 @@ def test_some_starts_are_a_section_of_their_own_naming_them(tmp_path, monkeypatc
     import json
     import subprocess
 
-    from fuse import bench
+    from fuse import start_times
     from fuse.__main__ import main
 
     launched = []
@@ -405,7 +405,7 @@ def test_some_starts_are_a_section_of_their_own_naming_them(tmp_path, monkeypatc
         launched.append(command)
         return subprocess.CompletedProcess(command, 0, stdout=json.dumps(start) + "\n", stderr="")
 
-    monkeypatch.setattr(bench.subprocess, "run", child)
+    monkeypatch.setattr(start_times.subprocess, "run", child)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "results.md").write_text("<!-- results: fuse bench start-times bench -->\nthe full run\n<!-- /results -->\n")
     assert main("bench --device cpu --start-times --starts cold --results results.md".split()) == 0
@@ -421,7 +421,7 @@ def test_a_start_times_run_cut_short_keeps_the_starts_it_measured(tmp_path, monk
     import json
     import subprocess
 
-    from fuse import bench
+    from fuse import start_times
     from fuse.__main__ import main
 
     start = {"seconds": 9.0, "compiles": 1, "captured": 0, "phases": {"first calls": 8.0},
@@ -431,7 +431,7 @@ def test_a_start_times_run_cut_short_keeps_the_starts_it_measured(tmp_path, monk
         failed = "--artifact" not in command  # the warm start
         return subprocess.CompletedProcess(command, int(failed), stdout="" if failed else json.dumps(start) + "\n", stderr="boom")
 
-    monkeypatch.setattr(bench.subprocess, "run", child)
+    monkeypatch.setattr(start_times.subprocess, "run", child)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RuntimeError, match="warm start failed"):
         main("bench --device cpu --start-times --starts cold,warm --results results.md".split())
