@@ -38,6 +38,8 @@ from typing import Iterator
 
 import torch
 
+from kernels.triton_util import triton_version
+
 FORMAT = "fuse-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -105,7 +107,7 @@ def expected_manifest(decoder, options, buckets: tuple[int, ...]) -> dict[str, o
         "format_version": FORMAT_VERSION,
         "fuse_source": fuse_source_hash(),
         "torch": torch.__version__,
-        "triton": _triton_version(),
+        "triton": triton_version(),
         "python": platform.python_version(),
         "cuda": torch.version.cuda if device.type == "cuda" else None,
         "device": name,
@@ -145,14 +147,6 @@ def fuse_source_hash() -> str:
         for path in sorted(root.rglob("*.py")):
             digest.update(path.relative_to(root.parent).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
-
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
 
 
 def _preset_name(config) -> str | None:
@@ -302,7 +296,7 @@ def _triton_cache_dir() -> str | None:
     try:
         from triton import knobs
     except ImportError:
-        return os.environ.get("TRITON_CACHE_DIR") or (os.path.expanduser("~/.triton/cache") if _triton_version() else None)
+        return os.environ.get("TRITON_CACHE_DIR") or (os.path.expanduser("~/.triton/cache") if triton_version() else None)
     return knobs.cache.dir
 
 

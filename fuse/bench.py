@@ -49,6 +49,7 @@ from fuse.ranks import gather_to_first, launched_ranks, on_every_rank
 from fuse.runner import compile_decode
 from fuse.stats import dynamo_totals
 from kernels.bench.timing import back_to_back_ms, call_ms
+from kernels.triton_util import triton_version
 from model import Decoder, ModelConfig
 from model.parallel import ParallelError
 
@@ -305,7 +306,7 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "torch": torch.__version__,
-        "triton": triton_version(),
+        "triton": triton_version() or "-",
         "world_size": parallel.world_size,
     }
     cfg = settings.config()
@@ -459,15 +460,6 @@ def compare_precision(settings: BenchSettings, log: Callable[[str], None] = prin
             f"({row['exact_ms'] / row['fast_ms']:.2f}x), fast vs exact max rel. error {row['max_relative_error']:.3f}, "
             f"top-1 agreement {row['top1_agreement']:.2f}")
     return {"context": context, "variant": variant, "layers": exact.config.n_layers, "rows": rows}
-
-
-def triton_version() -> str:
-    try:
-        import triton
-
-        return triton.__version__
-    except ImportError:
-        return "-"
 
 
 # -- output -------------------------------------------------------------------------------------

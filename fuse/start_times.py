@@ -16,9 +16,10 @@ from typing import Callable
 
 import torch
 
-from fuse.bench import BenchSettings, reduce_overhead_step, step_inputs, triton_version
+from fuse.bench import BenchSettings, reduce_overhead_step, step_inputs
 from fuse.runner import compile_decode
 from fuse.stats import compile_timer_totals, dynamo_totals
+from kernels.triton_util import triton_version
 from model import Decoder
 
 START_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -103,7 +104,7 @@ def measure(settings: BenchSettings, buckets: tuple[int, ...] = START_BUCKETS,
     on_cuda = settings.device.startswith("cuda")
     results = {
         "gpu": torch.cuda.get_device_name() if on_cuda else "cpu",
-        "torch": torch.__version__, "triton": triton_version(), "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__, "triton": triton_version() or "-", "date": datetime.date.today().isoformat(),
         "buckets": list(buckets), "layers": settings.config().n_layers,
         "command": (f"python -m fuse bench --start-times --preset {settings.preset}"
                     + (f" --layers {settings.layers}" if settings.layers else "")

@@ -14,6 +14,15 @@ COUNTER_SLOTS = 4096  # arrival counters of split-K tiles per device (split_coun
 MIN_BLOCKS_PER_SPLIT = 4
 
 
+def triton_version() -> str | None:
+    """Triton's version; None where it is not installed."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
 def interpreting() -> bool:
     """Whether Triton kernels run in its interpreter (TRITON_INTERPRET=1): no grids, no launch options."""
     return os.environ.get("TRITON_INTERPRET") == "1"

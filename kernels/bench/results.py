@@ -15,6 +15,8 @@ import sys
 
 import torch
 
+from kernels.triton_util import triton_version
+
 END = "<!-- /results -->"
 
 
@@ -28,14 +30,8 @@ def _block(key: str) -> re.Pattern:
 
 def machine() -> str:
     """The machine and versions a measurement ran on, for the section's header line."""
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "-"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} threads)"
-    return f"{device}, torch {torch.__version__}, triton {triton_version}, {datetime.date.today().isoformat()}"
+    return f"{device}, torch {torch.__version__}, triton {triton_version() or '-'}, {datetime.date.today().isoformat()}"
 
 
 def read_section(path: str | pathlib.Path, key: str) -> str | None:
