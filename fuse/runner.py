@@ -73,32 +73,32 @@ class DecodeRunner:
         loaded = self.artifact is not None and self.artifact.action == "loaded"
         # A start from the artifact compiles nothing: Inductor's pool of compile processes, which its
         # kernels' loading would start, would only take CPU time from it.
-        with torch._inductor.config.patch(compile_threads=1) if loaded else contextlib.nullcontext():
+        one_thread = torch._inductor.config.patch(compile_threads=1) if loaded else contextlib.nullcontext()
+        watching = watching_compile_caches(fresh_record=saving) if options.compile else contextlib.nullcontext(CompileCacheWatch())
+        with one_thread, watching as watch:
             self.frames = self._frames() if frames_apply(decoder, options) else None
             dump = CodeDump(options.dump_dir, model=decoder) if options.dump_dir else None
-            watching = watching_compile_caches(fresh_record=saving) if options.compile else contextlib.nullcontext(CompileCacheWatch())
-            with watching as watch:
-                if options.compile and self.device.type == "cuda":
-                    pin_triton_toolchain()
-                with dump or contextlib.nullcontext():
-                    self.step = build_step(
-                        decoder, options, after_block=dump.after_block if dump else None,
-                        on_graph=dump.record_graph if dump else None, frames=self.frames,
-                    )
-                    if dump:
-                        dump.watch(self.step.once_per_step)
-                    if not loaded:  # from an artifact nothing compiles (and the fake steps alone would take seconds)
-                        self._compile_ahead(buckets)
-                    self._buckets = build_buckets(
-                        self.step.run, decoder, buckets, self.use_graphs, self.stats, eager=decoder.step,
-                        progress=options.progress, first_call=dump.first_call if dump else None,
-                    )
-                self.stats.triton_compiles = watch.triton_compiles()
-                if self.frames is not None:
-                    self.stats.inductor_compiles += self.frames.uncounted_inductor_compiles
-                    self.stats.add_seconds(self.frames.seconds)
-                if saving:  # inside the watch: it holds what the start used
-                    self._save_artifact(watch, match, reason)
+            if options.compile and self.device.type == "cuda":
+                pin_triton_toolchain()
+            with dump or contextlib.nullcontext():
+                self.step = build_step(
+                    decoder, options, after_block=dump.after_block if dump else None,
+                    on_graph=dump.record_graph if dump else None, frames=self.frames,
+                )
+                if dump:
+                    dump.watch(self.step.once_per_step)
+                if not loaded:  # from an artifact nothing compiles (and the fake steps alone would take seconds)
+                    self._compile_ahead(buckets)
+                self._buckets = build_buckets(
+                    self.step.run, decoder, buckets, self.use_graphs, self.stats, eager=decoder.step,
+                    progress=options.progress, first_call=dump.first_call if dump else None,
+                )
+            self.stats.triton_compiles = watch.triton_compiles()
+            if self.frames is not None:
+                self.stats.inductor_compiles += self.frames.uncounted_inductor_compiles
+                self.stats.add_seconds(self.frames.seconds)
+            if saving:  # inside the watch: it holds what the start used
+                self._save_artifact(watch, match, reason)
         if loaded:
             self._check_nothing_compiled()
         self.inspection: Inspection | None = None
