@@ -119,3 +119,27 @@ def test_tiny_fp32_graphs_match_eager_exactly(qat, compilation):
             next_position[s] += 1
     print(f"\ntiny fp32 compiled graphs vs eager (qat={qat}, {compilation}): worst relative error {worst:.2e}")
     assert worst <= (1e-2 if qat else 1e-4)
+
+
+def test_the_compile_pool_is_up_before_the_first_graph_compiles(monkeypatch):
+    """On CUDA the runner starts Inductor's pool of Triton compile processes before its first
+    graph's compile (fuse.backend.warm_compile_pool), so that the graph's kernels compile in the
+    pool rather than one at a time in this process while the pool starts."""
+    from torch._inductor import async_compile
+
+    import fuse.backend
+
+    if async_compile.get_compile_threads() <= 1:
+        pytest.skip("Inductor compiles in this process (one compile thread)")
+    pool_up = []  # at each graph's compile
+    compile_fx = fuse.backend.compile_fx
+
+    def recording(graph, example_inputs, **kwargs):
+        pool_up.append(async_compile.AsyncCompile.process_pool.cache_info().currsize > 0)
+        return compile_fx(graph, example_inputs, **kwargs)
+
+    monkeypatch.setattr(fuse.backend, "compile_fx", recording)
+    decoder = Decoder(ModelConfig.preset("tiny", layers=1), max_batch=4, max_seq_len=64, dtype=torch.float32,
+                      device="cuda").init_random(seed=5)
+    fuse.compile_decode(decoder, buckets=(4,), progress=False, compile_workers=0)
+    assert pool_up and all(pool_up), pool_up
