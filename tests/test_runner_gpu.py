@@ -95,11 +95,9 @@ def test_random_batches_pass_the_yardstick_without_recompiles_or_memory_growth(b
 )
 def test_tiny_fp32_graphs_match_eager_exactly(qat, compilation):
     """The captured graphs compute the eager function: fp32, tiny preset, mixed padded batches;
-    with the fp8/fp4 rounding (compiled in its row-wise form on CUDA) in a whole-step graph too,
-    and with Inductor's kernels launched as programmatic dependents (a kernel that read before
-    waiting for the one before it would read stale values). A rounding flip moves a value by one
-    fp8 step, so QAT gets a looser bound; a wrong form (scales of the wrong block, a lost rope
-    tail) moves the logits by tens of percent."""
+    with the fp8/fp4 rounding (compiled in its row-wise form on CUDA) in a whole-step graph too.
+    A rounding flip moves a value by one fp8 step, so QAT gets a looser bound; a wrong form
+    (scales of the wrong block, a lost rope tail) moves the logits by tens of percent."""
     cfg = ModelConfig.preset("tiny").replace(qat=qat)
     eager = Decoder(cfg, max_batch=4, max_seq_len=64, dtype=torch.float32, device="cuda").init_random(seed=5)
     compiled = Decoder(cfg, max_batch=4, max_seq_len=64, dtype=torch.float32, device="cuda")
