@@ -4,9 +4,11 @@ caches the cold start filled), artifact (other, empty caches and the cold start'
 and on CUDA a cold start with compile workers and stock reduce-overhead's."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,6 +41,9 @@ STARTS = (
 START_KEYS = tuple(start[0] for start in STARTS)
 # Stock reduce-overhead's start is stopped after this multiple of the cold start (enough to rank them).
 STOCK_START_COLD_MULTIPLE = 1.5
+# How long the processes a start left running (its compile pools' and workers') get to end before
+# they are stopped and the next start begins.
+SETTLE_S = 30.0
 
 
 def timed_start(
@@ -131,16 +136,65 @@ def measure(settings: BenchSettings, buckets: tuple[int, ...] = START_BUCKETS,
                 limit = STOCK_START_LIMIT_S
                 if "cold" in results:
                     limit = min(limit, round(STOCK_START_COLD_MULTIPLE * results["cold"]["seconds"]))
-            try:
-                done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=limit)
-            except subprocess.TimeoutExpired:
-                done = None
+            done = run_start(command, env, limit)
             if done is not None and done.returncode:
                 raise RuntimeError(f"{which} start failed:\n{done.stderr[-3000:]}")
             results[which] = {"timed_out_after": limit} if done is None else json.loads(done.stdout.strip().splitlines()[-1])
             if on_start is not None:
                 on_start(results)
     return results
+
+
+def run_start(command: list[str], env: dict, limit: float | None, settle_s: float = SETTLE_S) -> subprocess.CompletedProcess | None:
+    """One start's process, in a session of its own; None where it ran past `limit` seconds.
+    Afterwards what it left running there (Inductor's compile processes, compile workers) gets
+    `settle_s` to end and is then stopped, and the files it wrote are flushed, so that the next
+    start finds the machine as a fresh process would, not busy with this one's leftovers. Its
+    output goes through files: a leftover holding a pipe would keep a reader waiting."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, text=True, env=env, start_new_session=True)
+        timed_out = False
+        try:
+            process.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            _end_session(process.pid, settle_s if process.poll() is not None else 0.0)  # a start stopped: all at once
+            process.wait()
+            os.sync()
+        if timed_out:
+            return None
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, process.returncode, out.read(), err.read())
+
+
+def _end_session(session: int, settle_s: float) -> None:
+    """Wait up to `settle_s` for the processes of `session` (its leader's id) to end, then kill
+    those left (the leader's process group)."""
+    deadline = time.monotonic() + settle_s
+    while session_running(session) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(session, signal.SIGKILL)
+
+
+def session_running(session: int) -> bool:
+    """Whether a process of `session` runs (zombies, which an init process may never reap, aside);
+    False where /proc cannot say."""
+    if not os.path.isdir("/proc"):
+        return False
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, _, _, sid = f.read().rsplit(")", 1)[1].split()[:4]
+        except (OSError, ValueError):
+            continue  # ended meanwhile
+        if sid == str(session) and state != "Z":
+            return True
+    return False
 
 
 def to_markdown(result: dict) -> str:
@@ -152,7 +206,7 @@ def to_markdown(result: dict) -> str:
     machine = f" on {result['gpu']}, torch {result['torch']}, triton {result['triton']}, {result['date']}" if "gpu" in result else ""
     lines = [
         f"`{result['command']}`{machine}: compile_decode for buckets {result['buckets']} at {result['layers']} layers, each start "
-        "in a new process: cold with empty compile caches (it saves an artifact: on a torch that saves Dynamo's frames, it "
+        "in a new process, begun once the one before it and what it left running had ended (fuse/start_times.py run_start): cold with empty compile caches (it saves an artifact: on a torch that saves Dynamo's frames, it "
         "compiles the regional step's frames ahead, fuse/frames.py, which bypasses Inductor's graph cache), warm with the "
         "caches the cold start filled and no artifact, artifact with other, empty caches and the cold start's artifact only; "
         "cold, compile workers: `compile_workers=None` building an artifact of its own "

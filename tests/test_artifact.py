@@ -401,11 +401,11 @@ def test_some_starts_are_a_section_of_their_own_naming_them(tmp_path, monkeypatc
     start = {"seconds": 9.0, "compiles": 1, "captured": 0, "phases": {"first calls": 8.0},
              "inductor_compiles": 1, "aot_compiles": 1, "triton_compiles": 0}
 
-    def child(command, **kwargs):
+    def child(command, env, limit):
         launched.append(command)
         return subprocess.CompletedProcess(command, 0, stdout=json.dumps(start) + "\n", stderr="")
 
-    monkeypatch.setattr(start_times.subprocess, "run", child)
+    monkeypatch.setattr(start_times, "run_start", child)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "results.md").write_text("<!-- results: fuse bench start-times bench -->\nthe full run\n<!-- /results -->\n")
     assert main("bench --device cpu --start-times --starts cold --results results.md".split()) == 0
@@ -427,13 +427,29 @@ def test_a_start_times_run_cut_short_keeps_the_starts_it_measured(tmp_path, monk
     start = {"seconds": 9.0, "compiles": 1, "captured": 0, "phases": {"first calls": 8.0},
              "inductor_compiles": 1, "aot_compiles": 1, "triton_compiles": 0}
 
-    def child(command, **kwargs):
+    def child(command, env, limit):
         failed = "--artifact" not in command  # the warm start
         return subprocess.CompletedProcess(command, int(failed), stdout="" if failed else json.dumps(start) + "\n", stderr="boom")
 
-    monkeypatch.setattr(start_times.subprocess, "run", child)
+    monkeypatch.setattr(start_times, "run_start", child)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RuntimeError, match="warm start failed"):
         main("bench --device cpu --start-times --starts cold,warm --results results.md".split())
     rows = [line for line in (tmp_path / "results.md").read_text().splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0] for row in rows[1:]] == ["| cold"]
+
+
+def test_a_start_leaves_nothing_running_for_the_next():
+    """What a start's process left running in its session (here a process it started and did
+    not wait for) is stopped once the start ends; a start past its time limit is stopped whole."""
+    import time
+
+    from fuse import start_times
+
+    leaves = [sys.executable, "-c", "import os, subprocess; subprocess.Popen(['sleep', '60']); print(os.getpid())"]
+    done = start_times.run_start(leaves, dict(os.environ), limit=30, settle_s=0.5)
+    assert done.returncode == 0
+    assert not start_times.session_running(int(done.stdout.split()[-1]))
+    started = time.monotonic()
+    assert start_times.run_start([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), limit=0.5) is None
+    assert time.monotonic() - started < 20
