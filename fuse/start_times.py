@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from typing import Callable
@@ -115,7 +116,7 @@ def measure(settings: BenchSettings, buckets: tuple[int, ...] = START_BUCKETS,
                     + (f" --layers {settings.layers}" if settings.layers else "")
                     + (f" --starts {','.join(starts)}" if set(starts) != set(START_KEYS) else "")),
     }
-    with tempfile.TemporaryDirectory(prefix="fuse-start-") as folder:
+    with tempfile.TemporaryDirectory(prefix="fuse-start-") as folder, sigterm_exits():
         artifact = os.path.join(folder, "artifact.zip")
         for key, which, caches, flag, cuda_only in STARTS:
             if cuda_only and not on_cuda or key not in starts:
@@ -167,6 +168,20 @@ def run_start(command: list[str], env: dict, limit: float | None, settle_s: floa
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(command, process.returncode, out.read(), err.read())
+
+
+@contextlib.contextmanager
+def sigterm_exits():
+    """Inside, SIGTERM (a time limit's) raises SystemExit, so that run_start's clean-up stops the
+    start it waits for, which runs in a session of its own and would outlive this process."""
+    if threading.current_thread() is not threading.main_thread():  # only there can it take signals
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _end_session(session: int, settle_s: float) -> None:

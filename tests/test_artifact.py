@@ -453,3 +453,30 @@ def test_a_start_leaves_nothing_running_for_the_next():
     started = time.monotonic()
     assert start_times.run_start([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), limit=0.5) is None
     assert time.monotonic() - started < 20
+
+
+def test_a_terminated_start_time_run_stops_the_start_it_waits_for(tmp_path):
+    """SIGTERM to the process measuring start times (a time limit's) stops the start it waits for,
+    though that start runs in a session of its own."""
+    import signal
+    import time
+
+    from fuse import start_times
+
+    started = tmp_path / "started"
+    measuring = textwrap.dedent(f"""
+        import os, sys
+        from fuse import start_times
+        start = [sys.executable, "-c", "import os, time; open({str(started)!r}, 'w').write(str(os.getpid())); time.sleep(60)"]
+        with start_times.sigterm_exits():
+            start_times.run_start(start, dict(os.environ), limit=120)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", measuring], env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    session = int(started.read_text())
+    assert start_times.session_running(session)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not start_times.session_running(session)
