@@ -271,8 +271,8 @@ def _bench(command: argparse.ArgumentParser, args) -> int:
         except ValueError as error:
             command.error(f"argument --starts: {error}")
     if args.start_time_child:  # one timed start in this fresh process (see start_times.measure)
-        print(json.dumps(start_times.timed_start(settings, args.buckets or start_times.START_BUCKETS, artifact=args.artifact, stock=args.stock_start,
-                                                compile_workers=args.compile_workers)))
+        print(json.dumps(start_times.timed_start(settings, args.buckets or start_times.START_BUCKETS, artifact=args.artifact,
+                                                 stock=args.stock_start, compile_workers=args.compile_workers)))
         return 0
     from kernels.bench.results import write_section
 

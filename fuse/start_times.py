@@ -98,7 +98,7 @@ def check_starts(starts: tuple[str, ...]) -> None:
 
 
 def measure(settings: BenchSettings, buckets: tuple[int, ...] = START_BUCKETS,
-                        starts: tuple[str, ...] = START_KEYS, on_start: Callable[[dict], None] | None = None) -> dict:
+            starts: tuple[str, ...] = START_KEYS, on_start: Callable[[dict], None] | None = None) -> dict:
     """compile_decode for `buckets`, each of STARTS in a new process: cold (empty compile caches; it
     saves an artifact), warm (the caches the cold start filled) and artifact (other, empty caches
     and the cold start's artifact only); on CUDA also the cold start with compile workers and
