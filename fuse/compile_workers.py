@@ -1,20 +1,20 @@
-"""The decode step's graphs and the custom ops' kernels compiled in worker processes, one layer
-kind and batch shape each where there are workers enough, before this process compiles anything.
+"""The decode step's graphs compiled in worker processes, one layer kind and batch shape each
+where there are workers enough, before this process compiles them.
 
 A regional compile (fuse/step.py) compiles one graph per layer kind and batch shape, one after
 another: Dynamo and Inductor compile in one thread. Each worker builds a decoder of only its
 kinds' first layers (`model.Decoder(layer_ids=...)`; on CUDA it maps this process's weights of
 those layers through CUDA IPC instead of holding its own, and copies their buffers; on the CPU
-it draws random weights), compiles their custom-op
-kernels ahead (fuse/precompile.py, its share of the CPUs) and runs compile_decode's warm-up of
-its buckets on it without capturing. Kernels that several workers' layers launch (most are: the
-experts' and projections' shapes do not depend on the layer kind) compile in one of them only:
-the runner records every bucket's op calls while the workers start and hands each call to one
-worker that makes it (`share_kernels`). That leaves the graphs in Inductor's and AOTAutograd's
-caches and the kernels in Triton's; this process then traces each graph and loads its compiled
-code, and its kernels, from them (a layer kind's graph is the same whichever decoder holds the
-layer). Every worker compiles the head's graph of its buckets too (small, and no worker waits
-for another).
+it draws random weights) and runs compile_decode's warm-up of its buckets on it without
+capturing. That leaves the graphs in Inductor's and AOTAutograd's caches; this process then
+traces each graph and loads its compiled code from them (a layer kind's graph is the same
+whichever decoder holds the layer). Every worker compiles the head's graph of its buckets too
+(small, and no worker waits for another).
+
+The custom ops' Triton kernels compile in this process meanwhile (fuse/precompile.py, with the
+runner's threads, which would otherwise wait): it records every bucket's op calls and compiles
+them while the workers start and trace, so that a worker finds them in Triton's cache at its
+first calls (one it reaches first it compiles itself, which only costs time).
 
 A start that compiles its frames ahead for an artifact (fuse/frames.py) gets the workers' frames
 instead: each worker compiles its kinds' frames and writes them to a file, and this process loads
@@ -53,12 +53,10 @@ WORKER_OVERHEAD_BYTES = 2 * 2**30
 # at which it reached each of WORKER_PHASES ("reached") and its allocator's peak ("peak_bytes",
 # CUDA only: the memory a worker holds besides its CUDA context, which WORKER_OVERHEAD_BYTES counts).
 REPORT_LINE = "fuse compile worker: "
-# How long a worker waits for the runner's share of the kernels before it compiles all of its own.
-KERNEL_SHARES_WAIT_S = 120
 # A worker's phases, each ending at the time its name is recorded under: the interpreter and the
-# imports, its decoder (weights mapped or drawn), its custom ops' kernels compiled ahead (CUDA),
-# its buckets' first calls (the graphs compiled), the frames written (a start building an artifact).
-WORKER_PHASES = ("start-up", "decoder", "kernel compiles ahead", "graphs", "frames written")
+# imports, its decoder (weights mapped or drawn), its buckets' first calls (the graphs compiled),
+# the frames written (a start building an artifact).
+WORKER_PHASES = ("start-up", "decoder", "graphs", "frames written")
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,6 @@ class Worker:
     spec_path: str
     frames_path: str | None  # where it writes its frames (a start that compiles frames ahead)
     launched: float  # time.time() at its launch
-    kernel_shares_path: str | None  # where the runner writes which worker compiles which kernel (share_kernels)
     succeeded: bool = False
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # per WORKER_PHASES entry it reached
     peak_bytes: int = 0  # its CUDA allocator's peak reservation
@@ -119,27 +116,19 @@ def worker_jobs(model, options: CompileOptions, buckets: tuple[int, ...]) -> lis
     return [Job(tuple(firsts[i::count]), tuple(buckets)) for i in range(count)]
 
 
-def start(model, options: CompileOptions, buckets: tuple[int, ...], kernels_shared: bool = False) -> list[Worker]:
-    """One process per entry of worker_jobs, started; `finish` waits for them. With
-    `kernels_shared` each worker compiles ahead only the kernels `share_kernels` hands it (the
-    runner must call it); else all of its own."""
+def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Worker]:
+    """One process per entry of worker_jobs, started; `finish` waits for them."""
     jobs = worker_jobs(model, options, buckets)
-    shares_path = None
-    if kernels_shared and jobs and model.device.type == "cuda":
-        handle, shares_path = tempfile.mkstemp(prefix="fuse-compile-kernels-", suffix=".json")
-        os.close(handle)
-        os.remove(shares_path)  # the workers wait for it to appear
     with_frames = frames_apply(model, options)
     worker_options = dataclasses.replace(
         options, compilation=compilation_for(model, options), cuda_graphs=False, compile_workers=0,
-        kernel_compile_workers=max(1, (os.cpu_count() or 1) // max(1, len(jobs))),
         progress=False, artifact=None, dump_dir=None, strict=False,
     )
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
-    # Inductor's pool of compile processes sized to the worker's share of the CPUs too (by default
+    # Inductor's pool of compile processes sized to the worker's share of the CPUs (by default
     # each worker starts one per CPU), unless the user chose its size.
-    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(worker_options.kernel_compile_workers))
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, len(jobs)))))
     workers = []
     for index, job in enumerate(jobs):
         spec = {
@@ -147,7 +136,6 @@ def start(model, options: CompileOptions, buckets: tuple[int, ...], kernels_shar
             "dtype": model.dtype, "device": str(model.device), "layer_ids": job.layer_ids,
             "options": dataclasses.replace(worker_options, buckets=job.buckets),
             "tensors": worker_tensors(model, job.layer_ids) if model.device.type == "cuda" else None,
-            "index": index, "kernel_shares": shares_path,
         }
         handle, spec_path = tempfile.mkstemp(prefix="fuse-compile-worker-", suffix=".pkl")
         with os.fdopen(handle, "wb") as f:
@@ -162,7 +150,7 @@ def start(model, options: CompileOptions, buckets: tuple[int, ...], kernels_shar
             command = [sys.executable, "-m", "fuse.compile_workers", spec_path] + ([frames_path] if frames_path else [])
             launched = time.time()
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        workers.append(Worker(job, process, log_path, spec_path, frames_path, launched, shares_path))
+        workers.append(Worker(job, process, log_path, spec_path, frames_path, launched))
     return workers
 
 
@@ -198,46 +186,6 @@ def adopt_tensors(decoder: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         raise RuntimeError(f"compile worker: no tensor given for {left[:5]}")
 
 
-def assign_kernels(calls: dict, jobs: list[Job], firsts: list[int]) -> dict[str, int]:
-    """Which worker compiles each recorded call (fuse/precompile.py bucket_op_calls: call -> where
-    it was made, (kind index or None outside the blocks, bucket)), by the call's key: one of the
-    workers whose layers and buckets make it, the one with the fewest calls so far."""
-    load = [0] * len(jobs)
-    owner = {}
-    for call, sites in calls.items():
-        makers = [i for i, job in enumerate(jobs)
-                  if any(size in job.buckets and (kind is None or firsts[kind] in job.layer_ids) for kind, size in sites)]
-        if makers:
-            chosen = min(makers, key=lambda i: load[i])
-            owner[call.key] = chosen
-            load[chosen] += 1
-    return owner
-
-
-def share_kernels(workers: list[Worker], model, calls: dict) -> None:
-    """Write for the workers which of them compiles each of `model`'s recorded `calls`
-    (assign_kernels): a worker skips those handed to another, and compiles its calls the runner
-    did not record."""
-    if not workers or workers[0].kernel_shares_path is None:
-        return
-    path = workers[0].kernel_shares_path
-    firsts = [kind[0] for kind in layer_kinds(model)]
-    with open(path + ".tmp", "w") as f:
-        json.dump(assign_kernels(calls, [w.job for w in workers], firsts), f)
-    os.replace(path + ".tmp", path)
-
-
-def read_kernel_shares(path: str, wait_s: float = KERNEL_SHARES_WAIT_S) -> dict[str, int]:
-    """The runner's share_kernels file, once it is there; empty after `wait_s` without it."""
-    deadline = time.monotonic() + wait_s
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            return {}
-        time.sleep(0.05)
-    with open(path) as f:
-        return json.load(f)
-
-
 def finish(workers: list[Worker]) -> int:
     """Wait for every worker; the number that succeeded. A failed one warns with its log's end."""
     succeeded = 0
@@ -258,8 +206,6 @@ def finish(workers: list[Worker]) -> int:
                           f"this process compiles their graphs instead. Its output ended with:\n{tail}")
     if workers and torch.cuda.is_initialized():
         torch.cuda.ipc_collect()  # the shared tensors' reference counts, released by the workers
-    if workers and workers[0].kernel_shares_path and os.path.exists(workers[0].kernel_shares_path):
-        os.remove(workers[0].kernel_shares_path)
     return succeeded
 
 
@@ -324,9 +270,9 @@ def _workers_that_fit(model, firsts: list[int]) -> int:
 
 
 def _run_worker(spec_path: str, frames_path: str | None) -> None:
-    """Build the spec's decoder, compile its custom-op kernels ahead and run each bucket's first
-    call (the runner's warm-up, without capturing): every graph and kernel of its layers lands in
-    the caches, or, with `frames_path`, its frames compiled ahead are written there."""
+    """Build the spec's decoder and run each bucket's first call (the runner's warm-up, without
+    capturing): every graph of its layers lands in the caches, or, with `frames_path`, its frames
+    compiled ahead are written there."""
     from fuse.backend import pin_triton_toolchain, warm_compile_pool
     from fuse.graphs import build_buckets
     from fuse.stats import RunnerStats, compile_counts
@@ -348,15 +294,7 @@ def _run_worker(spec_path: str, frames_path: str | None) -> None:
     frames = Frames.for_options(decoder, options) if frames_path else None
     step = build_step(decoder, options, frames=frames)
     if decoder.device.type == "cuda":
-        from fuse.precompile import bucket_op_calls, compile_op_calls  # imports Triton
-
         pin_triton_toolchain()  # as the runner does: the kernels' cache keys carry the toolchain
-        calls, index = bucket_op_calls(decoder, options.buckets), spec["index"]
-        if spec["kernel_shares"]:
-            owner = read_kernel_shares(spec["kernel_shares"])
-            calls = [call for call in calls if owner.get(call.key, index) == index]
-        compile_op_calls(calls, options.kernel_compile_workers)
-        reached["kernel compiles ahead"] = time.time()
     build_buckets(step.run, decoder, options.buckets, use_graphs=False, stats=RunnerStats(), eager=decoder.step, progress=False)
     reached["graphs"] = time.time()
     if frames is not None:

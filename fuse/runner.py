@@ -108,22 +108,19 @@ class DecodeRunner:
 
     def _compile_ahead(self, buckets: tuple[int, ...]) -> None:
         """Before the buckets' first calls: their graphs in compile workers (fuse/compile_workers.py)
-        and, on CUDA, the custom ops' kernels in a pool of threads (fuse/precompile.py)."""
+        and, on CUDA, the custom ops' kernels in a pool of threads here (fuse/precompile.py), beside
+        the workers, which find them in Triton's cache."""
         decoder, options = self.decoder, self.options
-        kernels_ahead = self.device.type == "cuda" and options.kernel_compile_workers != 0 and split_ranks(decoder) is None
-        workers = compile_workers.start(decoder, options, buckets, kernels_shared=kernels_ahead)
+        workers = compile_workers.start(decoder, options, buckets)
         self.stats.compile_workers_started = len(workers)
         if not workers:  # the graphs compile here (with workers, they load from the caches)
             warm_compile_pool(self.device)
-        if kernels_ahead:
+        if self.device.type == "cuda" and options.kernel_compile_workers != 0 and split_ranks(decoder) is None:
             from fuse.precompile import bucket_op_calls, compile_op_calls  # imports Triton
 
-            op_calls = {}
-            try:
-                with self.stats.phase("kernel compiles ahead", self.device):  # its fake steps, beside the workers
-                    op_calls = bucket_op_calls(decoder, buckets)
-            finally:  # the workers wait for it
-                compile_workers.share_kernels(workers, decoder, op_calls)
+            with self.stats.phase("kernel compiles ahead", self.device):
+                op_calls = bucket_op_calls(decoder, buckets)
+                self.stats.kernels_compiled_ahead = compile_op_calls(op_calls, options.kernel_compile_workers)
         if workers:
             with self.stats.phase("waiting for compile workers", self.device):
                 self.stats.compile_workers = compile_workers.finish(workers)
@@ -131,10 +128,6 @@ class DecodeRunner:
                 self.stats.compile_worker_peak_bytes = max(w.peak_bytes for w in workers)
                 if self.frames is not None:
                     self._load_worker_frames(workers)
-        if kernels_ahead:
-            # after the workers: their kernels load from Triton's cache instead of compiling
-            with self.stats.phase("kernel compiles ahead", self.device):
-                self.stats.kernels_compiled_ahead = compile_op_calls(op_calls, options.kernel_compile_workers)
 
     def _load_artifact(self) -> tuple[dict, str]:
         """Load options.artifact into the compile caches where it is there and matches (else raise,

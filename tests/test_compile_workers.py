@@ -82,40 +82,6 @@ def test_a_worker_decoder_maps_the_weights_of_its_layers_and_copies_their_buffer
         compile_workers.adopt_tensors(Decoder(model.config, dtype=torch.float32, device="meta", layer_ids=(1,), **SHAPE), outside)
 
 
-@pytest.mark.parametrize("per_kind_and_shape", [False, True])
-def test_each_kernel_the_workers_share_is_handed_to_one_worker_that_launches_it(per_kind_and_shape):
-    """The runner records every bucket's op calls and hands each to one worker whose layers and
-    buckets make it: every call once, and each worker, recording its own decoder's calls, makes
-    every call it was handed under the same key (so it compiles them, and skips the others')."""
-    from fuse.precompile import bucket_op_calls
-
-    model = tiny(6, seed=2)
-    firsts, buckets = [kind[0] for kind in layer_kinds(model)], (1, 2, 4)
-    count = 2 * len(firsts) if per_kind_and_shape else 2
-    jobs = compile_workers.worker_jobs(model, fuse.CompileOptions(compilation="regional", compile_workers=count), buckets)
-    recorded = bucket_op_calls(model, buckets)
-    owner = compile_workers.assign_kernels(recorded, jobs, firsts)
-    assert set(owner) == {call.key for call in recorded}
-    made = []
-    for index, job in enumerate(jobs):
-        worker = Decoder(model.config, dtype=torch.float32, device="meta", layer_ids=job.layer_ids, **SHAPE)
-        compile_workers.adopt_tensors(worker, compile_workers.worker_tensors(model, job.layer_ids))
-        keys = {call.key for call in bucket_op_calls(worker, job.buckets)}
-        assert {key for key, i in owner.items() if i == index} <= keys, index
-        made.append(keys)
-    assert sum(map(len, made)) > len(owner)  # without sharing, some kernels would compile in several workers
-    assert set().union(*made) == set(owner)
-    loads = [list(owner.values()).count(i) for i in range(len(jobs))]
-    assert min(loads) > 0, loads
-
-
-def test_a_worker_waits_for_the_runners_kernel_shares_and_gives_up_on_them(tmp_path):
-    path = tmp_path / "shares.json"
-    assert compile_workers.read_kernel_shares(str(path), wait_s=0.1) == {}
-    path.write_text('{"v4.op(1)": 1}')
-    assert compile_workers.read_kernel_shares(str(path), wait_s=0.1) == {"v4.op(1)": 1}
-
-
 def test_the_start_loads_every_graph_the_workers_compiled(tmp_path):
     """A worker per batch shape of a layer kind that takes the rope table the step hands its
     blocks: its graphs must be traced alike in the batch-1 worker, which traces its block before
@@ -157,14 +123,22 @@ def test_an_artifact_build_loads_the_frames_the_workers_compiled(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_workers_compile_each_batch_shape_and_the_artifact_build_loads_their_frames(tmp_path):
-    """On CUDA, where the workers also compile their kernels ahead: one worker per batch shape of
-    the one layer kind, and this process loads their frames without compiling."""
+def test_gpu_workers_compile_each_batch_shape_and_the_artifact_build_loads_their_frames(tmp_path, monkeypatch):
+    """On CUDA: one worker per batch shape of the one layer kind, the custom ops' kernels compiled
+    in this process while they run, and this process loads their frames without compiling."""
+    from fuse import precompile
+
     eager = tiny(1, seed=5, device="cuda")
     model = tiny(1, device="cuda")
     model.load_state_dict(eager.state_dict())
+    events = []
+    compile_op_calls, finish = precompile.compile_op_calls, compile_workers.finish
+    monkeypatch.setattr(precompile, "compile_op_calls", lambda *args: events.append("kernels") or compile_op_calls(*args))
+    monkeypatch.setattr(compile_workers, "finish", lambda workers: events.append("workers waited for") or finish(workers))
     runner = fuse.compile_decode(model, buckets=(1, 4), compile_workers=2, artifact=str(tmp_path / "a.zip"), progress=False)
     s = runner.stats
+    assert events == ["kernels", "workers waited for"] and s.kernels_compiled_ahead > 0
+    assert [list(w) for w in s.compile_worker_seconds] == [list(compile_workers.WORKER_PHASES)] * 2
     assert s.compile_workers == s.compile_workers_started == 2 and runner.frames.compiled == [], runner.describe()
     assert 0 < s.compile_worker_peak_bytes < compile_workers.WORKER_OVERHEAD_BYTES  # what a worker is counted for
     assert sorted(runner.frames.functions) == ["block0/batch", "block0/batch1", "head/batch", "head/batch1"]
