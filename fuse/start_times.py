@@ -114,6 +114,7 @@ def measure(settings: BenchSettings, buckets: tuple[int, ...] = START_BUCKETS,
         "buckets": list(buckets), "layers": settings.config().n_layers,
         "command": (f"python -m fuse bench --start-times --preset {settings.preset}"
                     + (f" --layers {settings.layers}" if settings.layers else "")
+                    + (f" --contexts {','.join(map(str, settings.contexts))}" if settings.contexts != BenchSettings.contexts else "")
                     + (f" --starts {','.join(starts)}" if set(starts) != set(START_KEYS) else "")),
     }
     with tempfile.TemporaryDirectory(prefix="fuse-start-") as folder, sigterm_exits():
