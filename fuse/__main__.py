@@ -175,8 +175,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     precompile.add_argument("--inductor-option", action="append", type=_inductor_option, default=[], metavar="KEY=VALUE",
                             help="an Inductor config patch (CompileOptions.inductor_options; repeatable)")
     precompile.add_argument("--cache-dir", default=None, help="CompileOptions.cache_dir: persistent compile caches to compile from")
-    precompile.add_argument("--compile-workers", type=_workers, default=0, metavar="N|auto",
-                            help="CompileOptions.compile_workers: worker processes compiling the graphs (auto: one per layer kind and batch shape, as many as fit)")
+    # A build is a start that waits for nothing else: its graphs compile in workers by default.
+    precompile.add_argument("--compile-workers", type=_workers, default=None, metavar="N|auto",
+                            help="CompileOptions.compile_workers: worker processes compiling the graphs (auto: one per layer kind "
+                                 "and batch shape, as many as fit in the GPU's free memory; none on the CPU; 0: none)")
     precompile.add_argument("--rebuild", action="store_true", help="rebuild an artifact at PATH that does not match, instead of refusing")
 
     soak = commands.add_parser(

@@ -95,3 +95,13 @@ def test_one_rank_under_torchrun_is_one_process(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert main("demo --layers 1 --steps 1 --batch 1".split()) == 0
     assert "eager decode, preset tiny" in capsys.readouterr().out
+
+
+def test_precompile_compiles_in_workers_unless_told_not_to():
+    from fuse.__main__ import build_parser
+
+    parser, _ = build_parser()
+    base = ["precompile", "--artifact", "a.zip", "--device", "cpu"]
+    assert parser.parse_args(base).compile_workers is None  # as many as fit (none on the CPU)
+    assert parser.parse_args(base + ["--compile-workers", "0"]).compile_workers == 0
+    assert parser.parse_args(base + ["--compile-workers", "3"]).compile_workers == 3
