@@ -130,7 +130,7 @@ def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Work
     # each worker starts one per CPU), unless the user chose its size.
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, len(jobs)))))
     workers = []
-    for index, job in enumerate(jobs):
+    for job in jobs:
         spec = {
             "config": model.config, "max_batch": model.max_batch, "max_seq_len": model.max_seq_len,
             "dtype": model.dtype, "device": str(model.device), "layer_ids": job.layer_ids,

@@ -119,8 +119,7 @@ class DecodeRunner:
             from fuse.precompile import bucket_op_calls, compile_op_calls  # imports Triton
 
             with self.stats.phase("kernel compiles ahead", self.device):
-                op_calls = bucket_op_calls(decoder, buckets)
-                self.stats.kernels_compiled_ahead = compile_op_calls(op_calls, options.kernel_compile_workers)
+                self.stats.kernels_compiled_ahead = compile_op_calls(bucket_op_calls(decoder, buckets), options.kernel_compile_workers)
         if workers:
             with self.stats.phase("waiting for compile workers", self.device):
                 self.stats.compile_workers = compile_workers.finish(workers)
