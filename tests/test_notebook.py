@@ -21,3 +21,4 @@ def test_walkthrough_executes():
     )
     assert "max relative difference over 4 steps" in outputs
     assert "| glue |" in outputs
+    assert "start from the artifact" in outputs and "compiles 0, graph breaks 0" in outputs  # it compiled nothing
