@@ -25,6 +25,7 @@ on. A worker that fails costs its time only: this process compiles what it did n
 warning naming the worker's error."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -53,6 +54,8 @@ WORKER_OVERHEAD_BYTES = 2 * 2**30
 # at which it reached each of WORKER_PHASES ("reached") and its allocator's peak ("peak_bytes",
 # CUDA only: the memory a worker holds besides its CUDA context, which WORKER_OVERHEAD_BYTES counts).
 REPORT_LINE = "fuse compile worker: "
+# How long a worker stopped by a failed start gets to end on SIGTERM before it is killed.
+STOP_WAIT_S = 10
 # A worker's phases, each ending at the time its name is recorded under: the interpreter and the
 # imports, its decoder (weights mapped or drawn), its buckets' first calls (the graphs compiled),
 # the frames written (a start building an artifact).
@@ -184,6 +187,33 @@ def adopt_tensors(decoder: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     left = [name for name, t in (*decoder.named_parameters(), *decoder.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"compile worker: no tensor given for {left[:5]}")
+
+
+@contextlib.contextmanager
+def stopped_on_error(workers: list[Worker]):
+    """Inside: an exception or an interrupt ends the workers still running and removes their files
+    before it propagates, so that a start that fails leaves no process compiling behind it."""
+    try:
+        yield
+    except BaseException:
+        stop(workers)
+        raise
+
+
+def stop(workers: list[Worker]) -> None:
+    """End the workers still running (SIGTERM, then SIGKILL after STOP_WAIT_S) and remove their files."""
+    for worker in workers:
+        if worker.process.poll() is None:
+            worker.process.terminate()
+    for worker in workers:
+        try:
+            worker.process.wait(timeout=STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            worker.process.kill()
+            worker.process.wait()
+        for path in (worker.log_path, worker.spec_path, worker.frames_path, worker.frames_path and worker.frames_path + ".tmp"):
+            if path and os.path.exists(path):
+                os.remove(path)
 
 
 def finish(workers: list[Worker]) -> int:

@@ -115,18 +115,20 @@ class DecodeRunner:
         self.stats.compile_workers_started = len(workers)
         if not workers:  # the graphs compile here (with workers, they load from the caches)
             warm_compile_pool(self.device)
-        if self.device.type == "cuda" and options.kernel_compile_workers != 0 and split_ranks(decoder) is None:
-            from fuse.precompile import bucket_op_calls, compile_op_calls  # imports Triton
+        with compile_workers.stopped_on_error(workers):
+            if self.device.type == "cuda" and options.kernel_compile_workers != 0 and split_ranks(decoder) is None:
+                from fuse.precompile import bucket_op_calls, compile_op_calls  # imports Triton
 
-            with self.stats.phase("kernel compiles ahead", self.device):
-                self.stats.kernels_compiled_ahead = compile_op_calls(bucket_op_calls(decoder, buckets), options.kernel_compile_workers)
-        if workers:
-            with self.stats.phase("waiting for compile workers", self.device):
-                self.stats.compile_workers = compile_workers.finish(workers)
-                self.stats.compile_worker_seconds = [w.seconds for w in workers if w.seconds]
-                self.stats.compile_worker_peak_bytes = max(w.peak_bytes for w in workers)
-                if self.frames is not None:
-                    self._load_worker_frames(workers)
+                with self.stats.phase("kernel compiles ahead", self.device):
+                    calls = bucket_op_calls(decoder, buckets)
+                    self.stats.kernels_compiled_ahead = compile_op_calls(calls, options.kernel_compile_workers)
+            if workers:
+                with self.stats.phase("waiting for compile workers", self.device):
+                    self.stats.compile_workers = compile_workers.finish(workers)
+                    self.stats.compile_worker_seconds = [w.seconds for w in workers if w.seconds]
+                    self.stats.compile_worker_peak_bytes = max(w.peak_bytes for w in workers)
+                    if self.frames is not None:
+                        self._load_worker_frames(workers)
 
     def _load_artifact(self) -> tuple[dict, str]:
         """Load options.artifact into the compile caches where it is there and matches (else raise,

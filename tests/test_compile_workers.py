@@ -2,6 +2,8 @@
 graph from the caches and computes eager's logits; a worker that fails costs only its time."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -165,3 +167,18 @@ def test_a_failed_worker_warns_and_the_start_compiles_its_graphs(tmp_path, monke
     assert "graphs from 0 of 1 compile workers" in runner.describe()
     assert runner.stats.compile_worker_seconds == [] and runner.stats.compile_worker_peak_bytes == 0
     logits_match_eager(runner, eager)
+
+
+def test_a_start_that_fails_while_its_workers_compile_stops_them_and_removes_their_files(tmp_path, monkeypatch):
+    started = []
+    start = compile_workers.start
+    monkeypatch.setattr(compile_workers, "start", lambda *args: started.extend(start(*args)) or started)
+
+    def finish(workers):
+        raise RuntimeError("the runner failed while its workers compiled")
+
+    monkeypatch.setattr(compile_workers, "finish", finish)
+    with pytest.raises(RuntimeError, match="while its workers compiled"):
+        fuse.compile_decode(tiny(1), buckets=(4,), compilation="regional", compile_workers=1, cache_dir=str(tmp_path), progress=False)
+    assert len(started) == 1 and started[0].process.poll() is not None  # ended, not left compiling
+    assert not [path for path in (started[0].log_path, started[0].spec_path) if os.path.exists(path)]
