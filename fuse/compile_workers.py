@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import logging
 import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
@@ -48,6 +49,8 @@ from fuse.options import CompileOptions
 from fuse.step import compilation_for, layer_kinds, split_ranks
 from model import Decoder
 
+log = logging.getLogger("fuse")
+
 # A worker's CUDA context, allocator slack and the compile's workspace, besides its decoder's buffers.
 WORKER_OVERHEAD_BYTES = 2 * 2**30
 # The last line of a worker's output, as JSON after this prefix: the wall-clock times (time.time())
@@ -56,6 +59,8 @@ WORKER_OVERHEAD_BYTES = 2 * 2**30
 REPORT_LINE = "fuse compile worker: "
 # How long a worker stopped by a failed start gets to end on SIGTERM before it is killed.
 STOP_WAIT_S = 10
+# How often the wait for the workers looks for one that ended.
+FINISH_POLL_S = 0.05
 # A worker's phases, each ending at the time its name is recorded under: the interpreter and the
 # imports, its decoder (weights mapped or drawn), its buckets' first calls (the graphs compiled),
 # the frames written (a start building an artifact).
@@ -149,11 +154,13 @@ def start(model, options: CompileOptions, buckets: tuple[int, ...]) -> list[Work
                 pickle.dump({**spec, "tensors": None}, f)
         log_path = spec_path[: -len(".pkl")] + ".log"
         frames_path = spec_path[: -len(".pkl")] + ".frames" if with_frames else None
-        with open(log_path, "w") as log:
+        with open(log_path, "w") as output:
             command = [sys.executable, "-m", "fuse.compile_workers", spec_path] + ([frames_path] if frames_path else [])
             launched = time.time()
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
         workers.append(Worker(job, process, log_path, spec_path, frames_path, launched))
+    if workers and options.progress:
+        log.warning("fuse: compiling the graphs in %d worker processes", len(workers))
     return workers
 
 
@@ -216,27 +223,41 @@ def stop(workers: list[Worker]) -> None:
                 os.remove(path)
 
 
-def finish(workers: list[Worker]) -> int:
-    """Wait for every worker; the number that succeeded. A failed one warns with its log's end."""
-    succeeded = 0
-    for worker in workers:
-        status = worker.process.wait()
-        with open(worker.log_path) as log:
-            output = log.read()
-        tail = output[-1500:]
-        for path in (worker.log_path, worker.spec_path):
-            os.remove(path)
-        worker.seconds, worker.peak_bytes = read_report(output, worker.launched)
-        if status == 0:
-            succeeded += 1
-            worker.succeeded = True
-        else:
-            warnings.warn(f"fuse: the compile worker of layers {list(worker.layer_ids)}, buckets {list(worker.job.buckets)}, "
-                          f"failed (exit status {status}); "
-                          f"this process compiles their graphs instead. Its output ended with:\n{tail}")
+def finish(workers: list[Worker], progress: bool = False) -> int:
+    """Wait for every worker, in the order they end; the number that succeeded. With `progress`
+    a log line for each as it ends; a failed one warns with its log's end."""
+    succeeded, pending = 0, list(workers)
+    while pending:
+        ended = [worker for worker in pending if worker.process.poll() is not None]
+        if not ended:
+            time.sleep(FINISH_POLL_S)
+        for worker in ended:
+            pending.remove(worker)
+            succeeded += _collect(worker)
+            if progress:
+                log.warning("fuse: compile worker %d of %d (layers %s, buckets %s) %s in %5.1f s", len(workers) - len(pending),
+                            len(workers), list(worker.layer_ids), list(worker.job.buckets),
+                            "done" if worker.succeeded else "failed", time.time() - worker.launched)
     if workers and torch.cuda.is_initialized():
         torch.cuda.ipc_collect()  # the shared tensors' reference counts, released by the workers
     return succeeded
+
+
+def _collect(worker: Worker) -> bool:
+    """An ended worker's report read (its phases and peak) and its files removed; whether it
+    succeeded (a failed one warns with its output's end)."""
+    status = worker.process.wait()
+    with open(worker.log_path) as f:
+        output = f.read()
+    for path in (worker.log_path, worker.spec_path):
+        os.remove(path)
+    worker.seconds, worker.peak_bytes = read_report(output, worker.launched)
+    worker.succeeded = status == 0
+    if not worker.succeeded:
+        warnings.warn(f"fuse: the compile worker of layers {list(worker.layer_ids)}, buckets {list(worker.job.buckets)}, "
+                      f"failed (exit status {status}); "
+                      f"this process compiles their graphs instead. Its output ended with:\n{output[-1500:]}")
+    return worker.succeeded
 
 
 def read_report(output: str, launched: float) -> tuple[dict[str, float], int]:

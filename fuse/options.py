@@ -71,7 +71,7 @@ class CompileOptions:
     # The step's graphs and kernels compiled first in this many worker processes, one layer kind and batch
     # shape each where there are enough (fuse/compile_workers.py; None: as many as fit, on CUDA; 0: none).
     compile_workers: int | None = 0
-    progress: bool = True  # one log line per bucket with its warm-up time
+    progress: bool = True  # one log line per bucket with its warm-up time (and per compile worker as it ends)
     requested_compilation: str = field(default="auto", init=False, repr=False, compare=False)  # before resolving
 
     def __post_init__(self):

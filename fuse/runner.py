@@ -124,7 +124,7 @@ class DecodeRunner:
                     self.stats.kernels_compiled_ahead = compile_op_calls(calls, options.kernel_compile_workers)
             if workers:
                 with self.stats.phase("waiting for compile workers", self.device):
-                    self.stats.compile_workers = compile_workers.finish(workers)
+                    self.stats.compile_workers = compile_workers.finish(workers, progress=options.progress)
                     self.stats.compile_worker_seconds = [w.seconds for w in workers if w.seconds]
                     self.stats.compile_worker_peak_bytes = max(w.peak_bytes for w in workers)
                     if self.frames is not None:

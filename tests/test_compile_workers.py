@@ -2,7 +2,9 @@
 graph from the caches and computes eager's logits; a worker that fails costs only its time."""
 from __future__ import annotations
 
+import logging
 import os
+import re
 
 import pytest
 import torch
@@ -84,7 +86,7 @@ def test_a_worker_decoder_maps_the_weights_of_its_layers_and_copies_their_buffer
         compile_workers.adopt_tensors(Decoder(model.config, dtype=torch.float32, device="meta", layer_ids=(1,), **SHAPE), outside)
 
 
-def test_the_start_loads_every_graph_the_workers_compiled(tmp_path):
+def test_the_start_loads_every_graph_the_workers_compiled(tmp_path, caplog):
     """A worker per batch shape of a layer kind that takes the rope table the step hands its
     blocks: its graphs must be traced alike in the batch-1 worker, which traces its block before
     any head, and here, where the head is traced at the larger bucket first."""
@@ -94,8 +96,15 @@ def test_the_start_loads_every_graph_the_workers_compiled(tmp_path):
     model = Decoder(config, dtype=torch.float32, **SHAPE)
     model.load_state_dict(eager.state_dict())
     assert len(layer_kinds(model)) == 1
-    runner = fuse.compile_decode(model, buckets=(1, 4), compilation="regional", compile_workers=2,
-                                 cache_dir=str(tmp_path), progress=False)
+    with caplog.at_level(logging.WARNING, logger="fuse"):
+        runner = fuse.compile_decode(model, buckets=(1, 4), compilation="regional", compile_workers=2,
+                                     cache_dir=str(tmp_path))
+    lines = [r.getMessage() for r in caplog.records if "compile worker" in r.getMessage() or "worker processes" in r.getMessage()]
+    assert lines[0] == "fuse: compiling the graphs in 2 worker processes"
+    # a line for each as it ends, in the order they end, with its layers and buckets
+    assert sorted(re.sub(r"\d+ of 2 ", "", line.split(" done in")[0]) for line in lines[1:]) == [
+        "fuse: compile worker (layers [0], buckets [1])", "fuse: compile worker (layers [0], buckets [4])"]
+    assert [line.split(" of 2")[0] for line in lines[1:]] == ["fuse: compile worker 1", "fuse: compile worker 2"]
     s = runner.stats
     assert s.compile_workers == 2 and s.compiles == 2 * 2  # traced here: the block and the head at each batch shape
     assert (s.inductor_compiles, s.aot_compiles) == (0, 0), runner.describe()
@@ -136,7 +145,7 @@ def test_gpu_workers_compile_each_batch_shape_and_the_artifact_build_loads_their
     events = []
     compile_op_calls, finish = precompile.compile_op_calls, compile_workers.finish
     monkeypatch.setattr(precompile, "compile_op_calls", lambda *args: events.append("kernels") or compile_op_calls(*args))
-    monkeypatch.setattr(compile_workers, "finish", lambda workers: events.append("workers waited for") or finish(workers))
+    monkeypatch.setattr(compile_workers, "finish", lambda workers, **kw: events.append("workers waited for") or finish(workers, **kw))
     runner = fuse.compile_decode(model, buckets=(1, 4), compile_workers=2, artifact=str(tmp_path / "a.zip"), progress=False)
     s = runner.stats
     assert events == ["kernels", "workers waited for"] and s.kernels_compiled_ahead > 0
@@ -174,7 +183,7 @@ def test_a_start_that_fails_while_its_workers_compile_stops_them_and_removes_the
     start = compile_workers.start
     monkeypatch.setattr(compile_workers, "start", lambda *args: started.extend(start(*args)) or started)
 
-    def finish(workers):
+    def finish(workers, progress=False):
         raise RuntimeError("the runner failed while its workers compiled")
 
     monkeypatch.setattr(compile_workers, "finish", finish)
