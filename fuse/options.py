@@ -68,8 +68,8 @@ class CompileOptions:
     # The custom ops' Triton kernels of every bucket compiled before the first calls, this many at
     # a time (fuse/precompile.py; None: one per CPU; 0: each compiles at its first launch). CUDA only.
     kernel_compile_workers: int | None = None
-    # The step's graphs and kernels compiled first in this many worker processes, one layer kind and batch
-    # shape each where there are enough (fuse/compile_workers.py; None: as many as fit, on CUDA; 0: none).
+    # The step's graphs compiled first in this many worker processes, one layer kind and batch shape each
+    # where there are enough (fuse/compile_workers.py; None: as many as fit, on CUDA; 0: none).
     compile_workers: int | None = 0
     progress: bool = True  # one log line per bucket with its warm-up time (and per compile worker as it ends)
     requested_compilation: str = field(default="auto", init=False, repr=False, compare=False)  # before resolving
