@@ -226,26 +226,26 @@ def stop(workers: list[Worker]) -> None:
 def finish(workers: list[Worker], progress: bool = False) -> int:
     """Wait for every worker, in the order they end; the number that succeeded. With `progress`
     a log line for each as it ends; a failed one warns with its log's end."""
-    succeeded, pending = 0, list(workers)
+    pending = list(workers)
     while pending:
         ended = [worker for worker in pending if worker.process.poll() is not None]
         if not ended:
             time.sleep(FINISH_POLL_S)
         for worker in ended:
             pending.remove(worker)
-            succeeded += _collect(worker)
+            _collect(worker)
             if progress:
                 log.warning("fuse: compile worker %d of %d (layers %s, buckets %s) %s in %5.1f s", len(workers) - len(pending),
                             len(workers), list(worker.layer_ids), list(worker.job.buckets),
                             "done" if worker.succeeded else "failed", time.time() - worker.launched)
     if workers and torch.cuda.is_initialized():
         torch.cuda.ipc_collect()  # the shared tensors' reference counts, released by the workers
-    return succeeded
+    return sum(worker.succeeded for worker in workers)
 
 
-def _collect(worker: Worker) -> bool:
-    """An ended worker's report read (its phases and peak) and its files removed; whether it
-    succeeded (a failed one warns with its output's end)."""
+def _collect(worker: Worker) -> None:
+    """An ended worker's report read (its phases and peak), whether it succeeded, and its files
+    removed; a failed one warns with its output's end."""
     status = worker.process.wait()
     with open(worker.log_path) as f:
         output = f.read()
@@ -257,7 +257,6 @@ def _collect(worker: Worker) -> bool:
         warnings.warn(f"fuse: the compile worker of layers {list(worker.layer_ids)}, buckets {list(worker.job.buckets)}, "
                       f"failed (exit status {status}); "
                       f"this process compiles their graphs instead. Its output ended with:\n{output[-1500:]}")
-    return worker.succeeded
 
 
 def read_report(output: str, launched: float) -> tuple[dict[str, float], int]:
