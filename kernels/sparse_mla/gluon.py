@@ -45,6 +45,7 @@ from kernels.sparse_mla.common import (
 from kernels.sparse_mla.plan import (
     MAX_SPLITS, WGMMA_BLOCK_N, WGMMA_HEAD_DIMS, WGMMA_STAGES, blocks_per_split, wgmma_splits,
 )
+from kernels.gluon_compat import async_load, barrier
 from kernels.triton_util import num_sms
 
 BLOCK_H = 64  # one wgmma M tile: a warpgroup of four 16-row warps
@@ -61,11 +62,6 @@ ROWS_LAYOUT = gl.constexpr(
 )
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-# cp.async into shared memory: `async_load` since Triton 3.7, `async_copy_global_to_shared` before.
-_async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
-# A barrier of the executing warps (one partition's inside warp_specialize): `barrier` since
-# Triton 3.7, `thread_barrier` before.
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.jit
@@ -85,7 +81,7 @@ def _gather_rows(
         stage = i % STAGES
         # Both warpgroups are done with the block this buffer held (nothing to wait for at first).
         mbarrier.wait(kv_free.index(stage), ((i // STAGES) + 1) & 1, pred=i >= STAGES)
-        _async_load(kv_smem.index(stage), kv_ptr + row_off[:, None] + offs_d[None, :], mask=valid[:, None])
+        async_load(kv_smem.index(stage), kv_ptr + row_off[:, None] + offs_d[None, :], mask=valid[:, None])
         cp.mbarrier_arrive(kv_ready.index(stage), increment_count=False)
         row_off, valid = _offsets_of(idx, rows_per_slot, stride_slot, stride_row, FLAT_ROWS)
         idx = _load_indices(idx_row_ptr, k_begin + (i + 2) * BLOCK_N + offs_n, k_end, stride_ik)
@@ -132,11 +128,11 @@ def _scores_and_first_half(
         p_smem.index(pb).store(p16)
         alpha_smem.index(pb).store(alpha)
         fence_async_shared()
-        _barrier()  # every thread's part stored before the one arrive
+        barrier()  # every thread's part stored before the one arrive
         mbarrier.arrive(p_ready.index(pb), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         acc = warpgroup_mma(gl.convert_layout(p16, p_layout), kv.slice(0, DH, dim=1), acc)
-        _barrier()
+        barrier()
         mbarrier.arrive(kv_free.index(stage), count=1)
         cur_idx = next_idx
 
@@ -156,7 +152,7 @@ def _scores_and_first_half(
         denom = l_o * w + gl.exp2(sink2 - m_all)
         scale = w / denom
     scale_smem.store(scale)
-    _barrier()
+    barrier()
     mbarrier.arrive(scale_ready, count=1)
     if SPLIT:
         row = (b * n_splits + split) * H + offs_h
@@ -187,7 +183,7 @@ def _second_half(
         fence_async_shared()
         acc = acc * alpha_smem.index(pb).load(row_layout)[:, None]
         acc = warpgroup_mma(p_smem.index(pb), kv_smem.index(stage).slice(DH, DH, dim=1), acc)
-        _barrier()
+        barrier()
         mbarrier.arrive(p_free.index(pb), count=1)
         mbarrier.arrive(kv_free.index(stage), count=1)
     mbarrier.wait(scale_ready, 0)
@@ -242,11 +238,11 @@ def _sparse_mla_wgmma_kernel(
     # Q in shared memory before the partitions start.
     offs_d_q = gl.arange(0, D, layout=gl.SliceLayout(0, ROWS_LAYOUT))
     offs_h_q = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, ROWS_LAYOUT))
-    _async_load(q_smem, q_ptr + b * stride_qb + offs_h_q[:, None] * stride_qh + offs_d_q[None, :])
+    async_load(q_smem, q_ptr + b * stride_qb + offs_h_q[:, None] * stride_qh + offs_d_q[None, :])
     cp.commit_group()
     cp.wait_group(0)
     fence_async_shared()
-    _barrier()
+    barrier()
 
     k_begin = split * blocks_per_split * BLOCK_N
     k_end = gl.minimum(k_begin + blocks_per_split * BLOCK_N, K)
