@@ -156,6 +156,9 @@ class LaunchReport:
     # per-name op that launched it (`aten::mm`, `v4::moe_experts`), "" for generated kernels;
     # on CUDA known only for kernels launched outside a CUDA graph
     origins: dict[str, str] = field(default_factory=dict)
+    # time per call between the counted kernels, from the first one's start to the last one's end
+    # (idle_between): on CUDA the device waiting for launches, on the CPU the host between ops
+    idle_us: float | None = None
 
     @property
     def total(self) -> float:
@@ -207,6 +210,7 @@ class LaunchReport:
             "glue_time_share": self.glue_time_share(), "kernels": self.kernels,
             "kernel_time_us": self.kernel_time_us, "origins": self.origins,
             "collectives": self.collectives(), "collective_time_us": self.collective_time_us(),
+            "idle_us": self.idle_us,
         }
 
     def top_kernels_markdown(self, count: int = 15) -> str:
@@ -268,6 +272,10 @@ def time_markdown(eager: LaunchReport, compiled: LaunchReport) -> str:
         cells = [f"{eager.category_time_us(c):.1f}", _percent(eager_share),
                  f"{compiled.category_time_us(c):.1f}", _percent(compiled_share)]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    if eager.idle_us is not None and compiled.idle_us is not None:
+        between = "device idle between kernels (waiting for launches)" if compiled.device == "cuda" else "host time between ops and kernels"
+        lines += ["", f"Besides the kernels, per call: {between}: {eager.label} {eager.idle_us:.1f} us, "
+                      f"{compiled.label} {compiled.idle_us:.1f} us."]
     return "\n".join(lines)
 
 
@@ -337,6 +345,7 @@ def count_launches(
     name_us: Counter[str] = Counter()
     time_us: Counter[str] = Counter()
     origins: dict[str, str] = {}
+    spans: list[tuple[float, float]] = []
     if on_cuda:
         origins = _device_kernel_origins(prof.events())
         custom = _custom_kernel_names()
@@ -347,6 +356,7 @@ def count_launches(
                 names[e.name] += 1
                 name_us[e.name] += us
                 time_us[classify_kernel(e.name, custom)] += us
+                spans.append((e.time_range.start, e.time_range.end))
         counts = Counter()
         for name, n in names.items():
             counts[classify_kernel(name, custom)] += n
@@ -356,6 +366,7 @@ def count_launches(
             name_us[e.name] += e.cpu_time_total
             time_us[classify_op(e.name)] += e.cpu_time_total
             origins[e.name] = e.name if "::" in e.name else ""
+            spans.append((e.time_range.start, e.time_range.end))
         counts = Counter()
         for name, n in names.items():
             counts[classify_op(name)] += n
@@ -369,7 +380,19 @@ def count_launches(
         kernels={k: v / calls for k, v in sorted(names.items(), key=lambda kv: -kv[1])},
         kernel_time_us={k: v / calls for k, v in sorted(name_us.items(), key=lambda kv: -kv[1])},
         origins={k: origins[k] for k in names if k in origins},
+        idle_us=idle_between(spans) / calls,
     )
+
+
+def idle_between(spans: Iterable[tuple[float, float]]) -> float:
+    """The time from the first span's start to the last one's end that no span covers
+    (overlapping spans, as kernels on two streams, count once)."""
+    idle, reach = 0.0, None
+    for start, end in sorted(spans):
+        if reach is not None and start > reach:
+            idle += start - reach
+        reach = end if reach is None else max(reach, end)
+    return idle
 
 
 @contextlib.contextmanager

@@ -130,6 +130,30 @@ def test_time_by_category_agrees_with_the_json_and_adds_up(report):
     assert abs(float(rows["glue"][3].rstrip("%")) - 100 * data["compiled"]["glue_time_share"]) < 0.06
 
 
+def test_idle_between_counts_the_gaps_once_where_spans_overlap():
+    """Gaps from the first start to the last end; nested and overlapping spans (kernels on two
+    streams) cover their union once, whatever the order they come in."""
+    from fuse.launches import idle_between
+
+    spans = [(30, 31), (0, 10), (5, 12), (20, 25), (22, 23), (1, 2)]
+    assert idle_between(spans) == (20 - 12) + (30 - 25)
+    assert idle_between([(3, 8)]) == 0 and idle_between([]) == 0
+
+
+def test_the_time_table_says_the_time_between_kernels(report):
+    """Under the time table: the host time between the counted ops and kernels of a step (CPU),
+    as report.json has it; eager dispatches op by op from Python, so its gaps are not empty."""
+    folder, _ = report
+    data = json.loads((folder / "report.json").read_text())
+    md = (folder / "report.md").read_text().split("## Time per decode step by category")[1].split("\n## ")[0]
+    line = next(line for line in md.splitlines() if line.startswith("Besides the kernels"))
+    assert "host time between ops and kernels" in line
+    for side in ("eager", "compiled"):
+        idle = data[side]["idle_us"]
+        assert idle >= 0 and f"{data[side]['label']} {idle:.1f} us" in line
+    assert data["eager"]["idle_us"] > 0
+
+
 def test_per_kernel_counts_add_up_and_the_top_table_lists_the_slowest(report):
     folder, _ = report
     data = json.loads((folder / "report.json").read_text())
