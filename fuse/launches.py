@@ -273,7 +273,8 @@ def time_markdown(eager: LaunchReport, compiled: LaunchReport) -> str:
                  f"{compiled.category_time_us(c):.1f}", _percent(compiled_share)]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     if eager.idle_us is not None and compiled.idle_us is not None:
-        between = "device idle between kernels (waiting for launches)" if compiled.device == "cuda" else "host time between ops and kernels"
+        between = ("device idle between kernels (waiting for launches)" if compiled.device == "cuda"
+                   else "host time between ops and kernels")
         lines += ["", f"Besides the kernels, per call: {between}: {eager.label} {eager.idle_us:.1f} us, "
                       f"{compiled.label} {compiled.idle_us:.1f} us."]
     return "\n".join(lines)
