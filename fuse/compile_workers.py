@@ -57,6 +57,8 @@ WORKER_OVERHEAD_BYTES = 2 * 2**30
 # at which it reached each of WORKER_PHASES ("reached") and its allocator's peak ("peak_bytes",
 # CUDA only: the memory a worker holds besides its CUDA context, which WORKER_OVERHEAD_BYTES counts).
 REPORT_LINE = "fuse compile worker: "
+# A worker writes its frames here first, then renames them: a reader never sees half a file.
+PARTIAL_SUFFIX = ".partial"
 # How long a worker stopped by a failed start gets to end on SIGTERM before it is killed.
 STOP_WAIT_S = 10
 # How often the wait for the workers looks for one that ended.
@@ -90,6 +92,12 @@ class Worker:
     @property
     def layer_ids(self) -> tuple[int, ...]:
         return self.job.layer_ids
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """Every file the worker may leave: its log, its spec, its frames (and their partial write)."""
+        frames = (self.frames_path, self.frames_path + PARTIAL_SUFFIX) if self.frames_path else ()
+        return (self.log_path, self.spec_path, *frames)
 
 
 def batch_shapes(options: CompileOptions, buckets: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -218,8 +226,8 @@ def stop(workers: list[Worker]) -> None:
         except subprocess.TimeoutExpired:
             worker.process.kill()
             worker.process.wait()
-        for path in (worker.log_path, worker.spec_path, worker.frames_path, worker.frames_path and worker.frames_path + ".tmp"):
-            if path and os.path.exists(path):
+        for path in worker.files:
+            if os.path.exists(path):
                 os.remove(path)
 
 
@@ -351,9 +359,9 @@ def _run_worker(spec_path: str, frames_path: str | None) -> None:
         counts = compile_counts()
         written = {"frames": frames.saved(), "compiled": len(frames.compiled), "seconds": frames.seconds,
                    "inductor": counts["inductor"] + frames.uncounted_inductor_compiles, "aot_autograd": counts["aot_autograd"]}
-        with open(frames_path + ".tmp", "wb") as f:
+        with open(frames_path + PARTIAL_SUFFIX, "wb") as f:
             pickle.dump(written, f)
-        os.replace(frames_path + ".tmp", frames_path)
+        os.replace(frames_path + PARTIAL_SUFFIX, frames_path)
         reached["frames written"] = time.time()
     peak = torch.cuda.max_memory_reserved(decoder.device) if decoder.device.type == "cuda" else 0
     print(REPORT_LINE + json.dumps({"reached": reached, "peak_bytes": peak}), flush=True)
