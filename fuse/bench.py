@@ -15,6 +15,9 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
                    compiled on their own (not run by default).
   fuse-batch1-shared `fuse.compile_decode(batch_one_shared=True)`: batch 1 in the symbolic
                    batch's graph, one compile per layer kind (not run by default).
+  fuse-pdl         `fuse` with Inductor's programmatic dependent launch (`triton.enable_pdl`): on
+                   Hopper and later each generated kernel starts while the one before it ends
+                   (not run by default).
 Caches are filled with random rows as if every sequence were `context` tokens in (decode cost
 depends on the positions, not on the values). The floor is the bytes a step must read (weights
 it touches, attended KV rows, the indexer cache; fuse/floor.py) over a copy bandwidth measured in
@@ -53,12 +56,17 @@ from kernels.triton_util import triton_version
 from model import Decoder, ModelConfig
 from model.parallel import ParallelError
 
-VARIANTS = ("eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-nested", "fuse-regional", "fuse-batch1-shared")
-# The compile_decode variants and the CompileOptions each asks for.
+VARIANTS = (
+    "eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-nested", "fuse-regional",
+    "fuse-batch1-shared", "fuse-pdl",
+)
+# The compile_decode variants and the CompileOptions each asks for. "fuse-pdl": Inductor's kernels
+# launched with programmatic dependent launch (Hopper on), each starting while the one before ends.
 COMPILE_DECODE_VARIANTS = {
     "fuse": {}, "fuse-static": {"dynamic_batch": False},
     "fuse-nested": {"compilation": "nested"}, "fuse-regional": {"compilation": "regional"},
     "fuse-batch1-shared": {"batch_one_shared": True},
+    "fuse-pdl": {"inductor_options": {"triton.enable_pdl": True}},
 }
 DEFAULT_VARIANTS = VARIANTS[:4]
 YARDSTICK = "eager, padded"  # the accuracy checks' key for eager with padding rows
@@ -181,10 +189,9 @@ def build_variant(
             run = runner.run_checked
             note = runner.describe().replace("\n", "; ")
         elif name in COMPILE_DECODE_VARIANTS:
-            runner = compile_decode(
-                decoder, buckets=batches, progress=False, inductor_options=dict(inductor_options) or None,
-                **COMPILE_DECODE_VARIANTS[name],
-            )
+            options = dict(COMPILE_DECODE_VARIANTS[name])
+            patches = dict(inductor_options) | options.pop("inductor_options", {})
+            runner = compile_decode(decoder, buckets=batches, progress=False, inductor_options=patches or None, **options)
             run = runner.run_checked
             note = runner.describe().replace("\n", "; ")
         elif name == "reduce-overhead":
