@@ -532,9 +532,10 @@ def test_the_op_leaves_the_mma_products_to_gpus_with_e4m3_conversions():
     from kernels.moe import scaled_gluon
 
     q, _ = quantize_fp8_weight(weight(128, 256, seed=3))
-    packed, _ = quantize_fp4_weight(weight(256, 256, seed=4))
+    packed, scale = quantize_fp4_weight(weight(256, 256, seed=4))
     x = torch.randn(1, 256)
-    assert not gluon.takes(x, q) and not scaled_gluon.takes(x, packed.view(1, 256, 128))
+    experts, scales = packed.view(1, 256, 128), (scale.view(1, 256, 8),) * 3
+    assert not gluon.takes(x, q) and not scaled_gluon.takes(x, experts, experts, experts, scales)
 
 
 def meta_fp8(n: int, k: int, scale_dtype: torch.dtype = torch.float8_e8m0fnu):

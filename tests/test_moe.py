@@ -644,7 +644,8 @@ def test_scaled_mma_product_odd_step_counts(scale_dtype):
 
 
 def test_scaled_mma_product_refuses_other_formats():
-    """FP8 experts (or a width that is not whole 128-blocks) are refused by name before any launch."""
+    """FP8 experts, a width that is not whole 128-blocks, or rows laid out otherwise than the copies
+    take are refused by name before any launch."""
     from kernels.moe.scaled_gluon import moe_experts_scaled_mma
 
     w1, w2, w3, scales = scaled_experts("fp8", E8M0, 4, 256, 128, "cpu", seed=360)
@@ -654,3 +655,12 @@ def test_scaled_mma_product_refuses_other_formats():
     w1, w2, w3, scales = scaled_experts("fp4", E8M0, 4, 256, 96, "cpu", seed=362)
     with pytest.raises(ValueError, match="multiples of 128"):
         moe_experts_scaled_mma(torch.randn(2, 256), ids, weights, w1, w2, w3, scales, LIMIT)
+    # Rows the copies into shared memory cannot take: w3 a view with longer rows than w1's, scales
+    # not contiguous along their groups.
+    w1, w2, w3, scales = scaled_experts("fp4", E8M0, 4, 256, 128, "cpu", seed=363)
+    wide_w3 = torch.cat([w3, w3], dim=2)[..., : w3.shape[2]]
+    with pytest.raises(ValueError, match="alike in row strides"):
+        moe_experts_scaled_mma(torch.randn(2, 256), ids, weights, w1, w2, wide_w3, scales, LIMIT)
+    strided = (scales[0], scales[1].transpose(1, 2).contiguous().transpose(1, 2), scales[2])
+    with pytest.raises(ValueError, match="contiguous along the inputs"):
+        moe_experts_scaled_mma(torch.randn(2, 256), ids, weights, w1, w2, w3, strided, LIMIT)

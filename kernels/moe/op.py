@@ -70,7 +70,7 @@ def _(x, expert_ids, expert_weights, w1, w2, w3, w1_scale, w2_scale, w3_scale, s
     from kernels.moe.scaled import moe_experts_scaled_triton
 
     scales = (w1_scale, w2_scale, w3_scale)
-    product = scaled_gluon.moe_experts_scaled_mma if scaled_gluon.takes(x, w1) else moe_experts_scaled_triton
+    product = scaled_gluon.moe_experts_scaled_mma if scaled_gluon.takes(x, w1, w2, w3, scales) else moe_experts_scaled_triton
     return product(x, expert_ids, expert_weights, w1, w2, w3, scales, swiglu_limit, shared_expert, pow2)
 
 

@@ -1,23 +1,26 @@
 """Gluon products of the block-scaled routed experts (kernels/moe/scaled.py, product "mma"): FP4
 weights (e2m1 codes two a byte, low nibble first, one ue8m0 or fp32 scale per 32 inputs) decoded
-straight into the registers of the tensor-core instruction (mma.sync m16n8k16: fp16 operands,
-fp32 accumulation), with no trip through shared memory. The routing, the activations'
-quantisation, the split-K arrival, the SwiGLU epilogue and the combine are scaled.py's.
+into the registers of the tensor-core instruction (mma.sync m16n8k16: fp16 operands, fp32
+accumulation). The routing, the activations' quantisation, the split-K arrival, the SwiGLU
+epilogue and the combine are scaled.py's.
 
 At decode a routed expert is a grouped GEMV: the time goes to moving and decoding the codes, so
 both are laid out for the instruction rather than for the dot of a generic tile.
 
+- Every 128-input step's bytes (codes, their scales, the activations' e4m3 bytes and scales)
+  reach shared memory by cp.async, 16 bytes a thread and whole sectors, STAGES - 1 steps ahead
+  of the one multiplied. Reading the fragments straight from global memory (4 bytes a thread,
+  half of each sector) kept the L1 busy and left nothing in flight while a step computed.
 - The instruction's K order within a 32-input scale group is free as long as the weights and
   the activations share it. Thread q of a quad takes inputs [8q, 8q + 8) of every group: 4 bytes
-  of codes a row (one 32-bit load), which its A fragment holds as k-slots {2q, 2q+1, 2q+8, 2q+9}
-  of the group's two 16-wide steps, and the same 8 activation values (one 64-bit load) for its B
-  fragment. `convert_layout(..., assert_trivial=True)` checks when it compiles that no value
+  of codes a row (one 32-bit shared-memory read), which its A fragment holds as k-slots
+  {2q, 2q+1, 2q+8, 2q+9} of the group's two 16-wide steps, and the same 8 activation values (one
+  64-bit read) for its B fragment. The shared-memory swizzles keep those reads free of bank
+  conflicts; `convert_layout(..., assert_trivial=True)` checks when it compiles that no value
   moves between threads.
 - Program (segment, 128 output columns, K split): 4 warps, each 16 of every 64 columns; the
   instruction's N is 8 of the segment's pairs at a time. Gate and up share the activations'
-  loads and conversion. The down product (64 columns, K whole) issues the loads of two steps
-  before their products: a step of its tile is few bytes, too few in flight at batch 1 otherwise.
-  The gate/up product issues one step's (two weights' codes): two steps' measured slower.
+  copies and conversion. The down product: 64 columns, K whole.
 - Decoding: a byte's two codes become e4m3 bytes (sign to bit 7, exponent and mantissa bits to
   bits 4..2: 2^-6 times the code's value, exact, the subnormal 0.5 included) in three or four
   integer operations per 4 codes, then the hardware's e4m3x2 -> f16x2 conversion. The 2^6 is
@@ -32,9 +35,10 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
+from kernels.gluon_compat import async_load, barrier
 from kernels.moe.scaled import (
     SEGMENT_ROWS, UP_BLOCK_N, ScaledLaunch, ScaledTiles, arrives_last, gate_up_epilogue, prepare_launch, scaled_experts,
     store_partials, summed_partials,
@@ -45,16 +49,16 @@ WARPS = 4
 STEP = FP8_BLOCK  # inputs per step: one activation block, four FP4 scale groups
 # Output columns per down program: twice the programs of 128 for the few experts picked at batch 1.
 DOWN_N = 64
-# Steps of the down product whose loads are issued before their products: its tiles hold few
-# bytes a step (64 rows of 64 bytes), and at batch 1 all of them together a step are ~12 KB an SM.
-DOWN_STEPS_AHEAD = 2
+# Steps in shared memory at a time (STAGES - 1 copied ahead of the one multiplied): about 18 KB
+# a step for gate and up (three programs an SM, as their registers allow), 5 KB for down.
+PIPELINE_STAGES = 4
 # The instruction's N: pairs of a segment taken at a time (wider tiles would raise every
 # program's registers for the few segments with more pairs).
 TOKENS_PER_STEP = 8
 # Device-side constants (Gluon reads module globals only as constexprs).
 TOKENS = gl.constexpr(TOKENS_PER_STEP)
 DOWN_BLOCK_N = gl.constexpr(DOWN_N)
-DOWN_AHEAD = gl.constexpr(DOWN_STEPS_AHEAD)
+STAGES = gl.constexpr(PIPELINE_STAGES)
 GATE_UP_BLOCK_N = gl.constexpr(UP_BLOCK_N)  # one activation block of h, as scaled.py's
 SEGMENT = gl.constexpr(SEGMENT_ROWS)
 BLOCK_K = gl.constexpr(STEP)
@@ -110,6 +114,17 @@ def codes_layout(block_n: int) -> gl.DistributedLinearLayout:
 
 
 @gluon.constexpr_function
+def scales_layout(block_n: int) -> gl.DistributedLinearLayout:
+    """[block_n rows, 4 groups] of weight scales: each thread holds the 4 groups of the rows its
+    accumulator holds (the rows of SliceLayout(1, mma_layout())), in consecutive registers."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]] + [[64 << i, 0] for i in range((block_n // 64).bit_length() - 1)],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[block_n, 4],
+    )
+
+
+@gluon.constexpr_function
 def values_layout(tokens: int) -> gl.DistributedLinearLayout:
     """[128 inputs, tokens] of e4m3 activations: thread (r, q) holds inputs 32g + 8q + i (i < 8,
     every group g; i in consecutive registers: 64-bit loads) of token r, every 8 tokens; every
@@ -119,6 +134,14 @@ def values_layout(tokens: int) -> gl.DistributedLinearLayout:
         lane_bases=[[8, 0], [16, 0], [0, 1], [0, 2], [0, 4]],
         warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[STEP, tokens],
     )
+
+
+@gluon.constexpr_function
+def copy_layout(vector: int, lanes_per_row: int) -> gl.BlockedLayout:
+    """Copies into shared memory: `vector` consecutive elements a thread (16 bytes at most),
+    `lanes_per_row` threads a row, warps stacked over the rows."""
+    return gl.BlockedLayout(size_per_thread=[1, vector], threads_per_warp=[32 // lanes_per_row, lanes_per_row],
+                            warps_per_cta=[WARPS, 1], order=[1, 0])
 
 
 @gluon.constexpr_function
@@ -178,111 +201,120 @@ def _code_scale(s, S_E8M0: gl.constexpr):
 
 
 @gluon.jit
-def _group_product(w, v, s_ptrs, group, stride_sk, S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr,
-                   TOKENS: gl.constexpr, MMA: gl.constexpr):
-    """One scale group's product [BLOCK_N, TOKENS] fp32, times the columns' weight scales."""
-    s = _code_scale(gl.load(s_ptrs + group * stride_sk), S_E8M0)
+def _group_product(w, v, s, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, MMA: gl.constexpr):
+    """One scale group's product [BLOCK_N, TOKENS] fp32, times the columns' weight scales s."""
     return mma_v2(w, v, gl.zeros([BLOCK_N, TOKENS], gl.float32, MMA)) * s[:, None]
 
 
 @gluon.jit
-def _code_pointers(w_ptr, col0, stride_wn, k_begin, BLOCK_N: gl.constexpr):
-    """Codes of weight rows col0 + [0, BLOCK_N), inputs [k_begin, k_begin + 128) (codes_layout)."""
-    CODES: gl.constexpr = codes_layout(BLOCK_N)
-    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CODES))
-    offs = k_begin // 2 + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, CODES))
-    return w_ptr + cols.to(gl.int64)[:, None] * stride_wn + offs[None, :]
-
-
-@gluon.jit
-def _block_product(codes, v0, v1, v2, v3, s_ptrs, group, stride_sk,
-                   S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):
-    """128 inputs of one weight: its four groups' products, each times its weight scales."""
+def _block_product(codes, v0, v1, v2, v3, scales, S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):
+    """128 inputs of one weight: its four groups' products, each times its weight scales
+    (scales: [BLOCK_N, 4] as stored, scales_layout)."""
     MMA: gl.constexpr = mma_layout()
+    s = _code_scale(scales, S_E8M0)
+    s0, s1, s2, s3 = _groups(s.reshape([BLOCK_N, 2, 2]))
     w0, w1, w2, w3 = _weight_groups(codes, BLOCK_N, MMA)
-    block = _group_product(w0, v0, s_ptrs, group, stride_sk, S_E8M0, BLOCK_N, TOKENS, MMA)
-    block += _group_product(w1, v1, s_ptrs, group + 1, stride_sk, S_E8M0, BLOCK_N, TOKENS, MMA)
-    block += _group_product(w2, v2, s_ptrs, group + 2, stride_sk, S_E8M0, BLOCK_N, TOKENS, MMA)
-    block += _group_product(w3, v3, s_ptrs, group + 3, stride_sk, S_E8M0, BLOCK_N, TOKENS, MMA)
+    rows: gl.constexpr = gl.SliceLayout(1, MMA)
+    block = _group_product(w0, v0, gl.convert_layout(s0, rows, assert_trivial=True), BLOCK_N, TOKENS, MMA)
+    block += _group_product(w1, v1, gl.convert_layout(s1, rows, assert_trivial=True), BLOCK_N, TOKENS, MMA)
+    block += _group_product(w2, v2, gl.convert_layout(s2, rows, assert_trivial=True), BLOCK_N, TOKENS, MMA)
+    block += _group_product(w3, v3, gl.convert_layout(s3, rows, assert_trivial=True), BLOCK_N, TOKENS, MMA)
     return block
 
 
 @gluon.jit
-def _step_loads(code_ptrs, other_code_ptrs, value_ptrs, value_ok, a_scale_ptr, acc_rows, acc_ok, stride_as, k, k_begin,
-                PAIRED: gl.constexpr):
-    """The loads of the 128 inputs from k: the codes of the weight rows (and of the second
-    weight's with PAIRED), the activations' e4m3 bytes and their scales."""
-    step = k - k_begin
-    codes = gl.load(code_ptrs + step // 2)
+def _issue_step(stage, codes_smem, other_smem, scales_smem, other_scales_smem, values_smem, a_scale_smem,
+                w_ptr, w_other_ptr, s_ptr, s_other_ptr, a_ptr, a_scale_ptr, code_offs, scale_offs, value_offs, value_ok,
+                a_scale_offs, a_scale_ok, step, live, PAIRED: gl.constexpr):
+    """Start the copies of step `step` (128 inputs from the program's first) into slot `stage`:
+    the codes (and the second weight's), their scales, the activations' e4m3 bytes and scales.
+    `live` false (a step past the end) copies nothing and fills the slot with zeros. Offsets
+    in 32 bits (an expert's weight is under 2 GB), added to the pointers here."""
+    async_load(codes_smem.index(stage), w_ptr + (code_offs + step * (BLOCK_K // 2)), mask=live)
+    async_load(scales_smem.index(stage), s_ptr + (scale_offs + step * 4), mask=live)
     if PAIRED:
-        other_codes = gl.load(other_code_ptrs + step // 2)
-    else:
-        other_codes = codes
-    values = gl.load(value_ptrs + step, mask=value_ok[None, :], other=0)
-    a_scale = gl.load(a_scale_ptr + acc_rows * stride_as + k // BLOCK_K, mask=acc_ok, other=0.0)
-    return codes, other_codes, values, a_scale
-
-
-@gluon.jit
-def _step_products(acc, acc_other, codes, other_codes, values, a_scale, k, s_ptrs, s_other_ptrs, stride_sk, stride_other_sk,
-                   S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, PAIRED: gl.constexpr):
-    """acc (and acc_other with PAIRED) plus the products of one step's loads (_step_loads)."""
-    MMA: gl.constexpr = mma_layout()
-    v0, v1, v2, v3 = _value_groups(values, TOKENS, MMA)
-    group = k // FP4_GROUP
-    acc += _block_product(codes, v0, v1, v2, v3, s_ptrs, group, stride_sk, S_E8M0, BLOCK_N, TOKENS) * a_scale[None, :]
-    if PAIRED:
-        block = _block_product(other_codes, v0, v1, v2, v3, s_other_ptrs, group, stride_other_sk, S_E8M0, BLOCK_N, TOKENS)
-        acc_other += block * a_scale[None, :]
-    return acc, acc_other
+        async_load(other_smem.index(stage), w_other_ptr + (code_offs + step * (BLOCK_K // 2)), mask=live)
+        async_load(other_scales_smem.index(stage), s_other_ptr + (scale_offs + step * 4), mask=live)
+    async_load(values_smem.index(stage), a_ptr + (value_offs + step * BLOCK_K), mask=value_ok & live)
+    async_load(a_scale_smem.index(stage), a_scale_ptr + (a_scale_offs + step), mask=a_scale_ok & live)
+    async_copy.commit_group()
 
 
 @gluon.jit
 def _fp4_products(
     a_ptr, a_scale_ptr, a_row, row_ok, stride_am, stride_as,
-    w_ptr, s_ptr, w_other_ptr, s_other_ptr, col0, stride_wn, stride_sn, stride_sk,
-    stride_other_wn, stride_other_sn, stride_other_sk, k_begin, k_end,
+    w_ptr, s_ptr, w_other_ptr, s_other_ptr, col0, stride_wn, stride_sn, k_begin, k_end,
     S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, PAIRED: gl.constexpr,
-    STEPS_AHEAD: gl.constexpr,
 ):
     """[BLOCK_N, TOKENS] fp32 each: weight rows col0 + [0, BLOCK_N) (w_ptr, s_ptr at the expert) and,
     with PAIRED, the same rows of a second weight (w_other_ptr, s_other_ptr: gate and up share
     the activations) times the quantised activation rows a_row (e4m3 bytes [rows, K] and one
     scale per 128; row_ok masks the padding) over inputs [k_begin, k_end), a multiple of 128.
-    The loads of STEPS_AHEAD steps (1 or 2) are issued before their products (no values carried
-    across iterations: a carried tensor of bytes is kept a byte a register)."""
+
+    Every step's bytes go through shared memory, STAGES - 1 steps copied ahead (cp.async,
+    16 bytes a thread, whole sectors): the fragments' 4-byte reads straight from global memory
+    kept the L1 busy with half-used sectors and nothing in flight while a step computed."""
     MMA: gl.constexpr = mma_layout()
-    VALUES: gl.constexpr = values_layout(TOKENS)
-    code_ptrs = _code_pointers(w_ptr, col0, stride_wn, k_begin, BLOCK_N)
-    other_code_ptrs = _code_pointers(w_other_ptr, col0, stride_other_wn, k_begin, BLOCK_N)
-    value_rows = gl.convert_layout(a_row, gl.SliceLayout(0, VALUES))
-    value_ok = gl.convert_layout(row_ok, gl.SliceLayout(0, VALUES))
-    value_ptrs = (a_ptr + value_rows.to(gl.int64)[None, :] * stride_am
-                  + (k_begin + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, VALUES)))[:, None])
-    scale_cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    s_ptrs = s_ptr + scale_cols * stride_sn
-    s_other_ptrs = s_other_ptr + scale_cols * stride_other_sn
-    acc_rows = gl.convert_layout(a_row, gl.SliceLayout(0, MMA))
-    acc_ok = gl.convert_layout(row_ok, gl.SliceLayout(0, MMA))
+    COPY_CODES: gl.constexpr = copy_layout(16, 4)  # a row's 64 bytes by 4 threads
+    COPY_SCALES: gl.constexpr = copy_layout(4, 1)
+    COPY_VALUES: gl.constexpr = copy_layout(8, 16)  # a token's 128 bytes by 16 threads
+    COPY_ROWS: gl.constexpr = gl.SliceLayout(1, copy_layout(1, 1))
+    # Swizzles that keep the fragments' reads free of bank conflicts (codes: a warp reads 4
+    # bytes of 8 rows 64 bytes apart; values: 8 bytes of 4 tokens 128 bytes apart).
+    CODES_SMEM: gl.constexpr = gl.SwizzledSharedLayout(16, 2, 4, [1, 0])
+    VALUES_SMEM: gl.constexpr = gl.SwizzledSharedLayout(32, 1, 4, [1, 0])
+    PLAIN_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    ROWS_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    codes_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 2], CODES_SMEM)
+    scales_smem = gl.allocate_shared_memory(s_ptr.dtype.element_ty, [STAGES, BLOCK_N, 4], PLAIN_SMEM)
+    if PAIRED:
+        other_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 2], CODES_SMEM)
+        other_scales_smem = gl.allocate_shared_memory(s_ptr.dtype.element_ty, [STAGES, BLOCK_N, 4], PLAIN_SMEM)
+    else:
+        other_smem = codes_smem
+        other_scales_smem = scales_smem
+    values_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, TOKENS, BLOCK_K], VALUES_SMEM)
+    a_scale_smem = gl.allocate_shared_memory(gl.float32, [STAGES, TOKENS], ROWS_SMEM)
+
+    # Offsets of the first step, in the copies' layouts.
+    first_block = k_begin // BLOCK_K  # offsets as multiples of a step's, so the copies stay 16 bytes wide
+    code_rows = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY_CODES))
+    code_offs = code_rows[:, None] * stride_wn + (first_block * (BLOCK_K // 2) + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, COPY_CODES)))[None, :]
+    scale_rows = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY_SCALES))
+    scale_offs = scale_rows[:, None] * stride_sn + (first_block * 4 + gl.arange(0, 4, layout=gl.SliceLayout(0, COPY_SCALES)))[None, :]
+    value_rows = gl.convert_layout(a_row, gl.SliceLayout(1, COPY_VALUES))
+    value_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, COPY_VALUES))[:, None]
+    value_offs = value_rows[:, None] * stride_am + (first_block * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, COPY_VALUES)))[None, :]
+    a_scale_ok = gl.convert_layout(row_ok, COPY_ROWS)
+    a_scale_offs = gl.convert_layout(a_row, COPY_ROWS) * stride_as + first_block
+
+    steps = (k_end - k_begin) // BLOCK_K
+    for ahead in gl.static_range(STAGES - 1):
+        _issue_step(ahead, codes_smem, other_smem, scales_smem, other_scales_smem, values_smem, a_scale_smem,
+                    w_ptr, w_other_ptr, s_ptr, s_other_ptr, a_ptr, a_scale_ptr, code_offs, scale_offs, value_offs, value_ok,
+                    a_scale_offs, a_scale_ok, ahead, ahead < steps, PAIRED)
     acc = gl.zeros([BLOCK_N, TOKENS], gl.float32, MMA)
     acc_other = gl.zeros([BLOCK_N, TOKENS], gl.float32, MMA)
-    first = k_begin
-    if STEPS_AHEAD == 2:
-        for k in range(k_begin, k_end - BLOCK_K, 2 * BLOCK_K):
-            c0, o0, v0, a0 = _step_loads(code_ptrs, other_code_ptrs, value_ptrs, value_ok, a_scale_ptr, acc_rows, acc_ok,
-                                         stride_as, k, k_begin, PAIRED)
-            c1, o1, v1, a1 = _step_loads(code_ptrs, other_code_ptrs, value_ptrs, value_ok, a_scale_ptr, acc_rows, acc_ok,
-                                         stride_as, k + BLOCK_K, k_begin, PAIRED)
-            acc, acc_other = _step_products(acc, acc_other, c0, o0, v0, a0, k, s_ptrs, s_other_ptrs, stride_sk,
-                                            stride_other_sk, S_E8M0, BLOCK_N, TOKENS, PAIRED)
-            acc, acc_other = _step_products(acc, acc_other, c1, o1, v1, a1, k + BLOCK_K, s_ptrs, s_other_ptrs, stride_sk,
-                                            stride_other_sk, S_E8M0, BLOCK_N, TOKENS, PAIRED)
-        first = k_end - ((k_end - k_begin) // BLOCK_K) % 2 * BLOCK_K  # an odd last step, if any
-    for k in range(first, k_end, BLOCK_K):
-        c0, o0, v0, a0 = _step_loads(code_ptrs, other_code_ptrs, value_ptrs, value_ok, a_scale_ptr, acc_rows, acc_ok,
-                                     stride_as, k, k_begin, PAIRED)
-        acc, acc_other = _step_products(acc, acc_other, c0, o0, v0, a0, k, s_ptrs, s_other_ptrs, stride_sk,
-                                        stride_other_sk, S_E8M0, BLOCK_N, TOKENS, PAIRED)
+    for step in range(steps):
+        async_copy.wait_group(STAGES - 2)  # this thread's copies of `step` have landed
+        barrier()  # everyone's, and everyone is done reading the slot refilled next
+        later = step + STAGES - 1
+        _issue_step(later % STAGES, codes_smem, other_smem, scales_smem, other_scales_smem, values_smem, a_scale_smem,
+                    w_ptr, w_other_ptr, s_ptr, s_other_ptr, a_ptr, a_scale_ptr, code_offs, scale_offs, value_offs, value_ok,
+                    a_scale_offs, a_scale_ok, later, later < steps, PAIRED)
+        stage = step % STAGES
+        values = values_smem.index(stage).permute([1, 0]).load(values_layout(TOKENS))
+        a_scale = a_scale_smem.index(stage).load(gl.SliceLayout(0, MMA))
+        v0, v1, v2, v3 = _value_groups(values, TOKENS, MMA)
+        codes = codes_smem.index(stage).load(codes_layout(BLOCK_N))
+        scales = scales_smem.index(stage).load(scales_layout(BLOCK_N))
+        acc += _block_product(codes, v0, v1, v2, v3, scales, S_E8M0, BLOCK_N, TOKENS) * a_scale[None, :]
+        if PAIRED:
+            other_codes = other_smem.index(stage).load(codes_layout(BLOCK_N))
+            other_scales = other_scales_smem.index(stage).load(scales_layout(BLOCK_N))
+            acc_other += _block_product(other_codes, v0, v1, v2, v3, other_scales, S_E8M0, BLOCK_N, TOKENS) * a_scale[None, :]
+    async_copy.wait_group(0)  # no copy outlives the program's use of its shared memory
+    barrier()
     return acc, acc_other
 
 
@@ -298,8 +330,7 @@ def _chunk_pairs(sorted_pair_ptr, segment, first, rows, LAYOUT: gl.constexpr):
 @gluon.jit
 def _gate_up_chunk(
     xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, sorted_pair_ptr, segment, first, rows, tile_n, split, dim,
-    stride_w1n, stride_s1n, stride_s1k, stride_w3n, stride_s3n, stride_s3k,
-    PAIRS_PER_TOKEN: gl.constexpr, S_E8M0: gl.constexpr, SPLIT: gl.constexpr,
+    stride_wn, stride_sn, PAIRS_PER_TOKEN: gl.constexpr, S_E8M0: gl.constexpr, SPLIT: gl.constexpr,
 ):
     """Gate and up [TOKENS, 128] fp32 of TOKENS pairs of a segment from `first` over this
     program's K split, as [pairs, columns] in epilogue_layout(); with their pairs, tokens, real-row
@@ -314,8 +345,7 @@ def _gate_up_chunk(
     col0 = tile_n * BLOCK_N
     gate, up = _fp4_products(
         xq_ptr, xs_ptr, token, row_ok, dim, dim // BLOCK_K,
-        w1_ptr, s1_ptr, w3_ptr, s3_ptr, col0, stride_w1n, stride_s1n, stride_s1k, stride_w3n, stride_s3n, stride_s3k,
-        k_begin, k_end, S_E8M0, BLOCK_N, TOKENS, True, 1,
+        w1_ptr, s1_ptr, w3_ptr, s3_ptr, col0, stride_wn, stride_sn, k_begin, k_end, S_E8M0, BLOCK_N, TOKENS, True,
     )
     gate = gl.convert_layout(gate.permute(1, 0), EPILOGUE)
     up = gl.convert_layout(up.permute(1, 0), EPILOGUE)
@@ -328,8 +358,7 @@ def _mma_gate_up_kernel(
     x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr,
     sorted_pair_ptr, block_expert_ptr, block_rows_ptr, partial_ptr, counter_ptr,
     split_stride, dim, inter, swiglu_limit,
-    stride_w1e, stride_w1n, stride_s1e, stride_s1n, stride_s1k,
-    stride_w3e, stride_w3n, stride_s3e, stride_s3n, stride_s3k,
+    stride_w1e, stride_s1e, stride_w3e, stride_s3e, stride_wn, stride_sn,
     PICKS: gl.constexpr, PAIRS_PER_TOKEN: gl.constexpr, HAS_LIMIT: gl.constexpr, POW2: gl.constexpr,
     S_E8M0: gl.constexpr, SPLIT: gl.constexpr,
 ):
@@ -350,7 +379,7 @@ def _mma_gate_up_kernel(
         for first in range(0, rows, TOKENS):
             gate, up, pair, token, row_ok, offs_n = _gate_up_chunk(
                 xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, sorted_pair_ptr, segment, first, rows, tile_n, split, dim,
-                stride_w1n, stride_s1n, stride_s1k, stride_w3n, stride_s3n, stride_s3k, PAIRS_PER_TOKEN, S_E8M0, SPLIT,
+                stride_wn, stride_sn, PAIRS_PER_TOKEN, S_E8M0, SPLIT,
             )
             if SPLIT == 1:
                 gate_up_epilogue(gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n,
@@ -374,7 +403,7 @@ def _mma_gate_up_kernel(
 @gluon.jit
 def _mma_down_kernel(
     hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
-    dim, inter, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ym,
+    dim, inter, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
     S_E8M0: gl.constexpr,
 ):
     pid = gl.program_id(0)
@@ -394,18 +423,29 @@ def _mma_down_kernel(
             pair, row_ok = _chunk_pairs(sorted_pair_ptr, segment, first, rows, gl.SliceLayout(1, EPILOGUE))
             acc, _ = _fp4_products(
                 hq_ptr, hs_ptr, pair, row_ok, inter, inter // BLOCK_K,
-                w2_ptr, s2_ptr, w2_ptr, s2_ptr, col0, stride_wn, stride_sn, stride_sk, stride_wn, stride_sn, stride_sk,
-                0, inter, S_E8M0, DOWN_BLOCK_N, TOKENS, False, DOWN_AHEAD,
+                w2_ptr, s2_ptr, w2_ptr, s2_ptr, col0, stride_wn, stride_sn, 0, inter, S_E8M0, DOWN_BLOCK_N, TOKENS, False,
             )
             y = gl.convert_layout(acc.permute(1, 0), EPILOGUE)
             y_ptrs = y_ptr + pair.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
             gl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def takes(x: torch.Tensor, w1: torch.Tensor) -> bool:
-    """Whether the op runs this product: FP4 experts whose widths are whole 128-blocks, on a GPU
-    with the e4m3 conversions (sm_89 or newer)."""
-    return w1.dtype == torch.uint8 and _whole_blocks(x.shape[1], w1.shape[1]) and converts_e4m3(x.device)
+def takes(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+          scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
+    """Whether the op runs this product: FP4 experts whose widths are whole 128-blocks, laid out
+    for the copies (_copyable), on a GPU with the e4m3 conversions (sm_89 or newer)."""
+    return (w1.dtype == torch.uint8 and _whole_blocks(x.shape[1], w1.shape[1]) and _copyable(w1, w2, w3, scales)
+            and converts_e4m3(x.device))
+
+
+def _copyable(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, scales: tuple[torch.Tensor, ...]) -> bool:
+    """The copies into shared memory move 16 bytes of a row of codes and a step's 4 scale groups
+    at a time: rows contiguous, tensors 16-byte aligned (Triton proves no less for a pointer),
+    rows 16 bytes apart (scales 4), and w1 and w3 alike in row strides (one offset serves both)."""
+    aligned = all(w.stride(-1) == 1 and w.data_ptr() % 16 == 0 and w.stride(1) % 16 == 0 for w in (w1, w2, w3))
+    scales_aligned = all(s.stride(-1) == 1 and s.data_ptr() % 16 == 0 and s.stride(1) * s.element_size() % 4 == 0
+                         for s in scales)
+    return aligned and scales_aligned and w1.stride(1) == w3.stride(1) and scales[0].stride(1) == scales[2].stride(1)
 
 
 def _whole_blocks(dim: int, inter: int) -> bool:
@@ -413,14 +453,20 @@ def _whole_blocks(dim: int, inter: int) -> bool:
     return dim % STEP == 0 and inter % UP_BLOCK_N == 0
 
 
-def check_mma_inputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> None:
-    """What the "mma" product takes: FP4 weights (uint8 codes), widths that are whole 128-blocks
-    and 64-column tiles."""
+def check_mma_inputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """What the "mma" product takes: FP4 weights (uint8 codes), widths that are whole 128-blocks,
+    rows laid out for the copies."""
     if not (w1.dtype == w2.dtype == w3.dtype == torch.uint8):
         raise ValueError(f"moe_experts (mma): the mma product takes FP4 experts, got {w1.dtype}, {w2.dtype}, {w3.dtype}")
     dim, inter = x.shape[1], w1.shape[1]
     if not _whole_blocks(dim, inter):
         raise ValueError(f"moe_experts (mma): dim ({dim}) and inter ({inter}) must be multiples of {STEP}")
+    if not _copyable(w1, w2, w3, scales):
+        raise ValueError(
+            "moe_experts (mma): the weights and their scales must be contiguous along the inputs, 16-byte aligned, "
+            "with rows 16 bytes apart (scales 4) and w1 and w3 (and their scales) alike in row strides"
+        )
 
 
 def moe_experts_scaled_mma(
@@ -438,7 +484,7 @@ def moe_experts_scaled_mma(
 ) -> torch.Tensor:
     """moe_experts_scaled_triton's result (same arguments) with the products of this module: FP4
     experts on a GPU."""
-    check_mma_inputs(x, w1, w2, w3)
+    check_mma_inputs(x, w1, w2, w3, scales)
 
     def launch_products(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
         run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles)
@@ -450,13 +496,13 @@ def moe_experts_scaled_mma(
             x, run.xq.view(torch.uint8), run.xs, w1, s1, w3, s3, run.route_w, run.hq, run.hs,
             segments.sorted_pair, segments.block_expert, segments.block_rows, run.partials, run.counters,
             run.hq.shape[0] * 2 * inter, dim, inter, float(swiglu_limit),
-            w1.stride(0), w1.stride(1), *s1.stride(), w3.stride(0), w3.stride(1), *s3.stride(),
+            w1.stride(0), s1.stride(0), w3.stride(0), s3.stride(0), w1.stride(1), s1.stride(1),
             PICKS=run.picks, PAIRS_PER_TOKEN=run.pairs_per_token, HAS_LIMIT=swiglu_limit > 0, POW2=pow2,
             S_E8M0=s1.dtype == torch.uint8, SPLIT=run.split, num_warps=WARPS,
         )
         _mma_down_kernel[(segments.num_blocks * (dim // DOWN_N),)](
             run.hq.view(torch.uint8), run.hs, w2, s2, run.y, segments.sorted_pair, segments.block_expert, segments.block_rows,
-            dim, inter, w2.stride(0), w2.stride(1), *s2.stride(), run.y.stride(0),
+            dim, inter, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), run.y.stride(0),
             S_E8M0=s2.dtype == torch.uint8, num_warps=WARPS,
         )
         return run
