@@ -627,8 +627,9 @@ def test_scaled_mma_product_matches_reference(flash_scaled, batch, pattern, spli
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale_dtype", [E8M0, torch.float32])
 def test_scaled_mma_product_odd_step_counts(scale_dtype):
-    """Widths of an odd number of 128-input steps (the down product's two-steps-ahead loop and
-    its last single step; the gate/up K split 2 ways into 2 + 1 steps), both scale dtypes."""
+    """Widths of an odd number of 128-input steps, fewer than the pipeline's stages (copies past
+    the last step fill their slots with zeros; the gate/up K split 2 ways into 2 + 1 steps), both
+    scale dtypes."""
     from kernels.moe.scaled import choose_scaled_tiles
     from kernels.moe.scaled_gluon import moe_experts_scaled_mma
 
