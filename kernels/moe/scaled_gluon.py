@@ -250,10 +250,7 @@ def _fp4_products(
     with PAIRED, the same rows of a second weight (w_other_ptr, s_other_ptr: gate and up share
     the activations) times the quantised activation rows a_row (e4m3 bytes [rows, K] and one
     scale per 128; row_ok masks the padding) over inputs [k_begin, k_end), a multiple of 128.
-
-    Every step's bytes go through shared memory, STAGES - 1 steps copied ahead (cp.async,
-    16 bytes a thread, whole sectors): the fragments' 4-byte reads straight from global memory
-    kept the L1 busy with half-used sectors and nothing in flight while a step computed."""
+    Each step's bytes are copied into shared memory STAGES - 1 steps ahead of their products."""
     MMA: gl.constexpr = mma_layout()
     COPY_CODES: gl.constexpr = copy_layout(16, 4)  # a row's 64 bytes by 4 threads
     COPY_SCALES: gl.constexpr = copy_layout(4, 1)
@@ -279,12 +276,15 @@ def _fp4_products(
     # Offsets of the first step, in the copies' layouts.
     first_block = k_begin // BLOCK_K  # offsets as multiples of a step's, so the copies stay 16 bytes wide
     code_rows = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY_CODES))
-    code_offs = code_rows[:, None] * stride_wn + (first_block * (BLOCK_K // 2) + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, COPY_CODES)))[None, :]
+    code_bytes = first_block * (BLOCK_K // 2) + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, COPY_CODES))
+    code_offs = code_rows[:, None] * stride_wn + code_bytes[None, :]
     scale_rows = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY_SCALES))
-    scale_offs = scale_rows[:, None] * stride_sn + (first_block * 4 + gl.arange(0, 4, layout=gl.SliceLayout(0, COPY_SCALES)))[None, :]
+    scale_groups = first_block * 4 + gl.arange(0, 4, layout=gl.SliceLayout(0, COPY_SCALES))
+    scale_offs = scale_rows[:, None] * stride_sn + scale_groups[None, :]
     value_rows = gl.convert_layout(a_row, gl.SliceLayout(1, COPY_VALUES))
     value_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, COPY_VALUES))[:, None]
-    value_offs = value_rows[:, None] * stride_am + (first_block * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, COPY_VALUES)))[None, :]
+    value_inputs = first_block * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, COPY_VALUES))
+    value_offs = value_rows[:, None] * stride_am + value_inputs[None, :]
     a_scale_ok = gl.convert_layout(row_ok, COPY_ROWS)
     a_scale_offs = gl.convert_layout(a_row, COPY_ROWS) * stride_as + first_block
 
