@@ -625,20 +625,20 @@ def test_scaled_mma_product_matches_reference(flash_scaled, batch, pattern, spli
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scale_dtype", [E8M0, torch.float32])
-def test_scaled_mma_product_odd_step_counts(scale_dtype):
-    """Widths of an odd number of 128-input steps, fewer than the pipeline's stages (copies past
-    the last step fill their slots with zeros; the gate/up K split 2 ways into 2 + 1 steps), both
-    scale dtypes."""
+@pytest.mark.parametrize("scale_dtype, dim, inter, up_split", [(torch.float32, 384, 384, 2), (E8M0, 512, 512, 3)])
+def test_scaled_mma_product_odd_step_counts(scale_dtype, dim, inter, up_split):
+    """K splits of fewer 128-input steps than the pipeline's stages (copies past the last step
+    fill their slots with zeros), odd counts of steps where the scales allow them (fp32 scales:
+    3 steps split 2 + 1; one-byte scales take rows of 512 inputs: 4 steps split 2 + 2 + none)."""
     from kernels.moe.scaled import choose_scaled_tiles
     from kernels.moe.scaled_gluon import moe_experts_scaled_mma
 
-    num_experts, dim, inter = 6, 384, 384
+    num_experts = 6
     w1, w2, w3, scales = scaled_experts("fp4", scale_dtype, num_experts, dim, inter, "cuda", seed=370)
     for batch in (1, 9):
         x = torch.randn(batch, dim, device="cuda").to(torch.bfloat16)
         ids, weights = routed_ids("random", batch, 2, num_experts, seed=371 + batch, device="cuda")
-        tiles = dataclasses.replace(choose_scaled_tiles(batch * 3, num_experts, dim, inter, 132), product="mma", up_split=2)
+        tiles = dataclasses.replace(choose_scaled_tiles(batch * 3, num_experts, dim, inter, 132), product="mma", up_split=up_split)
         out = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, num_experts - 1, tiles=tiles)
         assert_scaled_close(out, moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, num_experts - 1, scales),
                             torch.bfloat16)
@@ -647,7 +647,8 @@ def test_scaled_mma_product_odd_step_counts(scale_dtype):
 def test_scaled_mma_product_refuses_other_formats():
     """FP8 experts, a width that is not whole 128-blocks, or rows laid out otherwise than the copies
     take are refused by name before any launch."""
-    from kernels.moe.scaled_gluon import moe_experts_scaled_mma
+    from kernels.moe.scaled_gluon import _copyable, moe_experts_scaled_mma, takes
+    from kernels.triton_util import converts_e4m3
 
     w1, w2, w3, scales = scaled_experts("fp8", E8M0, 4, 256, 128, "cpu", seed=360)
     ids, weights = routed_ids("random", 2, 2, 4, seed=361)
@@ -657,11 +658,19 @@ def test_scaled_mma_product_refuses_other_formats():
     with pytest.raises(ValueError, match="multiples of 128"):
         moe_experts_scaled_mma(torch.randn(2, 256), ids, weights, w1, w2, w3, scales, LIMIT)
     # Rows the copies into shared memory cannot take: w3 a view with longer rows than w1's, scales
-    # not contiguous along their groups.
-    w1, w2, w3, scales = scaled_experts("fp4", E8M0, 4, 256, 128, "cpu", seed=363)
+    # not contiguous along their groups, one-byte scales in rows of 12 bytes (384 inputs).
+    w1, w2, w3, scales = scaled_experts("fp4", E8M0, 4, 512, 512, "cpu", seed=363)
+    x = torch.randn(2, 512)
+    assert takes(x, w1, w2, w3, scales) or not converts_e4m3(x.device)
     wide_w3 = torch.cat([w3, w3], dim=2)[..., : w3.shape[2]]
     with pytest.raises(ValueError, match="alike in row strides"):
-        moe_experts_scaled_mma(torch.randn(2, 256), ids, weights, w1, w2, wide_w3, scales, LIMIT)
+        moe_experts_scaled_mma(x, ids, weights, w1, w2, wide_w3, scales, LIMIT)
     strided = (scales[0], scales[1].transpose(1, 2).contiguous().transpose(1, 2), scales[2])
     with pytest.raises(ValueError, match="contiguous along the inputs"):
-        moe_experts_scaled_mma(torch.randn(2, 256), ids, weights, w1, w2, w3, strided, LIMIT)
+        moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, strided, LIMIT)
+    for scale_dtype, refused in ((E8M0, True), (torch.float32, False)):
+        w1, w2, w3, scales = scaled_experts("fp4", scale_dtype, 4, 384, 512, "cpu", seed=364)
+        assert _copyable(w1, w2, w3, scales) is not refused
+    with pytest.raises(ValueError, match="one-byte scales 16"):
+        w1, w2, w3, scales = scaled_experts("fp4", E8M0, 4, 384, 512, "cpu", seed=364)
+        moe_experts_scaled_mma(torch.randn(2, 384), ids, weights, w1, w2, w3, scales, LIMIT)

@@ -21,10 +21,11 @@ both are laid out for the instruction rather than for the dot of a generic tile.
 - Program (segment, 128 output columns, K split): 4 warps, each 16 of every 64 columns; the
   instruction's N is 8 of the segment's pairs at a time. Gate and up share the activations'
   copies and conversion. The down product: 64 columns, K whole.
-- Decoding: a byte's two codes become e4m3 bytes (sign to bit 7, exponent and mantissa bits to
-  bits 4..2: 2^-6 times the code's value, exact, the subnormal 0.5 included) in three or four
-  integer operations per 4 codes, then the hardware's e4m3x2 -> f16x2 conversion. The 2^6 is
-  folded into the weight scales' exponents. The activations (e4m3) convert the same way.
+- Decoding: a byte's two codes become the high bytes of two fp16 values (sign to bit 15,
+  exponent and mantissa bits to bits 11..9: 2^-14 times the code's value, exact, the subnormal
+  0.5 included) by shifts, masks and byte permutes, no conversion instruction. The 2^14 is folded
+  into the weight scales' exponents. The activations (e4m3) take the hardware's e4m3x2 -> f16x2
+  conversion.
 - Each group's product is scaled by its weight scales in fp32, each 128 inputs by the
   activations' scales: scaled.py's arithmetic in another summation order.
 
@@ -50,8 +51,12 @@ STEP = FP8_BLOCK  # inputs per step: one activation block, four FP4 scale groups
 # Output columns per down program: twice the programs of 128 for the few experts picked at batch 1.
 DOWN_N = 64
 # Steps in shared memory at a time (STAGES - 1 copied ahead of the one multiplied): about 18 KB
-# a step for gate and up (three programs an SM, as their registers allow), 5 KB for down.
+# a step for gate and up (two programs an SM, as their registers allow), 5 KB for down. Three
+# stages fit three programs an SM and measured slower at every batch.
 PIPELINE_STAGES = 4
+# Gate/up programs an SM before K is split (choose_scaled_tiles): at batch 1 (7 experts) a
+# 4-way split measured faster than the Triton products' 3-way.
+MMA_UP_PROGRAMS_PER_SM = 3
 # The instruction's N: pairs of a segment taken at a time (wider tiles would raise every
 # program's registers for the few segments with more pairs).
 TOKENS_PER_STEP = 8
@@ -63,26 +68,25 @@ GATE_UP_BLOCK_N = gl.constexpr(UP_BLOCK_N)  # one activation block of h, as scal
 SEGMENT = gl.constexpr(SEGMENT_ROWS)
 BLOCK_K = gl.constexpr(STEP)
 FP4_GROUP = gl.constexpr(FP4_BLOCK)
-# A byte's two e2m1 codes -> e4m3 bytes of 2^-6 times their values, then f16x2 (pack 4: four
-# bytes in $4; low codes to $0, $1, high codes to $2, $3, in byte order).
+# A byte's two e2m1 codes -> fp16 of 2^-14 times their values: each code's sign and three bits
+# placed in a byte as an fp16's high byte, the low byte zero (pack 4: four bytes in $4; low codes
+# to $0, $1, high codes to $2, $3, in byte order).
 _E2M1_TO_FP16 = gl.constexpr("""{
-.reg .b32 lo, hi, s;
-.reg .b16 l0, l1, h0, h1;
-shl.b32 lo, $4, 2;
-and.b32 lo, lo, 0x1C1C1C1C;
-shl.b32 s, $4, 4;
-and.b32 s, s, 0x80808080;
-or.b32 lo, lo, s;
-shr.b32 hi, $4, 2;
-and.b32 hi, hi, 0x1C1C1C1C;
-and.b32 s, $4, 0x80808080;
-or.b32 hi, hi, s;
-mov.b32 {l0, l1}, lo;
-mov.b32 {h0, h1}, hi;
-cvt.rn.f16x2.e4m3x2 $0, l0;
-cvt.rn.f16x2.e4m3x2 $1, l1;
-cvt.rn.f16x2.e4m3x2 $2, h0;
-cvt.rn.f16x2.e4m3x2 $3, h1;
+.reg .b32 l, h, t, z;
+mov.b32 z, 0;
+shl.b32 t, $4, 4;
+and.b32 t, t, 0x80808080;
+shl.b32 l, $4, 1;
+and.b32 l, l, 0x0E0E0E0E;
+or.b32 l, l, t;
+shr.b32 t, $4, 3;
+and.b32 t, t, 0x0E0E0E0E;
+and.b32 h, $4, 0x80808080;
+or.b32 h, h, t;
+prmt.b32 $0, l, z, 0x1404;
+prmt.b32 $1, l, z, 0x3424;
+prmt.b32 $2, h, z, 0x1404;
+prmt.b32 $3, h, z, 0x3424;
 }""")
 # Four e4m3 bytes ($2) -> f16x2 pairs of bytes (0, 2) in $0 and (1, 3) in $1: the pairs the
 # instruction's fragment packs (_value_groups).
@@ -162,7 +166,7 @@ def _groups(t):
 @gluon.jit
 def _weight_groups(packed, BLOCK_N: gl.constexpr, MMA: gl.constexpr):
     """Codes [BLOCK_N, 64 bytes] (codes_layout) -> the four groups' A fragments [BLOCK_N, 32] fp16
-    (2^-6 times the values). Byte 16g + 4q + 2h + n holds inputs 32g + 8q + 4h + 2n (low nibble)
+    (2^-14 times the values). Byte 16g + 4q + 2h + n holds inputs 32g + 8q + 4h + 2n (low nibble)
     and + 1 (high); the fragment takes nibble s at k-slot 16s + 8h + 2q + n, so that the slot
     pairs (n = 0, 1) it packs in a register are the decoding's own f16x2 halves."""
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -191,13 +195,13 @@ def _value_groups(values, TOKENS: gl.constexpr, MMA: gl.constexpr):
 
 @gluon.jit
 def _code_scale(s, S_E8M0: gl.constexpr):
-    """Loaded weight scales as fp32 times 2^6 (undoing the decoded codes' 2^-6): ue8m0 byte e is
-    2^(e - 127), so the product is the fp32 with exponent field e + 6 (normal for every byte, 0
+    """Loaded weight scales as fp32 times 2^14 (undoing the decoded codes' 2^-14): ue8m0 byte e is
+    2^(e - 127), so the product is the fp32 with exponent field e + 14 (normal for every byte, 0
     included; the 255 of NaN saturates to infinity)."""
     if S_E8M0:
-        return (gl.minimum(s.to(gl.int32) + 6, 255) << 23).to(gl.float32, bitcast=True)
+        return (gl.minimum(s.to(gl.int32) + 14, 255) << 23).to(gl.float32, bitcast=True)
     else:
-        return s * 64.0
+        return s * 16384.0
 
 
 @gluon.jit
@@ -441,9 +445,13 @@ def takes(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
 def _copyable(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, scales: tuple[torch.Tensor, ...]) -> bool:
     """The copies into shared memory move 16 bytes of a row of codes and a step's 4 scale groups
     at a time: rows contiguous, tensors 16-byte aligned (Triton proves no less for a pointer),
-    rows 16 bytes apart (scales 4), and w1 and w3 alike in row strides (one offset serves both)."""
+    rows 16 bytes apart (scales 4, one-byte scales 16), and w1 and w3 alike in row strides (one
+    offset serves both)."""
     aligned = all(w.stride(-1) == 1 and w.data_ptr() % 16 == 0 and w.stride(1) % 16 == 0 for w in (w1, w2, w3))
-    scales_aligned = all(s.stride(-1) == 1 and s.data_ptr() % 16 == 0 and s.stride(1) * s.element_size() % 4 == 0
+    # One-byte scales' 4-byte copies need row strides Triton knows to be multiples of 4: it
+    # proves divisibility of an integer argument by 16 only.
+    scales_aligned = all(s.stride(-1) == 1 and s.data_ptr() % 16 == 0
+                         and (s.stride(1) % 16 == 0 if s.element_size() == 1 else s.stride(1) * s.element_size() % 4 == 0)
                          for s in scales)
     return aligned and scales_aligned and w1.stride(1) == w3.stride(1) and scales[0].stride(1) == scales[2].stride(1)
 
@@ -465,7 +473,7 @@ def check_mma_inputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: to
     if not _copyable(w1, w2, w3, scales):
         raise ValueError(
             "moe_experts (mma): the weights and their scales must be contiguous along the inputs, 16-byte aligned, "
-            "with rows 16 bytes apart (scales 4) and w1 and w3 (and their scales) alike in row strides"
+            "with rows 16 bytes apart (fp32 scales 4, one-byte scales 16) and w1 and w3 (and their scales) alike in row strides"
         )
 
 
@@ -507,4 +515,4 @@ def moe_experts_scaled_mma(
         )
         return run
 
-    return scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products)
+    return scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products, MMA_UP_PROGRAMS_PER_SM)
