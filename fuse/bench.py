@@ -18,6 +18,9 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
   fuse-pdl         `fuse` with Inductor's programmatic dependent launch (`triton.enable_pdl`): on
                    Hopper and later each generated kernel starts while the one before it ends
                    (not run by default).
+  fuse-combo       `fuse` with Inductor's combo kernels (`combo_kernels`): independent small
+                   kernels of a graph (cache writes, state updates) launched as one (not run by
+                   default).
 Caches are filled with random rows as if every sequence were `context` tokens in (decode cost
 depends on the positions, not on the values). The floor is the bytes a step must read (weights
 it touches, attended KV rows, the indexer cache; fuse/floor.py) over a copy bandwidth measured in
@@ -58,15 +61,17 @@ from model.parallel import ParallelError
 
 VARIANTS = (
     "eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-nested", "fuse-regional",
-    "fuse-batch1-shared", "fuse-pdl",
+    "fuse-batch1-shared", "fuse-pdl", "fuse-combo",
 )
 # The compile_decode variants and the CompileOptions each asks for. "fuse-pdl": Inductor's kernels
-# launched with programmatic dependent launch (Hopper on), each starting while the one before ends.
+# launched with programmatic dependent launch (Hopper on), each starting while the one before ends;
+# "fuse-combo": independent small kernels of a graph launched as one (Inductor's combo kernels).
 COMPILE_DECODE_VARIANTS = {
     "fuse": {}, "fuse-static": {"dynamic_batch": False},
     "fuse-nested": {"compilation": "nested"}, "fuse-regional": {"compilation": "regional"},
     "fuse-batch1-shared": {"batch_one_shared": True},
     "fuse-pdl": {"inductor_options": {"triton.enable_pdl": True}},
+    "fuse-combo": {"inductor_options": {"combo_kernels": True}},
 }
 DEFAULT_VARIANTS = VARIANTS[:4]
 YARDSTICK = "eager, padded"  # the accuracy checks' key for eager with padding rows

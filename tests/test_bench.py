@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import types
 
 import pytest
 import torch
@@ -154,6 +155,32 @@ def test_inductor_options_on_the_command_line():
         "python -m fuse bench --preset bench --contexts 4096 --batches 1,16,32,64"
         " --inductor-option combo_kernels=True --inductor-option x.y='a b'"
     )
+
+
+def test_variants_own_inductor_patches_join_the_runs(monkeypatch):
+    """fuse-pdl and fuse-combo compile with their Inductor setting on top of --inductor-option's;
+    plain fuse with the run's only."""
+    seen = {}
+
+    class Runner:
+        run_checked = None
+
+        def describe(self):
+            return ""
+
+    def compile_decode(decoder, **options):
+        seen[len(seen)] = options
+        return Runner()
+
+    monkeypatch.setattr(bench, "compile_decode", compile_decode)
+    decoder = types.SimpleNamespace(device=torch.device("cpu"))
+    run = (("combo_kernels", False), ("max_fusion_size", 8))
+    for name in ("fuse", "fuse-pdl", "fuse-combo"):
+        bench.build_variant(name, decoder, (1,), lambda batch: (), run)
+    assert seen[0]["inductor_options"] == {"combo_kernels": False, "max_fusion_size": 8}
+    assert seen[1]["inductor_options"] == {"combo_kernels": False, "max_fusion_size": 8, "triton.enable_pdl": True}
+    assert seen[2]["inductor_options"] == {"combo_kernels": True, "max_fusion_size": 8}
+    assert all("compile" not in options and options["buckets"] == (1,) for options in seen.values())
 
 
 def test_graph_memory_counts_private_pools_only(monkeypatch):
