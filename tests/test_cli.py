@@ -18,7 +18,7 @@ BAD = [
     ("report --timing-steps 0", "--timing-steps", "positive integer"),
     ("report --layers 7", "--layers", "tiny preset has 6 layers"),
     ("report --preset huge", "--preset", "choose from"),
-    ("bench --device cpu --variants eager,fuse-pdl", "--variants", "unknown variants ['fuse-pdl']"),
+    ("bench --device cpu --variants eager,fuse-turbo", "--variants", "unknown variants ['fuse-turbo']"),
     ("bench --device cpu --batches 1,0", "--batches", "comma list of positive integers"),
     ("bench --device cpu --inductor-option combo_kernels", "--inductor-option", "KEY=VALUE"),
     ("bench --device cpu --starts cold", "--starts", "only with --start-times"),
