@@ -315,6 +315,19 @@ def test_scaled_gate_up_splits_only_where_tiles_leave_sms_idle():
     assert choose_scaled_tiles(7, 256, 256, 2048, 132).up_split == 1  # two blocks of K: nothing to split
 
 
+def test_mma_product_splits_gate_up_k_into_equal_parts():
+    """The Gluon product's tiles: the Triton products' split rounded up to one that divides K's
+    32 blocks (batch 1: 6 or 7 pairs, 3 ways -> 4); where nothing is split, nothing changes."""
+    from kernels.moe.scaled import choose_scaled_tiles
+    from kernels.moe.scaled_gluon import choose_mma_tiles
+
+    for pairs in (6, 7, 12, 96):
+        split, triton_split = choose_mma_tiles(pairs, 256, 4096, 2048, 132).up_split, choose_scaled_tiles(pairs, 256, 4096, 2048, 132).up_split
+        assert 32 % split == 0 and triton_split <= split < 2 * triton_split
+    assert choose_mma_tiles(6, 256, 4096, 2048, 132).up_split == 4
+    assert choose_mma_tiles(96, 256, 4096, 2048, 132).up_split == 1
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("fmt,split", [("fp4", 2), ("fp4", 3), ("fp8", 3)])
 def test_scaled_gate_up_split_k(fmt, split):

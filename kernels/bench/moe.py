@@ -252,7 +252,7 @@ def scaled_table(copy_gbs: float) -> str:
     """FP4 experts through the op (its CUDA product) against the other products of the same
     semantics and the same experts dequantised to bf16 through the dense kernel; GB/s counts the
     bytes each must move: the distinct picked experts' weights (and scales), x, and the fp32 output."""
-    from kernels.moe.scaled_gluon import moe_experts_scaled_mma  # Gluon: imported where a GPU runs it
+    from kernels.moe.scaled_gluon import choose_mma_tiles, moe_experts_scaled_mma  # Gluon: imported where a GPU runs it
 
     fp4, dense, shared = make_scaled_experts()
     w1, w2, w3, scales = fp4
@@ -271,7 +271,8 @@ def scaled_table(copy_gbs: float) -> str:
         return dataclasses.replace(choose_scaled_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device)), **changes)
 
     def mma_split(ids, factor: int) -> ScaledTiles:  # the op's tiles, its gate/up K split `factor` times the ways
-        return tiles(ids, up_split=factor * tiles(ids).up_split)
+        chosen = choose_mma_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device))
+        return dataclasses.replace(chosen, up_split=factor * chosen.up_split)
 
     # The products the op does not run by default, each on the op's semantics (kernels/moe/scaled*.py),
     # and the op's own product with its gate/up K split into more ways.

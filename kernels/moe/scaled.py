@@ -87,14 +87,18 @@ class ScaledTiles:
 
 @functools.lru_cache(maxsize=None)
 def choose_scaled_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num_sms: int,
-                        up_programs_per_sm: int = UP_PROGRAMS_PER_SM) -> ScaledTiles:
+                        even_split: bool = False) -> ScaledTiles:
     """At decode few experts are picked and each must be spread over many SMs. The down N tile:
     the widest of 128, 64, 32 that still gives every SM PROGRAMS_PER_SM programs. The gate/up
     tile is fixed (one activation block of h), so where its tiles leave SMs without
-    `up_programs_per_sm` programs K is split, each split at least MIN_BLOCKS_PER_SPLIT blocks."""
+    UP_PROGRAMS_PER_SM programs K is split, each split at least MIN_BLOCKS_PER_SPLIT blocks;
+    even_split: into equal parts, the next split count that divides K's blocks."""
     active = max(1, min(num_pairs, num_experts))
     up_tiles = active * max(1, inter // UP_BLOCK_N)
-    split = min(triton.cdiv(up_programs_per_sm * num_sms, up_tiles), dim // FP8_BLOCK // MIN_BLOCKS_PER_SPLIT)
+    blocks = dim // FP8_BLOCK
+    split = min(triton.cdiv(UP_PROGRAMS_PER_SM * num_sms, up_tiles), blocks // MIN_BLOCKS_PER_SPLIT)
+    if even_split:
+        split = next(s for s in range(max(1, split), blocks + 1) if blocks % s == 0)
     down_block_n = _widest_tile(dim, active, num_sms, (128, 64, 32), PROGRAMS_PER_SM)
     return ScaledTiles(down_block_n=down_block_n, up_split=max(1, split))
 
@@ -411,11 +415,10 @@ def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow
 
 
 def scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products,
-                   up_programs_per_sm: int = UP_PROGRAMS_PER_SM) -> torch.Tensor:
-    """The steps every product path shares around its launches: checks, tiles (choose_scaled_tiles
-    with the product's `up_programs_per_sm` unless given), the preparation (prepare_launch),
-    `launch_products(run, tiles)` (the gate/up and down kernels, filling run.y), and the combine.
-    [B, D] fp32."""
+                   choose_tiles=choose_scaled_tiles) -> torch.Tensor:
+    """The steps every product path shares around its launches: checks, tiles (the product's
+    `choose_tiles` unless given), the preparation (prepare_launch), `launch_products(run, tiles)`
+    (the gate/up and down kernels, filling run.y), and the combine. [B, D] fp32."""
     _check_formats(x, expert_ids, w1, w2, w3, scales)
     check_shared_expert(shared_expert, w1.shape[0])
     batch, dim = x.shape
@@ -424,8 +427,7 @@ def scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, laun
     if batch == 0 or pairs_per_token == 0:
         return out.zero_()
     if tiles is None:
-        tiles = choose_scaled_tiles(batch * pairs_per_token, w1.shape[0], dim, w1.shape[1], num_sms(x.device),
-                                    up_programs_per_sm)
+        tiles = choose_tiles(batch * pairs_per_token, w1.shape[0], dim, w1.shape[1], num_sms(x.device))
     ids = expert_ids.contiguous()
     run = launch_products(ids, tiles)
     return combine_pairs(run.y, ids, out, w1.shape[0], pairs_per_token)

@@ -41,8 +41,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.gluon_compat import async_load, barrier
 from kernels.moe.scaled import (
-    SEGMENT_ROWS, UP_BLOCK_N, ScaledLaunch, ScaledTiles, arrives_last, gate_up_epilogue, prepare_launch, scaled_experts,
-    store_partials, summed_partials,
+    SEGMENT_ROWS, UP_BLOCK_N, ScaledLaunch, ScaledTiles, arrives_last, choose_scaled_tiles, gate_up_epilogue,
+    prepare_launch, scaled_experts, store_partials, summed_partials,
 )
 from kernels.triton_util import converts_e4m3
 
@@ -54,9 +54,6 @@ DOWN_N = 64
 # a step for gate and up (two programs an SM, as their registers allow), 5 KB for down. Three
 # stages fit three programs an SM and measured slower at every batch.
 PIPELINE_STAGES = 4
-# Gate/up programs an SM before K is split (choose_scaled_tiles): at batch 1 (7 experts) a
-# 4-way split measured faster than the Triton products' 3-way.
-MMA_UP_PROGRAMS_PER_SM = 3
 # The instruction's N: pairs of a segment taken at a time (wider tiles would raise every
 # program's registers for the few segments with more pairs).
 TOKENS_PER_STEP = 8
@@ -515,4 +512,10 @@ def moe_experts_scaled_mma(
         )
         return run
 
-    return scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products, MMA_UP_PROGRAMS_PER_SM)
+    return scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products, choose_mma_tiles)
+
+
+def choose_mma_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num_sms: int) -> ScaledTiles:
+    """choose_scaled_tiles with the gate/up K split into equal parts: at batch 1 (6 experts, 32
+    steps of K) 4 ways measured faster than 2, 3 and 6 side by side."""
+    return choose_scaled_tiles(num_pairs, num_experts, dim, inter, num_sms, even_split=True)
