@@ -326,6 +326,10 @@ def test_mma_product_splits_gate_up_k_into_equal_parts():
         assert 32 % split == 0 and triton_split <= split < 2 * triton_split
     assert choose_mma_tiles(6, 256, 4096, 2048, 132).up_split == 4
     assert choose_mma_tiles(96, 256, 4096, 2048, 132).up_split == 1
+    # 22 or 14 blocks: no equal split of at least 4 blocks above the Triton products' split, which stays.
+    for dim in (2816, 1792):
+        split = choose_mma_tiles(6, 256, dim, 2048, 132).up_split
+        assert split == choose_scaled_tiles(6, 256, dim, 2048, 132).up_split and dim // 128 // split >= 4
 
 
 @pytest.mark.interpreter

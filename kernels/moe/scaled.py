@@ -92,13 +92,15 @@ def choose_scaled_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, 
     the widest of 128, 64, 32 that still gives every SM PROGRAMS_PER_SM programs. The gate/up
     tile is fixed (one activation block of h), so where its tiles leave SMs without
     UP_PROGRAMS_PER_SM programs K is split, each split at least MIN_BLOCKS_PER_SPLIT blocks;
-    even_split: into equal parts, the next split count that divides K's blocks."""
+    even_split: into equal parts, the next split count that divides K's blocks without going
+    under that minimum (none such: the split as it was)."""
     active = max(1, min(num_pairs, num_experts))
     up_tiles = active * max(1, inter // UP_BLOCK_N)
     blocks = dim // FP8_BLOCK
-    split = min(triton.cdiv(UP_PROGRAMS_PER_SM * num_sms, up_tiles), blocks // MIN_BLOCKS_PER_SPLIT)
+    most = blocks // MIN_BLOCKS_PER_SPLIT
+    split = min(triton.cdiv(UP_PROGRAMS_PER_SM * num_sms, up_tiles), most)
     if even_split:
-        split = next(s for s in range(max(1, split), blocks + 1) if blocks % s == 0)
+        split = next((s for s in range(max(1, split), most + 1) if blocks % s == 0), split)
     down_block_n = _widest_tile(dim, active, num_sms, (128, 64, 32), PROGRAMS_PER_SM)
     return ScaledTiles(down_block_n=down_block_n, up_split=max(1, split))
 
