@@ -174,6 +174,12 @@ def _hc_mix_finish_kernel(
     HC: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    # The copies and the norm weight are loaded first: their latency passes while the partials
+    # are summed and the Sinkhorn chain runs (a program's work is one long dependent chain).
+    lanes = tl.arange(0, HC)
+    d = tl.arange(0, D)  # D is a power of two (kernels.hc_mix.ref.tiles): one unmasked range
+    copies = tl.load(copies_ptr + t * stride_cb + lanes[:, None] * stride_ch + d[None, :])
+    norm_weight = tl.load(weight_ptr + d)
     cols = tl.arange(0, PARTS)
     parts = tl.load(part_ptr + (t * SLICES + tl.arange(0, SLICES))[:, None] * PARTS + cols[None, :])
     sums = tl.sum(parts, axis=0)
@@ -188,7 +194,6 @@ def _hc_mix_finish_kernel(
     ok = token >= 0
     row = mixes_ptr + token * PARTS
     pre, post = _hc4_pre_post(row, scale_ptr, base_ptr, 1, stride_scale, stride_base, ok, hc_eps)
-    lanes = tl.arange(0, HC)
     tl.store(post_ptr + token[:, None] * HC + lanes[None, :], post)
     s = tl.load(scale_ptr + 2 * stride_scale)
     c00, c01, c02, c03 = _comb_row_softmax(row, base_ptr, 0, 1, stride_base, s, ok, hc_eps)
@@ -201,13 +206,10 @@ def _hc_mix_finish_kernel(
     _store_cells(comb_ptr + token * 16, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33, ok)
 
     # The sublayer input: the pre-weighted sum of the copies, rounded to their dtype, then RMSNorm.
-    # D is a power of two (kernels.hc_mix.ref.tiles), so one unmasked range covers it.
-    d = tl.arange(0, D)
-    copies = tl.load(copies_ptr + t * stride_cb + lanes[:, None] * stride_ch + d[None, :])
     x = tl.sum(tl.reshape(pre, (HC, 1)) * copies.to(tl.float32), axis=0)
     x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
     inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps)
-    tl.store(x_ptr + t * D + d, (tl.load(weight_ptr + d) * (x * inv_rms)).to(x_ptr.dtype.element_ty))
+    tl.store(x_ptr + t * D + d, (norm_weight * (x * inv_rms)).to(x_ptr.dtype.element_ty))
 
 
 def hc_mix_triton(
