@@ -27,7 +27,6 @@ from kernels.blockscale import blockscale_linear, blockscale_linear_reference, d
 from kernels.blockscale.gemv import BLOCK_N as GEMV_COLUMNS
 from kernels.blockscale.gemv import OP_MAX_WEIGHT_BYTES as GEMV_MAX_BYTES
 from kernels.blockscale.gemv import blockscale_gemv
-from kernels.blockscale.gluon import OP_MAX_ROWS as MMA_MAX_ROWS
 from kernels.blockscale.gluon import blockscale_linear_mma, plan_mma
 from kernels.blockscale.op import cuda_product
 from kernels.blockscale.triton import Plan, blockscale_linear_triton, plan_launch
@@ -39,7 +38,7 @@ SHAPES = {
     "wq_a+wkv (fused)": (1536, 4096), "wq_b": (32768, 1024), "wo_b": (4096, 8192), "shared w1/w3": (2048, 4096),
     "shared w2": (4096, 2048),
 }
-BATCHES = (1, 16, 64)
+BATCHES = (1, 2, 8, 16, 64)
 TOLERANCE = 8e-3  # max error relative to the output scale: bf16 output rounding, fp32 sums
 TARGETS = {1: 0.70, 64: 0.60}  # the FP8 kernel's share of the copy bandwidth to reach
 # The op's products (cuda_product's names) as the candidate columns name them.
@@ -160,8 +159,8 @@ def run(copy_gbs: float) -> str:
         "weight (+ scales) + activations + output; bf16 variants read the same weights dequantised (twice the "
         f"bytes). Every case matched its reference within {TOLERANCE:g} of the output scale first (a product "
         "that did not is reported instead of timed). 'FP8 op': `v4::blockscale_linear` as the model calls it "
-        f"(on sm_89+ the GEMV at one row of at most {GEMV_MAX_BYTES / 2**20:g} MiB of weights, else the Gluon mma "
-        f"product up to {MMA_MAX_ROWS} rows, else the Triton kernel; 'FP8 op runs' names it). Beside it each product of the "
+        f"(on sm_89+ the GEMV at one row of at most {GEMV_MAX_BYTES / 2**20:g} MiB of weights, else the Triton "
+        "kernel; 'FP8 op runs' names it). Beside it each product of the "
         "same semantics with its own plan and its 'speedup' (the op's time over its own): 'Triton' "
         "(kernels/blockscale/triton.py), 'mma' (kernels/blockscale/gluon.py), 'GEMV' (one row: "
         "kernels/blockscale/gemv.py, K never split).\n\n"

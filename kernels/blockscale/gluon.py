@@ -41,7 +41,7 @@ from kernels.blockscale.ref import FP8_BLOCK
 from kernels.blockscale.triton import (
     IN_KERNEL_QUANT_MAX_ROWS, Plan, launch_rows, prepare_launch, split_where_idle, write_tile,
 )
-from kernels.triton_util import converts_e4m3, interpreting, num_sms
+from kernels.triton_util import interpreting, num_sms
 
 WARPS = 4
 STEP = FP8_BLOCK  # inputs per step: one weight-scale block, one activation block
@@ -224,23 +224,6 @@ def plan_mma(rows: int, n: int, k: int, sms: int) -> Plan:
     plan = Plan(block_m, block_n, 1, k // FP8_BLOCK, rows > IN_KERNEL_QUANT_MAX_ROWS, num_warps=WARPS, product="mma",
                 blocks_per_step=BLOCKS_PER_STEP if rows <= IN_KERNEL_QUANT_MAX_ROWS else 1)
     return split_where_idle(plan, rows, n, k, sms, PROGRAMS_PER_SM, MIN_BLOCKS_PER_SPLIT)
-
-
-# Rows up to which the op runs this product: measured against the Triton kernel at V4-Flash's FP8
-# shapes, faster at one row (up to 1.25x), slower or even at 16 and 64 (docs/results.md).
-OP_MAX_ROWS = 8
-
-
-def takes_rows(rows: int, weight: torch.Tensor) -> bool:
-    """Whether this product takes `rows` rows of `weight` on a GPU with the e4m3 conversions (the
-    op's rule, from shapes and dtypes only): up to OP_MAX_ROWS rows of FP8 weights whose outputs
-    fill tiles of 64."""
-    return weight.dtype == torch.float8_e4m3fn and weight.shape[0] % COLUMN_TILES[0] == 0 and rows <= OP_MAX_ROWS
-
-
-def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """`takes_rows` for x's rows, on a GPU with the e4m3 conversions (sm_89 or newer)."""
-    return takes_rows(x.numel() // max(1, x.shape[-1]), weight) and converts_e4m3(x.device)
 
 
 def check_mma_inputs(weight: torch.Tensor, plan: Plan) -> None:
