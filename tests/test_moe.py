@@ -315,21 +315,24 @@ def test_scaled_gate_up_splits_only_where_tiles_leave_sms_idle():
     assert choose_scaled_tiles(7, 256, 256, 2048, 132).up_split == 1  # two blocks of K: nothing to split
 
 
-def test_mma_product_splits_gate_up_k_into_equal_parts():
-    """The Gluon product's tiles: the Triton products' split rounded up to one that divides K's
-    32 blocks (batch 1: 6 or 7 pairs, 3 ways -> 4); where nothing is split, nothing changes."""
-    from kernels.moe.scaled import choose_scaled_tiles
-    from kernels.moe.scaled_gluon import choose_mma_tiles
+def test_mma_product_splits_gate_up_k_in_one_wave():
+    """The Gluon product's gate/up K split: the most equal parts (dividing K's blocks, at least
+    MIN_BLOCKS_PER_SPLIT blocks each) whose programs (4 a 128-column tile: w1 and w3, two halves
+    each) fit one wave of UP_PROGRAMS_AN_SM an SM."""
+    from kernels.moe.scaled_gluon import GATE_UP_PARTS, UP_PROGRAMS_AN_SM, choose_mma_tiles
+    from kernels.triton_util import MIN_BLOCKS_PER_SPLIT
 
-    for pairs in (6, 7, 12, 96):
-        split, triton_split = choose_mma_tiles(pairs, 256, 4096, 2048, 132).up_split, choose_scaled_tiles(pairs, 256, 4096, 2048, 132).up_split
-        assert 32 % split == 0 and triton_split <= split < 2 * triton_split
-    assert choose_mma_tiles(6, 256, 4096, 2048, 132).up_split == 4
+    assert GATE_UP_PARTS == 4 and UP_PROGRAMS_AN_SM == 4
+    assert choose_mma_tiles(6, 256, 4096, 2048, 132).up_split == 1  # 384 programs: one wave of 528
+    assert choose_mma_tiles(1, 256, 4096, 2048, 132).up_split == 8  # 64 programs a split
+    assert choose_mma_tiles(2, 256, 4096, 2048, 132).up_split == 4  # 128: 4 ways fill 512 of 528
     assert choose_mma_tiles(96, 256, 4096, 2048, 132).up_split == 1
-    # 22 or 14 blocks: no equal split of at least 4 blocks above the Triton products' split, which stays.
-    for dim in (2816, 1792):
-        split = choose_mma_tiles(6, 256, dim, 2048, 132).up_split
-        assert split == choose_scaled_tiles(6, 256, dim, 2048, 132).up_split and dim // 128 // split >= 4
+    for dim in (4096, 2816, 1792, 256):
+        for pairs in (1, 2, 3, 6):
+            split = choose_mma_tiles(pairs, 256, dim, 2048, 132).up_split
+            blocks = dim // 128
+            assert blocks % split == 0 and (split == 1 or blocks // split >= MIN_BLOCKS_PER_SPLIT)
+            assert split == 1 or pairs * 16 * 4 * split <= 4 * 132
 
 
 @pytest.mark.interpreter

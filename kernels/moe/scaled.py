@@ -86,21 +86,16 @@ class ScaledTiles:
 
 
 @functools.lru_cache(maxsize=None)
-def choose_scaled_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num_sms: int,
-                        even_split: bool = False) -> ScaledTiles:
+def choose_scaled_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num_sms: int) -> ScaledTiles:
     """At decode few experts are picked and each must be spread over many SMs. The down N tile:
     the widest of 128, 64, 32 that still gives every SM PROGRAMS_PER_SM programs. The gate/up
     tile is fixed (one activation block of h), so where its tiles leave SMs without
-    UP_PROGRAMS_PER_SM programs K is split, each split at least MIN_BLOCKS_PER_SPLIT blocks;
-    even_split: into equal parts, the next split count that divides K's blocks without going
-    under that minimum (none such: the split as it was)."""
+    UP_PROGRAMS_PER_SM programs K is split, each split at least MIN_BLOCKS_PER_SPLIT blocks."""
     active = max(1, min(num_pairs, num_experts))
     up_tiles = active * max(1, inter // UP_BLOCK_N)
     blocks = dim // FP8_BLOCK
     most = blocks // MIN_BLOCKS_PER_SPLIT
     split = min(triton.cdiv(UP_PROGRAMS_PER_SM * num_sms, up_tiles), most)
-    if even_split:
-        split = next((s for s in range(max(1, split), most + 1) if blocks % s == 0), split)
     down_block_n = _widest_tile(dim, active, num_sms, (128, 64, 32), PROGRAMS_PER_SM)
     return ScaledTiles(down_block_n=down_block_n, up_split=max(1, split))
 
@@ -389,8 +384,9 @@ class ScaledLaunch:
     pairs_per_token: int
 
 
-def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow2, tiles) -> ScaledLaunch:
-    """The routing, the activations' quantisation and the buffers of one call (batch > 0)."""
+def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=False) -> ScaledLaunch:
+    """The routing, the activations' quantisation and the buffers of one call (batch > 0);
+    partial_tiles: the gate/up scratch and arrival counters even without a K split."""
     batch, dim = x.shape
     picks = expert_ids.shape[1]
     pairs_per_token = picks + (shared_expert >= 0)
@@ -403,7 +399,7 @@ def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow
     split = triton.cdiv(k_blocks, per_split)  # no split left without blocks
     hq = torch.empty((num_pairs, inter), dtype=torch.float8_e4m3fn, device=x.device)
     partials, counters = hq, hq  # unused without a split
-    if split > 1:
+    if split > 1 or partial_tiles:
         partials = torch.empty((split, num_pairs, 2, inter), dtype=torch.float32, device=x.device)
         counters = split_counters(x.device, segments.num_blocks * (inter // UP_BLOCK_N))
     return ScaledLaunch(

@@ -18,9 +18,12 @@ both are laid out for the instruction rather than for the dot of a generic tile.
   64-bit read) for its B fragment. The shared-memory swizzles keep those reads free of bank
   conflicts; `convert_layout(..., assert_trivial=True)` checks when it compiles that no value
   moves between threads.
-- Program (segment, 128 output columns, K split): 4 warps, each 16 of every 64 columns; the
-  instruction's N is 8 of the segment's pairs at a time. Gate and up share the activations'
-  copies and conversion. The down product: 64 columns, K whole.
+- Gate/up program (segment, w1 or w3, 64 of a 128-column tile's columns, K split): 4 warps, each
+  16 of the 64 columns; the instruction's N is 8 of the segment's pairs at a time. Its partials
+  go to a scratch; the last of the tile's programs to arrive (four a split: w1 and w3, two
+  halves each) sums them in split order and runs the epilogue on the whole activation block.
+  One program for both matrices over 128 columns held four accumulators' worth of registers,
+  two programs an SM, and measured 1.1x slower. The down product: 64 columns, K whole.
 - Decoding: a byte's two codes become the high bytes of two fp16 values (sign to bit 15,
   exponent and mantissa bits to bits 11..9: 2^-14 times the code's value, exact, the subnormal
   0.5 included) by shifts, masks and byte permutes, no conversion instruction. The 2^14 is folded
@@ -33,6 +36,8 @@ sm_80 or newer (the e4m3 conversion: sm_89); CUDA only (inline PTX: no interpret
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -42,17 +47,21 @@ from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.gluon_compat import async_load, barrier
 from kernels.moe.scaled import (
     SEGMENT_ROWS, UP_BLOCK_N, ScaledLaunch, ScaledTiles, arrives_last, choose_scaled_tiles, gate_up_epilogue,
-    prepare_launch, scaled_experts, store_partials, summed_partials,
+    prepare_launch, scaled_experts, summed_partials,
 )
-from kernels.triton_util import converts_e4m3
+from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, converts_e4m3
 
 WARPS = 4
 STEP = FP8_BLOCK  # inputs per step: one activation block, four FP4 scale groups
 # Output columns per down program: twice the programs of 128 for the few experts picked at batch 1.
 DOWN_N = 64
-# Steps in shared memory at a time (STAGES - 1 copied ahead of the one multiplied): about 18 KB
-# a step for gate and up (two programs an SM, as their registers allow), 5 KB for down. Three
-# stages fit three programs an SM and measured slower at every batch.
+# Columns per gate/up program, of one of w1 and w3: a program of both over the tile's 128 took
+# twice the registers (two programs an SM instead of four) and measured 1.1x slower at every batch.
+GATE_UP_N = 64
+GATE_UP_PARTS = 2 * UP_BLOCK_N // GATE_UP_N  # programs of a tile and split: w1 and w3, each in parts
+UP_PROGRAMS_AN_SM = 4  # gate/up programs an SM holds (registers: about 120 a thread)
+# Steps in shared memory at a time (STAGES - 1 copied ahead of the one multiplied): about 5 KB a
+# step, four programs an SM (as their registers allow).
 PIPELINE_STAGES = 4
 # The instruction's N: pairs of a segment taken at a time (wider tiles would raise every
 # program's registers for the few segments with more pairs).
@@ -62,6 +71,8 @@ TOKENS = gl.constexpr(TOKENS_PER_STEP)
 DOWN_BLOCK_N = gl.constexpr(DOWN_N)
 STAGES = gl.constexpr(PIPELINE_STAGES)
 GATE_UP_BLOCK_N = gl.constexpr(UP_BLOCK_N)  # one activation block of h, as scaled.py's
+PART_N = gl.constexpr(GATE_UP_N)
+UP_PARTS = gl.constexpr(GATE_UP_PARTS)
 SEGMENT = gl.constexpr(SEGMENT_ROWS)
 BLOCK_K = gl.constexpr(STEP)
 FP4_GROUP = gl.constexpr(FP4_BLOCK)
@@ -146,9 +157,9 @@ def copy_layout(vector: int, lanes_per_row: int) -> gl.BlockedLayout:
 
 
 @gluon.constexpr_function
-def epilogue_layout() -> gl.BlockedLayout:
-    """[pairs, 128 columns]: a row's columns across a warp, 4 a thread."""
-    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32], warps_per_cta=[WARPS, 1], order=[1, 0])
+def epilogue_layout(block_n: int = 128) -> gl.BlockedLayout:
+    """[pairs, block_n columns]: a row's columns across a warp, block_n / 32 a thread."""
+    return gl.BlockedLayout(size_per_thread=[1, block_n // 32], threads_per_warp=[1, 32], warps_per_cta=[WARPS, 1], order=[1, 0])
 
 
 @gluon.jit
@@ -224,18 +235,14 @@ def _block_product(codes, v0, v1, v2, v3, scales, S_E8M0: gl.constexpr, BLOCK_N:
 
 
 @gluon.jit
-def _issue_step(stage, codes_smem, other_smem, scales_smem, other_scales_smem, values_smem, a_scale_smem,
-                w_ptr, w_other_ptr, s_ptr, s_other_ptr, a_ptr, a_scale_ptr, code_offs, scale_offs, value_offs, value_ok,
-                a_scale_offs, a_scale_ok, step, live, PAIRED: gl.constexpr):
+def _issue_step(stage, codes_smem, scales_smem, values_smem, a_scale_smem, w_ptr, s_ptr, a_ptr, a_scale_ptr,
+                code_offs, scale_offs, value_offs, value_ok, a_scale_offs, a_scale_ok, step, live):
     """Start the copies of step `step` (128 inputs from the program's first) into slot `stage`:
-    the codes (and the second weight's), their scales, the activations' e4m3 bytes and scales.
-    `live` false (a step past the end) copies nothing and fills the slot with zeros. Offsets
-    in 32 bits (an expert's weight is under 2 GB), added to the pointers here."""
+    the codes, their scales, the activations' e4m3 bytes and scales. `live` false (a step past
+    the end) copies nothing and fills the slot with zeros. Offsets in 32 bits (an expert's weight
+    is under 2 GB), added to the pointers here."""
     async_load(codes_smem.index(stage), w_ptr + (code_offs + step * (BLOCK_K // 2)), mask=live)
     async_load(scales_smem.index(stage), s_ptr + (scale_offs + step * 4), mask=live)
-    if PAIRED:
-        async_load(other_smem.index(stage), w_other_ptr + (code_offs + step * (BLOCK_K // 2)), mask=live)
-        async_load(other_scales_smem.index(stage), s_other_ptr + (scale_offs + step * 4), mask=live)
     async_load(values_smem.index(stage), a_ptr + (value_offs + step * BLOCK_K), mask=value_ok & live)
     async_load(a_scale_smem.index(stage), a_scale_ptr + (a_scale_offs + step), mask=a_scale_ok & live)
     async_copy.commit_group()
@@ -244,13 +251,12 @@ def _issue_step(stage, codes_smem, other_smem, scales_smem, other_scales_smem, v
 @gluon.jit
 def _fp4_products(
     a_ptr, a_scale_ptr, a_row, row_ok, stride_am, stride_as,
-    w_ptr, s_ptr, w_other_ptr, s_other_ptr, col0, stride_wn, stride_sn, k_begin, k_end,
-    S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, PAIRED: gl.constexpr,
+    w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end,
+    S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr,
 ):
-    """[BLOCK_N, TOKENS] fp32 each: weight rows col0 + [0, BLOCK_N) (w_ptr, s_ptr at the expert) and,
-    with PAIRED, the same rows of a second weight (w_other_ptr, s_other_ptr: gate and up share
-    the activations) times the quantised activation rows a_row (e4m3 bytes [rows, K] and one
-    scale per 128; row_ok masks the padding) over inputs [k_begin, k_end), a multiple of 128.
+    """[BLOCK_N, TOKENS] fp32: weight rows col0 + [0, BLOCK_N) (w_ptr, s_ptr at the expert) times
+    the quantised activation rows a_row (e4m3 bytes [rows, K] and one scale per 128; row_ok
+    masks the padding) over inputs [k_begin, k_end), a multiple of 128.
     Each step's bytes are copied into shared memory STAGES - 1 steps ahead of their products."""
     MMA: gl.constexpr = mma_layout()
     COPY_CODES: gl.constexpr = copy_layout(16, 4)  # a row's 64 bytes by 4 threads
@@ -265,12 +271,6 @@ def _fp4_products(
     ROWS_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     codes_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 2], CODES_SMEM)
     scales_smem = gl.allocate_shared_memory(s_ptr.dtype.element_ty, [STAGES, BLOCK_N, 4], PLAIN_SMEM)
-    if PAIRED:
-        other_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 2], CODES_SMEM)
-        other_scales_smem = gl.allocate_shared_memory(s_ptr.dtype.element_ty, [STAGES, BLOCK_N, 4], PLAIN_SMEM)
-    else:
-        other_smem = codes_smem
-        other_scales_smem = scales_smem
     values_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, TOKENS, BLOCK_K], VALUES_SMEM)
     a_scale_smem = gl.allocate_shared_memory(gl.float32, [STAGES, TOKENS], ROWS_SMEM)
 
@@ -291,18 +291,15 @@ def _fp4_products(
 
     steps = (k_end - k_begin) // BLOCK_K
     for ahead in gl.static_range(STAGES - 1):
-        _issue_step(ahead, codes_smem, other_smem, scales_smem, other_scales_smem, values_smem, a_scale_smem,
-                    w_ptr, w_other_ptr, s_ptr, s_other_ptr, a_ptr, a_scale_ptr, code_offs, scale_offs, value_offs, value_ok,
-                    a_scale_offs, a_scale_ok, ahead, ahead < steps, PAIRED)
+        _issue_step(ahead, codes_smem, scales_smem, values_smem, a_scale_smem, w_ptr, s_ptr, a_ptr, a_scale_ptr,
+                    code_offs, scale_offs, value_offs, value_ok, a_scale_offs, a_scale_ok, ahead, ahead < steps)
     acc = gl.zeros([BLOCK_N, TOKENS], gl.float32, MMA)
-    acc_other = gl.zeros([BLOCK_N, TOKENS], gl.float32, MMA)
     for step in range(steps):
         async_copy.wait_group(STAGES - 2)  # this thread's copies of `step` have landed
         barrier()  # everyone's, and everyone is done reading the slot refilled next
         later = step + STAGES - 1
-        _issue_step(later % STAGES, codes_smem, other_smem, scales_smem, other_scales_smem, values_smem, a_scale_smem,
-                    w_ptr, w_other_ptr, s_ptr, s_other_ptr, a_ptr, a_scale_ptr, code_offs, scale_offs, value_offs, value_ok,
-                    a_scale_offs, a_scale_ok, later, later < steps, PAIRED)
+        _issue_step(later % STAGES, codes_smem, scales_smem, values_smem, a_scale_smem, w_ptr, s_ptr, a_ptr, a_scale_ptr,
+                    code_offs, scale_offs, value_offs, value_ok, a_scale_offs, a_scale_ok, later, later < steps)
         stage = step % STAGES
         values = values_smem.index(stage).permute([1, 0]).load(values_layout(TOKENS))
         a_scale = a_scale_smem.index(stage).load(gl.SliceLayout(0, MMA))
@@ -310,13 +307,9 @@ def _fp4_products(
         codes = codes_smem.index(stage).load(codes_layout(BLOCK_N))
         scales = scales_smem.index(stage).load(scales_layout(BLOCK_N))
         acc += _block_product(codes, v0, v1, v2, v3, scales, S_E8M0, BLOCK_N, TOKENS) * a_scale[None, :]
-        if PAIRED:
-            other_codes = other_smem.index(stage).load(codes_layout(BLOCK_N))
-            other_scales = other_scales_smem.index(stage).load(scales_layout(BLOCK_N))
-            acc_other += _block_product(other_codes, v0, v1, v2, v3, other_scales, S_E8M0, BLOCK_N, TOKENS) * a_scale[None, :]
     async_copy.wait_group(0)  # no copy outlives the program's use of its shared memory
     barrier()
-    return acc, acc_other
+    return acc
 
 
 @gluon.jit
@@ -329,32 +322,6 @@ def _chunk_pairs(sorted_pair_ptr, segment, first, rows, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _gate_up_chunk(
-    xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, sorted_pair_ptr, segment, first, rows, tile_n, split, dim,
-    stride_wn, stride_sn, PAIRS_PER_TOKEN: gl.constexpr, S_E8M0: gl.constexpr, SPLIT: gl.constexpr,
-):
-    """Gate and up [TOKENS, 128] fp32 of TOKENS pairs of a segment from `first` over this
-    program's K split, as [pairs, columns] in epilogue_layout(); with their pairs, tokens, real-row
-    mask and columns (its slices)."""
-    BLOCK_N: gl.constexpr = GATE_UP_BLOCK_N
-    EPILOGUE: gl.constexpr = epilogue_layout()
-    pair, row_ok = _chunk_pairs(sorted_pair_ptr, segment, first, rows, gl.SliceLayout(1, EPILOGUE))
-    token = pair // PAIRS_PER_TOKEN
-    per_split = gl.cdiv(dim // BLOCK_K, SPLIT) * BLOCK_K
-    k_begin = split * per_split
-    k_end = gl.minimum(k_begin + per_split, dim)
-    col0 = tile_n * BLOCK_N
-    gate, up = _fp4_products(
-        xq_ptr, xs_ptr, token, row_ok, dim, dim // BLOCK_K,
-        w1_ptr, s1_ptr, w3_ptr, s3_ptr, col0, stride_wn, stride_sn, k_begin, k_end, S_E8M0, BLOCK_N, TOKENS, True,
-    )
-    gate = gl.convert_layout(gate.permute(1, 0), EPILOGUE)
-    up = gl.convert_layout(up.permute(1, 0), EPILOGUE)
-    offs_n = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, EPILOGUE))
-    return gate, up, pair, token, row_ok, offs_n
-
-
-@gluon.jit
 def _mma_gate_up_kernel(
     x_ptr, xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, route_w_ptr, hq_ptr, hs_ptr,
     sorted_pair_ptr, block_expert_ptr, block_rows_ptr, partial_ptr, counter_ptr,
@@ -363,8 +330,13 @@ def _mma_gate_up_kernel(
     PICKS: gl.constexpr, PAIRS_PER_TOKEN: gl.constexpr, HAS_LIMIT: gl.constexpr, POW2: gl.constexpr,
     S_E8M0: gl.constexpr, SPLIT: gl.constexpr,
 ):
+    """A program: one of w1 (even parts) or w3, PART_N of the tile's 128 columns, one K split
+    (grid axis 1: split * UP_PARTS + part). Its partials go to the scratch [SPLIT, pairs, 2,
+    inter]; the last of the tile's SPLIT * UP_PARTS programs to arrive sums them in split order
+    and runs the epilogue on the whole activation block."""
     pid = gl.program_id(0)
-    split = gl.program_id(1)
+    part = gl.program_id(1) % UP_PARTS
+    split = gl.program_id(1) // UP_PARTS
     tiles_n = inter // GATE_UP_BLOCK_N
     segment = pid // tiles_n
     tile_n = pid % tiles_n
@@ -372,33 +344,39 @@ def _mma_gate_up_kernel(
     if expert >= 0:  # an unused segment reads no weight
         rows = gl.load(block_rows_ptr + segment)
         at = expert.to(gl.int64)
-        w1_ptr += at * stride_w1e
-        s1_ptr += at * stride_s1e
-        w3_ptr += at * stride_w3e
-        s3_ptr += at * stride_s3e
+        if part % 2 == 0:
+            w_ptr = w1_ptr + at * stride_w1e
+            s_ptr = s1_ptr + at * stride_s1e
+        else:
+            w_ptr = w3_ptr + at * stride_w3e
+            s_ptr = s3_ptr + at * stride_s3e
+        per_split = gl.cdiv(dim // BLOCK_K, SPLIT) * BLOCK_K
+        k_begin = split * per_split
+        k_end = gl.minimum(k_begin + per_split, dim)
+        col0 = tile_n * GATE_UP_BLOCK_N + (part // 2) * PART_N
+        PARTIAL: gl.constexpr = epilogue_layout(PART_N)
+        part_cols = col0 + gl.arange(0, PART_N, layout=gl.SliceLayout(0, PARTIAL))
         # TOKENS pairs at a time: a segment with more (rare at decode) reads its strip again, from L2.
         for first in range(0, rows, TOKENS):
-            gate, up, pair, token, row_ok, offs_n = _gate_up_chunk(
-                xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, sorted_pair_ptr, segment, first, rows, tile_n, split, dim,
-                stride_wn, stride_sn, PAIRS_PER_TOKEN, S_E8M0, SPLIT,
+            pair, row_ok = _chunk_pairs(sorted_pair_ptr, segment, first, rows, gl.SliceLayout(1, PARTIAL))
+            acc = _fp4_products(
+                xq_ptr, xs_ptr, pair // PAIRS_PER_TOKEN, row_ok, dim, dim // BLOCK_K,
+                w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end, S_E8M0, PART_N, TOKENS,
             )
-            if SPLIT == 1:
-                gate_up_epilogue(gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n,
-                                 inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2)
-            else:
-                store_partials(gate, up, partial_ptr, pair, row_ok, offs_n, split, split_stride, inter)
-        if SPLIT > 1:
-            # scaled.py's split-K arrival, once for all of the program's chunks.
-            counter = counter_ptr + segment * tiles_n + tile_n
-            if arrives_last(counter, SPLIT):
-                EPILOGUE: gl.constexpr = epilogue_layout()
-                offs_n = tile_n * GATE_UP_BLOCK_N + gl.arange(0, GATE_UP_BLOCK_N, layout=gl.SliceLayout(0, EPILOGUE))
-                for first in range(0, rows, TOKENS):
-                    pair, row_ok = _chunk_pairs(sorted_pair_ptr, segment, first, rows, gl.SliceLayout(1, EPILOGUE))
-                    gate, up = summed_partials(partial_ptr, pair, row_ok, offs_n, split_stride, inter, SPLIT)
-                    gate_up_epilogue(gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, pair // PAIRS_PER_TOKEN, pair, row_ok,
-                                     offs_n, tile_n, inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2)
-                gl.atomic_xchg(counter, 0)
+            acc = gl.convert_layout(acc.permute(1, 0), PARTIAL)
+            rows_at = (pair.to(gl.int64)[:, None] * 2 + part % 2) * inter + part_cols[None, :]  # [gate | up] of a pair
+            gl.store(partial_ptr + split * split_stride + rows_at, acc, mask=row_ok[:, None])
+        # scaled.py's split-K arrival, once for all of the program's chunks.
+        counter = counter_ptr + segment * tiles_n + tile_n
+        if arrives_last(counter, SPLIT * UP_PARTS):
+            EPILOGUE: gl.constexpr = epilogue_layout()
+            offs_n = tile_n * GATE_UP_BLOCK_N + gl.arange(0, GATE_UP_BLOCK_N, layout=gl.SliceLayout(0, EPILOGUE))
+            for first in range(0, rows, TOKENS):
+                pair, row_ok = _chunk_pairs(sorted_pair_ptr, segment, first, rows, gl.SliceLayout(1, EPILOGUE))
+                gate, up = summed_partials(partial_ptr, pair, row_ok, offs_n, split_stride, inter, SPLIT)
+                gate_up_epilogue(gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, pair // PAIRS_PER_TOKEN, pair, row_ok,
+                                 offs_n, tile_n, inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2)
+            gl.atomic_xchg(counter, 0)
 
 
 @gluon.jit
@@ -422,9 +400,9 @@ def _mma_down_kernel(
         offs_n = col0 + gl.arange(0, DOWN_BLOCK_N, layout=gl.SliceLayout(0, EPILOGUE))
         for first in range(0, rows, TOKENS):
             pair, row_ok = _chunk_pairs(sorted_pair_ptr, segment, first, rows, gl.SliceLayout(1, EPILOGUE))
-            acc, _ = _fp4_products(
+            acc = _fp4_products(
                 hq_ptr, hs_ptr, pair, row_ok, inter, inter // BLOCK_K,
-                w2_ptr, s2_ptr, w2_ptr, s2_ptr, col0, stride_wn, stride_sn, 0, inter, S_E8M0, DOWN_BLOCK_N, TOKENS, False,
+                w2_ptr, s2_ptr, col0, stride_wn, stride_sn, 0, inter, S_E8M0, DOWN_BLOCK_N, TOKENS,
             )
             y = gl.convert_layout(acc.permute(1, 0), EPILOGUE)
             y_ptrs = y_ptr + pair.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -492,12 +470,12 @@ def moe_experts_scaled_mma(
     check_mma_inputs(x, w1, w2, w3, scales)
 
     def launch_products(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
-        run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles)
+        run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=True)
         dim = x.shape[1]
         inter = w1.shape[1]
         segments = run.segments
         s1, s2, s3 = run.scales
-        _mma_gate_up_kernel[(segments.num_blocks * (inter // UP_BLOCK_N), run.split)](
+        _mma_gate_up_kernel[(segments.num_blocks * (inter // UP_BLOCK_N), run.split * GATE_UP_PARTS)](
             x, run.xq.view(torch.uint8), run.xs, w1, s1, w3, s3, run.route_w, run.hq, run.hs,
             segments.sorted_pair, segments.block_expert, segments.block_rows, run.partials, run.counters,
             run.hq.shape[0] * 2 * inter, dim, inter, float(swiglu_limit),
@@ -516,6 +494,13 @@ def moe_experts_scaled_mma(
 
 
 def choose_mma_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num_sms: int) -> ScaledTiles:
-    """choose_scaled_tiles with the gate/up K split into equal parts: at batch 1 (6 experts, 32
-    steps of K) 4 ways measured faster than 2, 3 and 6 side by side."""
-    return choose_scaled_tiles(num_pairs, num_experts, dim, inter, num_sms, even_split=True)
+    """choose_scaled_tiles' down tile; the gate/up K split into the most equal parts that keep
+    every gate/up program in one wave (UP_PROGRAMS_AN_SM an SM), each at least
+    MIN_BLOCKS_PER_SPLIT blocks: a second, part-filled wave measured slower (batch 1, 6 experts:
+    1 way 58.4 us, 2 ways 61.2, 4 ways 60.1)."""
+    tiles = choose_scaled_tiles(num_pairs, num_experts, dim, inter, num_sms)
+    programs = max(1, min(num_pairs, num_experts)) * max(1, inter // UP_BLOCK_N) * GATE_UP_PARTS
+    blocks = dim // STEP
+    split = max(1, min(UP_PROGRAMS_AN_SM * num_sms // programs, blocks // MIN_BLOCKS_PER_SPLIT))
+    split = next(s for s in range(split, 0, -1) if blocks % s == 0)
+    return dataclasses.replace(tiles, up_split=split)
