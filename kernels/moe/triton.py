@@ -168,16 +168,19 @@ def _route_pairs_kernel(
     row = rank + tl.load(shift_ptr + sorted_expert, mask=sorted_ok, other=0)
     tl.store(sorted_pair_ptr + row, key % PAIRS, mask=sorted_ok)
 
-    # Block table: the expert whose padded rows hold each block's first row.
+    # Block table: every block unused, then each expert's own blocks from its padded start (a
+    # loop over an expert's blocks, at decode one or two, rather than over all blocks).
     for first_block in range(0, num_blocks, BLOCKS_PER_STEP):
         block = first_block + tl.arange(0, BLOCKS_PER_STEP)
-        row0 = block * BLOCK_M
-        inside = (row0[:, None] >= padded_start[None, :]) & (row0[:, None] < padded_end[None, :])
-        owner = tl.sum(tl.where(inside, experts[None, :], 0), axis=1)
-        used = tl.sum(inside.to(tl.int32), axis=1) > 0
-        rows_left = tl.sum(tl.where(inside, counts[None, :] - (row0[:, None] - padded_start[None, :]), 0), axis=1)
-        tl.store(block_expert_ptr + block, tl.where(used, owner, -1), mask=block < num_blocks)
-        tl.store(block_rows_ptr + block, tl.where(used, tl.minimum(rows_left, BLOCK_M), 0), mask=block < num_blocks)
+        tl.store(block_expert_ptr + block, tl.full([BLOCKS_PER_STEP], -1, tl.int32), mask=block < num_blocks)
+        tl.store(block_rows_ptr + block, tl.zeros([BLOCKS_PER_STEP], tl.int32), mask=block < num_blocks)
+    tl.debug_barrier()  # the experts' stores below land after these
+    expert_blocks = padded // BLOCK_M
+    for j in range(0, tl.max(expert_blocks, axis=0)):
+        has = j < expert_blocks
+        block = padded_start // BLOCK_M + j
+        tl.store(block_expert_ptr + block, experts, mask=has)
+        tl.store(block_rows_ptr + block, tl.minimum(counts - j * BLOCK_M, BLOCK_M), mask=has)
 
 
 def _route_pairs_torch(flat_ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int) -> PairBlocks:
@@ -248,7 +251,7 @@ def route_pairs(
         BLOCK_M=block_m,
         PAIRS=_pow2_at_least(num_pairs, 16),
         EXPERTS=experts_pow2,
-        BLOCKS_PER_STEP=max(16, 4096 // experts_pow2),
+        BLOCKS_PER_STEP=_pow2_at_least(min(num_blocks, 1024), 16),
         PICKS=picks, PAIRS_PER_TOKEN=pairs_per_token,
         num_warps=4,
     )
