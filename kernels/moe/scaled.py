@@ -398,7 +398,7 @@ def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow
     per_split = triton.cdiv(k_blocks, min(max(1, tiles.up_split), k_blocks))
     split = triton.cdiv(k_blocks, per_split)  # no split left without blocks
     hq = torch.empty((num_pairs, inter), dtype=torch.float8_e4m3fn, device=x.device)
-    partials, counters = hq, hq  # unused without a split
+    partials, counters = hq, hq  # unused without a split or partial_tiles
     if split > 1 or partial_tiles:
         partials = torch.empty((split, num_pairs, 2, inter), dtype=torch.float32, device=x.device)
         counters = split_counters(x.device, segments.num_blocks * (inter // UP_BLOCK_N))
