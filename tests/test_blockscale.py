@@ -393,8 +393,8 @@ E4M3_TOLERANCE = 8e-3
 
 def assert_op_matches_reference(y, x, q, scale, pow2):
     """The op's output against the reference: to fp32 roundings (assert_matches_reference), or
-    where it ran the e4m3 dot (FP8 weights, more rows than the mma product takes, a GPU with the
-    e4m3 dot) to E4M3_TOLERANCE of the output's largest magnitude."""
+    where it ran the e4m3 dot (FP8 weights, rows the GEMV does not take, a GPU with the e4m3
+    dot) to E4M3_TOLERANCE of the output's largest magnitude."""
     from kernels.blockscale.op import cuda_product
     from kernels.triton_util import converts_e4m3
 
