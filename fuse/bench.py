@@ -63,9 +63,7 @@ VARIANTS = (
     "eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-nested", "fuse-regional",
     "fuse-batch1-shared", "fuse-pdl", "fuse-combo",
 )
-# The compile_decode variants and the CompileOptions each asks for. "fuse-pdl": Inductor's kernels
-# launched with programmatic dependent launch (Hopper on), each starting while the one before ends;
-# "fuse-combo": independent small kernels of a graph launched as one (Inductor's combo kernels).
+# The compile_decode variants and the CompileOptions each asks for (the module docstring says what each is).
 COMPILE_DECODE_VARIANTS = {
     "fuse": {}, "fuse-static": {"dynamic_batch": False},
     "fuse-nested": {"compilation": "nested"}, "fuse-regional": {"compilation": "regional"},

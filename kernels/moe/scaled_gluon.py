@@ -59,7 +59,7 @@ DOWN_N = 64
 # twice the registers (two programs an SM instead of four) and measured 1.1x slower at every batch.
 GATE_UP_N = 64
 GATE_UP_PARTS = 2 * UP_BLOCK_N // GATE_UP_N  # programs of a tile and split: w1 and w3, each in parts
-UP_PROGRAMS_AN_SM = 4  # gate/up programs an SM holds (registers: about 120 a thread)
+GATE_UP_PROGRAMS_PER_SM = 4  # gate/up programs an SM holds (registers: about 120 a thread)
 # Steps in shared memory at a time (STAGES - 1 copied ahead of the one multiplied): about 5 KB a
 # step, four programs an SM (as their registers allow).
 PIPELINE_STAGES = 4
@@ -495,12 +495,12 @@ def moe_experts_scaled_mma(
 
 def choose_mma_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num_sms: int) -> ScaledTiles:
     """choose_scaled_tiles' down tile; the gate/up K split into the most equal parts that keep
-    every gate/up program in one wave (UP_PROGRAMS_AN_SM an SM), each at least
+    every gate/up program in one wave (GATE_UP_PROGRAMS_PER_SM an SM), each at least
     MIN_BLOCKS_PER_SPLIT blocks: a second, part-filled wave measured slower (batch 1, 6 experts:
     1 way 58.4 us, 2 ways 61.2, 4 ways 60.1)."""
     tiles = choose_scaled_tiles(num_pairs, num_experts, dim, inter, num_sms)
     programs = max(1, min(num_pairs, num_experts)) * max(1, inter // UP_BLOCK_N) * GATE_UP_PARTS
     blocks = dim // STEP
-    split = max(1, min(UP_PROGRAMS_AN_SM * num_sms // programs, blocks // MIN_BLOCKS_PER_SPLIT))
+    split = max(1, min(GATE_UP_PROGRAMS_PER_SM * num_sms // programs, blocks // MIN_BLOCKS_PER_SPLIT))
     split = next(s for s in range(split, 0, -1) if blocks % s == 0)
     return dataclasses.replace(tiles, up_split=split)
