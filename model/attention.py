@@ -36,11 +36,10 @@ def compressed_capacity(max_seq_len: int, ratio: int) -> int:
 
 
 def write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """cache[slots[i], rows[i]] = values[i] for every i, as one index_copy_ into the slot x row
-    view: the indexed assignment would have the compiler guard the batch against size 1, so
-    that batch 1 needed a graph of its own."""
-    flat = cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
-    flat.index_copy_(0, slots * cache.shape[1] + rows, values.to(cache.dtype))
+    """cache[slots[i], rows[i]] = values[i] for every i, indexed on the cache itself: a second
+    write into a flattened view of the same cache in one step would have the compiler copy the
+    whole cache (every slot) to apply the first write out of place."""
+    cache.index_put_((slots, rows), values.to(cache.dtype))
 
 
 def kv_fp8_qdq(kv: torch.Tensor, rope_dim: int, pow2_scale: bool) -> torch.Tensor:
