@@ -10,13 +10,14 @@ import torch
 TINY_SHAPE = dict(max_batch=4, max_seq_len=64, dtype=torch.float32)
 
 
+def per_slot_buffers(decoder) -> dict[str, torch.Tensor]:
+    """Every buffer with a row per cache slot (the real slots and the scratch slot)."""
+    return {name: buf for name, buf in decoder.named_buffers() if buf.dim() >= 2 and buf.shape[0] == decoder.max_batch + 1}
+
+
 def real_slot_caches(decoder) -> dict[str, torch.Tensor]:
     """Every per-slot buffer restricted to the real slots (the scratch slot is excluded)."""
-    return {
-        name: buf[: decoder.max_batch].clone()
-        for name, buf in decoder.named_buffers()
-        if buf.dim() >= 2 and buf.shape[0] == decoder.max_batch + 1
-    }
+    return {name: buf[: decoder.max_batch].clone() for name, buf in per_slot_buffers(decoder).items()}
 
 
 def dump_hook_state() -> dict:

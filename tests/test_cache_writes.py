@@ -11,6 +11,7 @@ import re
 import torch
 
 import fuse
+from decoders import per_slot_buffers
 from model import Decoder, ModelConfig
 
 MAX_BATCH = 61  # 62 slots with the scratch slot: buffer sizes no other loop has
@@ -19,9 +20,8 @@ MAX_BATCH = 61  # 62 slots with the scratch slot: buffer sizes no other loop has
 def test_no_loop_over_a_whole_per_slot_buffer(tmp_path):
     decoder = Decoder(ModelConfig.preset("tiny"), max_batch=MAX_BATCH, max_seq_len=64, dtype=torch.float32).init_random(0)
     per_slot = collections.defaultdict(list)  # size -> the buffers of that size
-    for name, buf in decoder.named_buffers():
-        if buf.dim() >= 2 and buf.shape[0] == MAX_BATCH + 1:
-            per_slot[buf.numel()].append(name)
+    for name, buf in per_slot_buffers(decoder).items():
+        per_slot[buf.numel()].append(name)
     assert any(name.endswith("attn.kv_cache") for names in per_slot.values() for name in names)
     result = fuse.inspect(decoder, tmp_path / "dump", batch=2, compilation="regional")
     code = "\n".join(g.files["output_code"].read_text() for g in result.graphs)
