@@ -80,7 +80,7 @@ class ScaledTiles:
 
     down_block_n: int
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 3  # Triton's pipeline stages; the Gluon products' steps in shared memory
     product: str = "dot_scaled"
     up_split: int = 1  # K of the gate/up product split this many ways (few experts picked)
 
@@ -218,11 +218,17 @@ def _gate_up_chunk(
 # The split-K steps, no layout-bound operation in them: the Gluon products (kernels/moe/
 # scaled_gluon.py) call them as well.
 @triton.jit
+def partial_rows(partial_ptr, pair, offs_n, split, split_stride, inter, matrix):
+    """Where the scratch [SPLIT, pairs, 2, inter] holds split `split`'s partial rows of the pairs,
+    columns offs_n, of `matrix` (0: gate, 1: up)."""
+    return partial_ptr + split * split_stride + (pair.to(tl.int64)[:, None] * 2 + matrix) * inter + offs_n[None, :]
+
+
+@triton.jit
 def store_partials(gate, up, partial_ptr, pair, row_ok, offs_n, split, split_stride, inter):
-    """This split's partial gate and up rows into the scratch [SPLIT, pairs, 2, inter]."""
-    rows_at = (pair.to(tl.int64)[:, None] * 2) * inter + offs_n[None, :]
-    tl.store(partial_ptr + split * split_stride + rows_at, gate, mask=row_ok[:, None])
-    tl.store(partial_ptr + split * split_stride + rows_at + inter, up, mask=row_ok[:, None])
+    """This split's partial gate and up rows into the scratch."""
+    tl.store(partial_rows(partial_ptr, pair, offs_n, split, split_stride, inter, 0), gate, mask=row_ok[:, None])
+    tl.store(partial_rows(partial_ptr, pair, offs_n, split, split_stride, inter, 1), up, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -236,13 +242,15 @@ def arrives_last(counter, SPLIT: tl.constexpr):
 @triton.jit
 def summed_partials(partial_ptr, pair, row_ok, offs_n, split_stride, inter, SPLIT: tl.constexpr):
     """The gate and up rows summed over the splits, in split order."""
-    rows_at = (pair.to(tl.int64)[:, None] * 2) * inter + offs_n[None, :]
-    gate = tl.load(partial_ptr + rows_at, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-    up = tl.load(partial_ptr + rows_at + inter, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+    gate = tl.load(partial_rows(partial_ptr, pair, offs_n, 0, split_stride, inter, 0), mask=row_ok[:, None], other=0.0,
+                   cache_modifier=".cg")
+    up = tl.load(partial_rows(partial_ptr, pair, offs_n, 0, split_stride, inter, 1), mask=row_ok[:, None], other=0.0,
+                 cache_modifier=".cg")
     for s in range(1, SPLIT):
-        at = partial_ptr + s * split_stride + rows_at
-        gate += tl.load(at, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        up += tl.load(at + inter, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        gate += tl.load(partial_rows(partial_ptr, pair, offs_n, s, split_stride, inter, 0), mask=row_ok[:, None], other=0.0,
+                        cache_modifier=".cg")
+        up += tl.load(partial_rows(partial_ptr, pair, offs_n, s, split_stride, inter, 1), mask=row_ok[:, None], other=0.0,
+                      cache_modifier=".cg")
     return gate, up
 
 

@@ -47,7 +47,7 @@ from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.gluon_compat import async_load, barrier
 from kernels.moe.scaled import (
     SEGMENT_ROWS, UP_BLOCK_N, ScaledLaunch, ScaledTiles, arrives_last, choose_scaled_tiles, gate_up_epilogue,
-    prepare_launch, scaled_experts, summed_partials,
+    partial_rows, prepare_launch, scaled_experts, summed_partials,
 )
 from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, converts_e4m3
 
@@ -60,8 +60,9 @@ DOWN_N = 64
 GATE_UP_N = 64
 GATE_UP_PARTS = 2 * UP_BLOCK_N // GATE_UP_N  # programs of a tile and split: w1 and w3, each in parts
 GATE_UP_PROGRAMS_PER_SM = 4  # gate/up programs an SM holds (registers: about 120 a thread)
-# Steps in shared memory at a time (STAGES - 1 copied ahead of the one multiplied): about 5 KB a
-# step, four programs an SM (as their registers allow).
+# Steps in shared memory at a time (STAGES - 1 copied ahead of the one multiplied), the default
+# of `ScaledTiles.num_stages` for these products: about 5 KB a step, four programs an SM (as
+# their registers allow).
 PIPELINE_STAGES = 4
 # The instruction's N: pairs of a segment taken at a time (wider tiles would raise every
 # program's registers for the few segments with more pairs).
@@ -69,7 +70,6 @@ TOKENS_PER_STEP = 8
 # Device-side constants (Gluon reads module globals only as constexprs).
 TOKENS = gl.constexpr(TOKENS_PER_STEP)
 DOWN_BLOCK_N = gl.constexpr(DOWN_N)
-STAGES = gl.constexpr(PIPELINE_STAGES)
 GATE_UP_BLOCK_N = gl.constexpr(UP_BLOCK_N)  # one activation block of h, as scaled.py's
 PART_N = gl.constexpr(GATE_UP_N)
 UP_PARTS = gl.constexpr(GATE_UP_PARTS)
@@ -252,7 +252,7 @@ def _issue_step(stage, codes_smem, scales_smem, values_smem, a_scale_smem, w_ptr
 def _fp4_products(
     a_ptr, a_scale_ptr, a_row, row_ok, stride_am, stride_as,
     w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end,
-    S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr,
+    S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr,
 ):
     """[BLOCK_N, TOKENS] fp32: weight rows col0 + [0, BLOCK_N) (w_ptr, s_ptr at the expert) times
     the quantised activation rows a_row (e4m3 bytes [rows, K] and one scale per 128; row_ok
@@ -328,7 +328,7 @@ def _mma_gate_up_kernel(
     split_stride, dim, inter, swiglu_limit,
     stride_w1e, stride_s1e, stride_w3e, stride_s3e, stride_wn, stride_sn,
     PICKS: gl.constexpr, PAIRS_PER_TOKEN: gl.constexpr, HAS_LIMIT: gl.constexpr, POW2: gl.constexpr,
-    S_E8M0: gl.constexpr, SPLIT: gl.constexpr,
+    S_E8M0: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
 ):
     """A program: one of w1 (even parts) or w3, PART_N of the tile's 128 columns, one K split
     (grid axis 1: split * UP_PARTS + part). Its partials go to the scratch [SPLIT, pairs, 2,
@@ -361,11 +361,11 @@ def _mma_gate_up_kernel(
             pair, row_ok = _chunk_pairs(sorted_pair_ptr, segment, first, rows, gl.SliceLayout(1, PARTIAL))
             acc = _fp4_products(
                 xq_ptr, xs_ptr, pair // PAIRS_PER_TOKEN, row_ok, dim, dim // BLOCK_K,
-                w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end, S_E8M0, PART_N, TOKENS,
+                w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end, S_E8M0, PART_N, TOKENS, STAGES,
             )
             acc = gl.convert_layout(acc.permute(1, 0), PARTIAL)
-            rows_at = (pair.to(gl.int64)[:, None] * 2 + part % 2) * inter + part_cols[None, :]  # [gate | up] of a pair
-            gl.store(partial_ptr + split * split_stride + rows_at, acc, mask=row_ok[:, None])
+            at = partial_rows(partial_ptr, pair, part_cols, split, split_stride, inter, part % 2)  # w1: gate, w3: up
+            gl.store(at, acc, mask=row_ok[:, None])
         # scaled.py's split-K arrival, once for all of the program's chunks.
         counter = counter_ptr + segment * tiles_n + tile_n
         if arrives_last(counter, SPLIT * UP_PARTS):
@@ -383,7 +383,7 @@ def _mma_gate_up_kernel(
 def _mma_down_kernel(
     hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
     dim, inter, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-    S_E8M0: gl.constexpr,
+    S_E8M0: gl.constexpr, STAGES: gl.constexpr,
 ):
     pid = gl.program_id(0)
     tiles_n = dim // DOWN_BLOCK_N
@@ -402,7 +402,7 @@ def _mma_down_kernel(
             pair, row_ok = _chunk_pairs(sorted_pair_ptr, segment, first, rows, gl.SliceLayout(1, EPILOGUE))
             acc = _fp4_products(
                 hq_ptr, hs_ptr, pair, row_ok, inter, inter // BLOCK_K,
-                w2_ptr, s2_ptr, col0, stride_wn, stride_sn, 0, inter, S_E8M0, DOWN_BLOCK_N, TOKENS,
+                w2_ptr, s2_ptr, col0, stride_wn, stride_sn, 0, inter, S_E8M0, DOWN_BLOCK_N, TOKENS, STAGES,
             )
             y = gl.convert_layout(acc.permute(1, 0), EPILOGUE)
             y_ptrs = y_ptr + pair.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -470,6 +470,8 @@ def moe_experts_scaled_mma(
     check_mma_inputs(x, w1, w2, w3, scales)
 
     def launch_products(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
+        if tiles.num_stages < 2:
+            raise ValueError(f"moe_experts (mma): num_stages must be at least 2 (one step copied ahead), got {tiles.num_stages}")
         run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=True)
         dim = x.shape[1]
         inter = w1.shape[1]
@@ -481,12 +483,12 @@ def moe_experts_scaled_mma(
             run.hq.shape[0] * 2 * inter, dim, inter, float(swiglu_limit),
             w1.stride(0), s1.stride(0), w3.stride(0), s3.stride(0), w1.stride(1), s1.stride(1),
             PICKS=run.picks, PAIRS_PER_TOKEN=run.pairs_per_token, HAS_LIMIT=swiglu_limit > 0, POW2=pow2,
-            S_E8M0=s1.dtype == torch.uint8, SPLIT=run.split, num_warps=WARPS,
+            S_E8M0=s1.dtype == torch.uint8, SPLIT=run.split, STAGES=tiles.num_stages, num_warps=WARPS,
         )
         _mma_down_kernel[(segments.num_blocks * (dim // DOWN_N),)](
             run.hq.view(torch.uint8), run.hs, w2, s2, run.y, segments.sorted_pair, segments.block_expert, segments.block_rows,
             dim, inter, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), run.y.stride(0),
-            S_E8M0=s2.dtype == torch.uint8, num_warps=WARPS,
+            S_E8M0=s2.dtype == torch.uint8, STAGES=tiles.num_stages, num_warps=WARPS,
         )
         return run
 
@@ -503,4 +505,4 @@ def choose_mma_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num
     blocks = dim // STEP
     split = max(1, min(GATE_UP_PROGRAMS_PER_SM * num_sms // programs, blocks // MIN_BLOCKS_PER_SPLIT))
     split = next(s for s in range(split, 0, -1) if blocks % s == 0)
-    return dataclasses.replace(tiles, up_split=split)
+    return dataclasses.replace(tiles, up_split=split, num_stages=PIPELINE_STAGES)
