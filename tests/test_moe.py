@@ -648,11 +648,13 @@ def test_scaled_mma_product_matches_reference(flash_scaled, batch, pattern, spli
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scale_dtype, dim, inter, up_split", [(torch.float32, 384, 384, 2), (E8M0, 512, 512, 3)])
-def test_scaled_mma_product_odd_step_counts(scale_dtype, dim, inter, up_split):
+@pytest.mark.parametrize("scale_dtype, dim, inter, up_split, stages",
+                         [(torch.float32, 384, 384, 2, 4), (E8M0, 512, 512, 3, 8), (torch.float32, 384, 384, 1, 2)])
+def test_scaled_mma_product_odd_step_counts(scale_dtype, dim, inter, up_split, stages):
     """K splits of fewer 128-input steps than the pipeline's stages (copies past the last step
     fill their slots with zeros), odd counts of steps where the scales allow them (fp32 scales:
-    3 steps split 2 + 1; one-byte scales take rows of 512 inputs: 4 steps split 2 + 2 + none)."""
+    3 steps split 2 + 1; one-byte scales take rows of 512 inputs: 4 steps split 2 + 2 + none),
+    and the shallowest pipeline (one step copied ahead) over more steps than its stages."""
     from kernels.moe.scaled import choose_scaled_tiles
     from kernels.moe.scaled_gluon import moe_experts_scaled_mma
 
@@ -661,7 +663,8 @@ def test_scaled_mma_product_odd_step_counts(scale_dtype, dim, inter, up_split):
     for batch in (1, 9):
         x = torch.randn(batch, dim, device="cuda").to(torch.bfloat16)
         ids, weights = routed_ids("random", batch, 2, num_experts, seed=371 + batch, device="cuda")
-        tiles = dataclasses.replace(choose_scaled_tiles(batch * 3, num_experts, dim, inter, 132), product="mma", up_split=up_split)
+        tiles = dataclasses.replace(choose_scaled_tiles(batch * 3, num_experts, dim, inter, 132), product="mma",
+                                    up_split=up_split, num_stages=stages)
         out = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, num_experts - 1, tiles=tiles)
         assert_scaled_close(out, moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, num_experts - 1, scales),
                             torch.bfloat16)
@@ -670,7 +673,7 @@ def test_scaled_mma_product_odd_step_counts(scale_dtype, dim, inter, up_split):
 def test_scaled_mma_product_refuses_other_formats():
     """FP8 experts, a width that is not whole 128-blocks, or rows laid out otherwise than the copies
     take are refused by name before any launch."""
-    from kernels.moe.scaled_gluon import _copyable, moe_experts_scaled_mma, takes
+    from kernels.moe.scaled_gluon import _copyable, choose_mma_tiles, moe_experts_scaled_mma, takes
     from kernels.triton_util import converts_e4m3
 
     w1, w2, w3, scales = scaled_experts("fp8", E8M0, 4, 256, 128, "cpu", seed=360)
@@ -697,3 +700,7 @@ def test_scaled_mma_product_refuses_other_formats():
     with pytest.raises(ValueError, match="one-byte scales 16"):
         w1, w2, w3, scales = scaled_experts("fp4", E8M0, 4, 384, 512, "cpu", seed=364)
         moe_experts_scaled_mma(torch.randn(2, 384), ids, weights, w1, w2, w3, scales, LIMIT)
+    w1, w2, w3, scales = scaled_experts("fp4", E8M0, 4, 512, 512, "cpu", seed=365)
+    shallow = dataclasses.replace(choose_mma_tiles(4, 4, 512, 512, 132), num_stages=1)
+    with pytest.raises(ValueError, match="num_stages must be at least 2"):
+        moe_experts_scaled_mma(torch.randn(2, 512), ids, weights, w1, w2, w3, scales, LIMIT, tiles=shallow)
