@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.linear import linear
 from kernels.moe import swiglu
 from model.config import ModelConfig
 from model.formats import from_checkpoint, logical_in_features, project, scale_dtype_of, to_checkpoint
@@ -59,8 +60,9 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.empty(cfg.n_routed_experts, dtype=torch.float32, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # The official code upcasts the weight each call; "fast" multiplies in the model dtype.
-        logits = fp32_linear(x, self.weight.float() if self.exact else self.weight)
+        # The official code upcasts the weight each call (here as it is read, where a kernel
+        # takes the shape); "fast" multiplies in the model dtype.
+        logits = linear(x.float(), self.weight) if self.exact else fp32_linear(x, self.weight)
         scores = F.softplus(logits).sqrt()
         if not self.hashed and torch.compiler.is_compiling():
             ids, picked = top_k_by_rounds(scores + self.bias, scores, self.topk)

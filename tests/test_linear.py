@@ -84,6 +84,7 @@ def test_routing_depends_on_weight_and_device_only():
         assert takes_kernel(xc[:1], wc) == takes_kernel(xc, wc)  # the batch never decides
         assert not takes_kernel(xc[:, :32], torch.randn(64, 32, device="cuda", dtype=torch.bfloat16))  # K < N
         assert not takes_kernel(xc.float(), wc.float())  # fp32 products keep cuBLAS
+        assert takes_kernel(xc.float(), wc)  # fp32 rows, bf16 weight: one row takes the GEMV
 
 
 def test_auto_on_cpu_equals_f_linear_exactly():
@@ -92,16 +93,38 @@ def test_auto_on_cpu_equals_f_linear_exactly():
 
 
 @pytest.mark.parametrize(
-    "x_shape,w_shape,dtype_w,match",
+    "x_shape,w_shape,dtype_x,dtype_w,match",
     [
-        ((4, 64), (32, 48), torch.float32, "agree on K"),
-        ((4, 64), (32, 64), torch.float16, "one dtype"),
-        ((4, 64), (32, 64, 1), torch.float32, "agree on K"),
+        ((4, 64), (32, 48), torch.float32, torch.float32, "agree on K"),
+        ((4, 64), (32, 64), torch.float16, torch.bfloat16, "one dtype"),
+        ((4, 64), (32, 64), torch.bfloat16, torch.float32, "one dtype"),  # only the weight is upcast
+        ((4, 64), (32, 64, 1), torch.float32, torch.float32, "agree on K"),
     ],
 )
-def test_bad_operands_are_named(x_shape, w_shape, dtype_w, match):
+def test_bad_operands_are_named(x_shape, w_shape, dtype_x, dtype_w, match):
     with pytest.raises(ValueError, match=match):
-        linear(torch.randn(x_shape), torch.randn(w_shape).to(dtype_w))
+        linear(torch.randn(x_shape).to(dtype_x), torch.randn(w_shape).to(dtype_w))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("n,k,dtype", [(24, 96, torch.bfloat16), (40, 70, torch.float16)])
+def test_fp32_rows_upcast_a_half_weight_as_read(n, k, dtype):
+    """fp32 x with a half weight: one row through the GEMV, fp32 out and fp32 math, against the
+    product of the weight upcast first; more rows are refused by the kernel."""
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=g)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+    out = linear(x, w, impl="triton")
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected(x, w), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="takes one row"):
+        linear(torch.randn(2, k), w, impl="triton")
+
+
+def test_fp32_rows_with_a_half_weight_on_cpu_are_f_linear_of_the_upcast():
+    x, w = operands(3, 48, 32, torch.float32, seed=4)
+    w = w.to(torch.bfloat16)
+    assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w.float()))
 
 
 def test_unknown_impl_is_named():
@@ -204,3 +227,21 @@ def test_gpu_op_falls_back_for_strided_k():
     spread[..., ::2] = x[:, None]
     out = grouped_linear_op(spread[..., ::2], w[None])
     torch.testing.assert_close(out[:, 0].float(), expected(x, w), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_router_product_in_fp32_with_the_bf16_weight(rows):
+    """The router's product (V4-Flash: 256 x 4096, bf16 weight, fp32 rows): one row through the
+    GEMV with the weight upcast as read, more rows through the library's product of the upcast;
+    both fp32 to within summation order, replayed in a CUDA graph with new rows."""
+    x, w = operands(rows, 256, 4096, torch.float32, device="cuda", seed=13)
+    w = w.to(torch.bfloat16)
+    out = linear(x, w)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected(x, w), rtol=1e-5, atol=1e-5)
+    graph, static_out = capture(lambda: linear(x, w))
+    fresh = operands(rows, 256, 4096, torch.float32, device="cuda", seed=14)[0]
+    x.copy_(fresh)
+    graph.replay()
+    torch.testing.assert_close(static_out, expected(fresh, w), rtol=1e-5, atol=1e-5)

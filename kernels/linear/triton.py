@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from kernels.linear.ref import MAX_ROWS
+from kernels.linear.ref import MAX_ROWS, upcasts_weight
 from kernels.triton_util import dot_precision, interpreting, num_sms
 
 
@@ -136,11 +136,16 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, one_row_gemv: bool | No
     """x [M, G, K] (M <= MAX_ROWS) and weight [G, N, K] -> [M, G, N] in x's dtype, fp32 accumulation:
     out[:, g] = x[:, g] @ weight[g]^T. K must be contiguous in both. Allocates only the output
     (CUDA-graph safe). one_row_gemv: None lets `takes_gemv` choose between the GEMV and the dot
-    kernel for one row; True or False forces it (benchmarks)."""
+    kernel for one row; True or False forces it (benchmarks). An fp32 x with a half weight
+    (`upcasts_weight`) takes one row, always through the GEMV, whose math is fp32 throughout."""
     rows, groups, k = x.shape
     n = weight.shape[1]
     if rows > MAX_ROWS:
         raise ValueError(f"linear (triton): at most {MAX_ROWS} rows, got {rows}")
+    if upcasts_weight(x, weight):
+        if rows > 1 or one_row_gemv is False:
+            raise ValueError(f"linear (triton): an fp32 x with a {weight.dtype} weight takes one row, through the GEMV; got {rows}")
+        one_row_gemv = True
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("linear (triton): x and weight must be contiguous along K")
     out = torch.empty((rows, groups, n), dtype=x.dtype, device=x.device)
