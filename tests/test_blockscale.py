@@ -208,6 +208,9 @@ def test_gemv_matches_the_reference(scale_dtype, pow2):
         y = blockscale_gemv(x.view(1, 1, k), q, scale, pow2)
         assert y.shape == (1, 1, n)
         assert_matches_reference(y.view(1, n), x, q, scale, pow2)
+    # another launch shape: 8 columns a program, two blocks a step
+    y = blockscale_gemv(x, q, scale, pow2, block_n=8, block_k=256)
+    assert_matches_reference(y, x, q, scale, pow2)
 
 
 def test_gemv_refuses_what_it_does_not_compute():
@@ -222,6 +225,9 @@ def test_gemv_refuses_what_it_does_not_compute():
         blockscale_gemv(x[:1, :128], q, scale)
     with pytest.raises(ValueError, match="positive multiple of 128"):
         blockscale_gemv(x[:1, :96], q[:, :96], scale)
+    for shape in (dict(block_n=3), dict(block_k=192), dict(block_k=512)):  # 512 does not divide K = 256
+        with pytest.raises(ValueError, match="must divide 128 and block_k"):
+            blockscale_gemv(x[:1], q, scale, **shape)
     x4, q4, scale4 = triton_operands("fp4", torch.float8_e8m0fnu, 1, 128, 256, torch.float32, seed=2)
     with pytest.raises(ValueError, match="FP8 \\(e4m3\\) weights"):
         blockscale_gemv(x4, q4, scale4)

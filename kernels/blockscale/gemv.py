@@ -72,7 +72,7 @@ def takes_rows(rows: int, weight: torch.Tensor, scale: torch.Tensor) -> bool:
             and k % FP8_BLOCK == 0 and weight.stride(-1) == 1 and scale.dtype in SCALE_DTYPES)
 
 
-def block_k(k: int) -> int:
+def step_inputs(k: int) -> int:
     """Inputs a step: the largest power of two up to MAX_BLOCK_K that divides K (a multiple of 128)."""
     step = MAX_BLOCK_K
     while k % step:
@@ -80,10 +80,14 @@ def block_k(k: int) -> int:
     return step
 
 
-def blockscale_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool = True) -> torch.Tensor:
+def blockscale_gemv(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pow2: bool = True,
+    block_n: int = BLOCK_N, block_k: int | None = None, warps: int = WARPS,
+) -> torch.Tensor:
     """act_quant(x) @ dequantised(weight)^T in x's dtype (blockscale_linear_reference) for one row:
     x [..., K] with one row in all, an FP8 weight [N, K] contiguous along K with its 128 x 128
-    block scales (ue8m0 or fp32)."""
+    block scales (ue8m0 or fp32). block_n (a power of two dividing 128), block_k (a multiple of
+    128 dividing K; default `step_inputs(K)`) and warps override the launch shape (tuning)."""
     rows = x.reshape(-1, x.shape[-1])
     n, k = weight.shape
     if rows.shape[0] != 1:
@@ -94,11 +98,14 @@ def blockscale_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         raise ValueError(f"blockscale_gemv: K ({k}) must be a positive multiple of {FP8_BLOCK}, the weight contiguous along it")
     if rows.shape[1] != k:
         raise ValueError(f"blockscale_gemv: x has {rows.shape[1]} inputs, the weight {k}")
+    step = block_k if block_k is not None else step_inputs(k)
+    if block_n < 1 or 128 % block_n or step < FP8_BLOCK or step % FP8_BLOCK or k % step:
+        raise ValueError(f"blockscale_gemv: block_n ({block_n}) must divide 128 and block_k ({step}) be a multiple of 128 dividing K ({k})")
     row = rows[0].contiguous()
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     e8m0 = scale.dtype == torch.float8_e8m0fnu
-    _blockscale_gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
+    _blockscale_gemv_kernel[(triton.cdiv(n, block_n),)](
         row, weight, scale.view(torch.uint8) if e8m0 else scale, out, n, k, weight.stride(0), scale.stride(0), scale.stride(1),
-        SCALE_E8M0=e8m0, POW2=pow2, BLOCK_N=BLOCK_N, BLOCK_K=block_k(k), **({} if interpreting() else {"num_warps": WARPS}),
+        SCALE_E8M0=e8m0, POW2=pow2, BLOCK_N=block_n, BLOCK_K=step, **({} if interpreting() else {"num_warps": warps}),
     )
     return out.view(*x.shape[:-1], n)
