@@ -364,8 +364,8 @@ def _mma_gate_up_kernel(
                 w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end, S_E8M0, PART_N, TOKENS, STAGES,
             )
             acc = gl.convert_layout(acc.permute(1, 0), PARTIAL)
-            at = partial_rows(partial_ptr, pair, part_cols, split, split_stride, inter, part % 2)  # w1: gate, w3: up
-            gl.store(at, acc, mask=row_ok[:, None])
+            partial_at = partial_rows(partial_ptr, pair, part_cols, split, split_stride, inter, part % 2)  # w1: gate, w3: up
+            gl.store(partial_at, acc, mask=row_ok[:, None])
         # scaled.py's split-K arrival, once for all of the program's chunks.
         counter = counter_ptr + segment * tiles_n + tile_n
         if arrives_last(counter, SPLIT * UP_PARTS):
