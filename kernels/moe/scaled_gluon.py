@@ -60,10 +60,14 @@ DOWN_N = 64
 GATE_UP_N = 64
 GATE_UP_PARTS = 2 * UP_BLOCK_N // GATE_UP_N  # programs of a tile and split: w1 and w3, each in parts
 GATE_UP_PROGRAMS_PER_SM = 4  # gate/up programs an SM holds (registers: about 120 a thread)
-# Steps in shared memory at a time (STAGES - 1 copied ahead of the one multiplied), the default
-# of `ScaledTiles.num_stages` for these products: about 5 KB a step, four programs an SM (as
-# their registers allow).
+# Steps in shared memory at a time (STAGES - 1 copied ahead of the one multiplied),
+# `ScaledTiles.num_stages` of these products: about 5 KB a step, four programs an SM (as their
+# registers allow). Programs in one wave (few experts picked) take the shallow pipeline; where
+# they fill several waves the deep one, with the gate/up K split in two (H100, 256 experts:
+# batch 16 537.7 -> 495.8 us, batch 64 1213.9 -> 1165.7; at batch 1 both deeper and split
+# measured slower). Ten stages take more registers than four programs an SM leave.
 PIPELINE_STAGES = 4
+DEEP_PIPELINE_STAGES = 8
 # The instruction's N: pairs of a segment taken at a time (wider tiles would raise every
 # program's registers for the few segments with more pairs).
 TOKENS_PER_STEP = 8
@@ -496,13 +500,18 @@ def moe_experts_scaled_mma(
 
 
 def choose_mma_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num_sms: int) -> ScaledTiles:
-    """choose_scaled_tiles' down tile; the gate/up K split into the most equal parts that keep
-    every gate/up program in one wave (GATE_UP_PROGRAMS_PER_SM an SM), each at least
-    MIN_BLOCKS_PER_SPLIT blocks: a second, part-filled wave measured slower (batch 1, 6 experts:
-    1 way 58.4 us, 2 ways 61.2, 4 ways 60.1)."""
+    """choose_scaled_tiles' down tile. Gate/up programs that fit one wave (GATE_UP_PROGRAMS_PER_SM
+    an SM): K split into the most equal parts that keep them in it, each at least
+    MIN_BLOCKS_PER_SPLIT blocks (a second, part-filled wave measured slower: batch 1, 6 experts:
+    1 way 58.4 us, 2 ways 61.2, 4 ways 60.1), the shallow pipeline. More programs than a wave:
+    the deep pipeline and K split in two where the blocks allow (DEEP_PIPELINE_STAGES)."""
     tiles = choose_scaled_tiles(num_pairs, num_experts, dim, inter, num_sms)
     programs = max(1, min(num_pairs, num_experts)) * max(1, inter // UP_BLOCK_N) * GATE_UP_PARTS
     blocks = dim // STEP
-    split = max(1, min(GATE_UP_PROGRAMS_PER_SM * num_sms // programs, blocks // MIN_BLOCKS_PER_SPLIT))
+    wave = GATE_UP_PROGRAMS_PER_SM * num_sms
+    if programs > wave:
+        split = 2 if blocks % 2 == 0 and blocks // 2 >= MIN_BLOCKS_PER_SPLIT else 1
+        return dataclasses.replace(tiles, up_split=split, num_stages=DEEP_PIPELINE_STAGES)
+    split = max(1, min(wave // programs, blocks // MIN_BLOCKS_PER_SPLIT))
     split = next(s for s in range(split, 0, -1) if blocks % s == 0)
     return dataclasses.replace(tiles, up_split=split, num_stages=PIPELINE_STAGES)
