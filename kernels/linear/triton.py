@@ -144,7 +144,8 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, one_row_gemv: bool | No
         raise ValueError(f"linear (triton): at most {MAX_ROWS} rows, got {rows}")
     if upcasts_weight(x, weight):
         if rows > 1 or one_row_gemv is False:
-            raise ValueError(f"linear (triton): an fp32 x with a {weight.dtype} weight takes one row, through the GEMV; got {rows}")
+            raise ValueError(f"linear (triton): an fp32 x with a {weight.dtype} weight takes one row, through the GEMV; "
+                             f"got {rows} rows, one_row_gemv={one_row_gemv}")
         one_row_gemv = True
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("linear (triton): x and weight must be contiguous along K")

@@ -242,16 +242,19 @@ def arrives_last(counter, SPLIT: tl.constexpr):
 @triton.jit
 def summed_partials(partial_ptr, pair, row_ok, offs_n, split_stride, inter, SPLIT: tl.constexpr):
     """The gate and up rows summed over the splits, in split order."""
-    gate = tl.load(partial_rows(partial_ptr, pair, offs_n, 0, split_stride, inter, 0), mask=row_ok[:, None], other=0.0,
-                   cache_modifier=".cg")
-    up = tl.load(partial_rows(partial_ptr, pair, offs_n, 0, split_stride, inter, 1), mask=row_ok[:, None], other=0.0,
-                 cache_modifier=".cg")
+    gate = _load_partial(partial_ptr, pair, row_ok, offs_n, 0, split_stride, inter, 0)
+    up = _load_partial(partial_ptr, pair, row_ok, offs_n, 0, split_stride, inter, 1)
     for s in range(1, SPLIT):
-        gate += tl.load(partial_rows(partial_ptr, pair, offs_n, s, split_stride, inter, 0), mask=row_ok[:, None], other=0.0,
-                        cache_modifier=".cg")
-        up += tl.load(partial_rows(partial_ptr, pair, offs_n, s, split_stride, inter, 1), mask=row_ok[:, None], other=0.0,
-                      cache_modifier=".cg")
+        gate += _load_partial(partial_ptr, pair, row_ok, offs_n, s, split_stride, inter, 0)
+        up += _load_partial(partial_ptr, pair, row_ok, offs_n, s, split_stride, inter, 1)
     return gate, up
+
+
+@triton.jit
+def _load_partial(partial_ptr, pair, row_ok, offs_n, split, split_stride, inter, matrix):
+    # .cg: other programs wrote the scratch; read it from L2, not a stale L1 line
+    return tl.load(partial_rows(partial_ptr, pair, offs_n, split, split_stride, inter, matrix), mask=row_ok[:, None],
+                   other=0.0, cache_modifier=".cg")
 
 
 @triton.jit
