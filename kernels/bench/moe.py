@@ -252,7 +252,9 @@ def scaled_table(copy_gbs: float) -> str:
     """FP4 experts through the op (its CUDA product) against the other products of the same
     semantics and the same experts dequantised to bf16 through the dense kernel; GB/s counts the
     bytes each must move: the distinct picked experts' weights (and scales), x, and the fp32 output."""
-    from kernels.moe.scaled_gluon import choose_mma_tiles, moe_experts_scaled_mma  # Gluon: imported where a GPU runs it
+    from kernels.moe.scaled_gluon import (  # Gluon: imported where a GPU runs it
+        DEEP_PIPELINE_STAGES, PIPELINE_STAGES, choose_mma_tiles, moe_experts_scaled_mma,
+    )
 
     fp4, dense, shared = make_scaled_experts()
     w1, w2, w3, scales = fp4
@@ -274,8 +276,13 @@ def scaled_table(copy_gbs: float) -> str:
         chosen = choose_mma_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device))
         return dataclasses.replace(chosen, up_split=factor * chosen.up_split)
 
+    def other_depth(ids) -> ScaledTiles:  # the op's tiles with the pipeline depth it does not choose here
+        chosen = choose_mma_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device))
+        deep = chosen.num_stages == DEEP_PIPELINE_STAGES
+        return dataclasses.replace(chosen, num_stages=PIPELINE_STAGES if deep else DEEP_PIPELINE_STAGES)
+
     # The products the op does not run by default, each on the op's semantics (kernels/moe/scaled*.py),
-    # and the op's own product with its gate/up K split into more ways.
+    # and the op's own product with its gate/up K split into more ways or its other pipeline depth.
     candidates = {
         "Triton dot_scaled": lambda x, ids, weights: moe_experts_scaled_triton(
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles(ids, product="dot_scaled")),
@@ -283,8 +290,8 @@ def scaled_table(copy_gbs: float) -> str:
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles(ids, product="codes", num_warps=CODES_WARPS)),
         "Gluon split x2": lambda x, ids, weights: moe_experts_scaled_mma(
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=mma_split(ids, 2)),
-        "Gluon split x4": lambda x, ids, weights: moe_experts_scaled_mma(
-            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=mma_split(ids, 4)),
+        "Gluon other depth": lambda x, ids, weights: moe_experts_scaled_mma(
+            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=other_depth(ids)),
     }
 
     shared_bytes = sum(t.numel() * t.element_size() for t in shared)
@@ -339,7 +346,9 @@ def scaled_table(copy_gbs: float) -> str:
         "differ (its bytes added). 'bf16 dequantised': the same experts dequantised to bf16 through the dense Triton kernel. "
         "The other products of the same semantics, each with its 'speedup' (the op's time over its own): 'Triton dot_scaled' "
         "(kernels/moe/scaled.py, `tl.dot_scaled` on the packed codes), 'Triton codes decoded' (the codes decoded in the "
-        f"Triton kernel, then an fp16 dot, {CODES_WARPS} warps); 'Gluon split x2', 'x4': the op's Gluon product with "
-        "the gate/up product's K split into 2 or 4 times the ways the op chooses (`ScaledTiles.up_split`).\n\n"
+        f"Triton kernel, then an fp16 dot, {CODES_WARPS} warps); 'Gluon split x2': the op's Gluon product with "
+        "the gate/up product's K split into twice the ways the op chooses (`ScaledTiles.up_split`); 'Gluon other depth': "
+        f"the op's Gluon product with the pipeline depth it does not choose at that batch ({PIPELINE_STAGES} or "
+        f"{DEEP_PIPELINE_STAGES} stages, `ScaledTiles.num_stages`).\n\n"
         f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
     )
