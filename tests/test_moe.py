@@ -712,3 +712,18 @@ def test_scaled_mma_product_refuses_other_formats():
     shallow = dataclasses.replace(choose_mma_tiles(4, 4, 512, 512, 132), num_stages=1)
     with pytest.raises(ValueError, match="num_stages must be at least 2"):
         moe_experts_scaled_mma(torch.randn(2, 512), ids, weights, w1, w2, w3, scales, LIMIT, tiles=shallow)
+
+
+def test_tile_sweep_times_the_chosen_tiles_and_every_variant():
+    """kernels.bench moe_tiles: the tiles choose_mma_tiles picks first, then every stages x split
+    variant once (the chosen one not twice), all deep enough for the Gluon pipeline."""
+    from kernels.bench.moe_tiles import SPLITS, STAGES, candidate_tiles
+    from kernels.moe.scaled_gluon import choose_mma_tiles
+
+    for pairs in (6, 96):
+        chosen = choose_mma_tiles(pairs, 256, 4096, 2048, 132)
+        variants = candidate_tiles(chosen)
+        assert next(iter(variants.values())) == chosen
+        combos = {(t.num_stages, t.up_split) for t in variants.values()}
+        assert combos == {(chosen.num_stages, chosen.up_split)} | {(s, k) for s in STAGES for k in SPLITS}
+        assert len(variants) == len(combos) and all(t.num_stages >= 2 for t in variants.values())
