@@ -272,14 +272,16 @@ def scaled_table(copy_gbs: float) -> str:
     def tiles(ids, **changes):
         return dataclasses.replace(choose_scaled_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device)), **changes)
 
+    def op_tiles(ids) -> ScaledTiles:
+        return choose_mma_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device))
+
     def mma_split(ids, factor: int) -> ScaledTiles:  # the op's tiles, its gate/up K split `factor` times the ways
-        chosen = choose_mma_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device))
+        chosen = op_tiles(ids)
         return dataclasses.replace(chosen, up_split=factor * chosen.up_split)
 
     def other_depth(ids) -> ScaledTiles:  # the op's tiles with the pipeline depth it does not choose here
-        chosen = choose_mma_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device))
-        deep = chosen.num_stages == DEEP_PIPELINE_STAGES
-        return dataclasses.replace(chosen, num_stages=PIPELINE_STAGES if deep else DEEP_PIPELINE_STAGES)
+        deep = op_tiles(ids).num_stages == DEEP_PIPELINE_STAGES
+        return dataclasses.replace(op_tiles(ids), num_stages=PIPELINE_STAGES if deep else DEEP_PIPELINE_STAGES)
 
     # The products the op does not run by default, each on the op's semantics (kernels/moe/scaled*.py),
     # and the op's own product with its gate/up K split into more ways or its other pipeline depth.
