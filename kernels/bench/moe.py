@@ -209,26 +209,37 @@ def fp4_expert_bytes() -> int:
     return 3 * (INTER * DIM // 2 + INTER * DIM // FP4_BLOCK * SCALE_BYTES)
 
 
-def make_scaled_experts() -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+def make_scaled_experts(dense_too: bool = True) -> tuple[tuple, tuple | None, tuple]:
     """256 FP4 experts (packed w1, w2, w3 and their ue8m0 scales, quantised from random weights a
-    few experts at a time), the same experts dequantised to bf16, and the FP8 shared expert
-    ([w1; w3] and its 128 x 128 block scales, w2 and its)."""
+    few experts at a time), the same experts dequantised to bf16 (None without `dense_too`: 13 GB
+    a caller may not need), and the FP8 shared expert ([w1; w3] and its 128 x 128 block scales,
+    w2 and its)."""
     shapes = {"w1": (INTER, DIM), "w2": (DIM, INTER), "w3": (INTER, DIM)}
     packed = {n: torch.empty(SCALED_EXPERTS, o, i // 2, dtype=torch.uint8, device="cuda") for n, (o, i) in shapes.items()}
     scales = {n: torch.empty(SCALED_EXPERTS, o, i // FP4_BLOCK, dtype=torch.float8_e8m0fnu, device="cuda") for n, (o, i) in shapes.items()}
-    dense = {n: torch.empty(SCALED_EXPERTS, o, i, dtype=torch.bfloat16, device="cuda") for n, (o, i) in shapes.items()}
+    dense = None
+    if dense_too:
+        dense = {n: torch.empty(SCALED_EXPERTS, o, i, dtype=torch.bfloat16, device="cuda") for n, (o, i) in shapes.items()}
     chunk = 16
     for first in range(0, SCALED_EXPERTS, chunk):
         rows = slice(first, first + chunk)
         for name, (out, inp) in shapes.items():
             w = torch.randn(chunk, out, inp, device="cuda") * inp**-0.5
             packed[name][rows], scales[name][rows] = quantize_fp4_weight(w)
-            dense[name][rows] = dequantize_fp4_weight(packed[name][rows], scales[name][rows]).to(torch.bfloat16)
+            if dense_too:
+                dense[name][rows] = dequantize_fp4_weight(packed[name][rows], scales[name][rows]).to(torch.bfloat16)
     # The shared expert as the model stores it: w1 and w3 stacked along the outputs (one product), w2.
     gate_up = quantize_fp8_weight(torch.randn(2 * INTER, DIM, device="cuda") * DIM**-0.5)
     down = quantize_fp8_weight(torch.randn(DIM, INTER, device="cuda") * INTER**-0.5)
     fp4 = (packed["w1"], packed["w2"], packed["w3"], (scales["w1"], scales["w2"], scales["w3"]))
-    return fp4, (dense["w1"], dense["w2"], dense["w3"]), (*gate_up, *down)
+    return fp4, (dense["w1"], dense["w2"], dense["w3"]) if dense_too else None, (*gate_up, *down)
+
+
+def op_mma_tiles(ids: torch.Tensor, num_experts: int) -> ScaledTiles:
+    """The tiles the op's Gluon product chooses for this routing (V4-Flash widths)."""
+    from kernels.moe.scaled_gluon import choose_mma_tiles  # Gluon: imported where a GPU runs it
+
+    return choose_mma_tiles(ids.numel(), num_experts, DIM, INTER, num_sms(ids.device))
 
 
 def shared_expert_fp8(x, w13, s13, w2, s2):
@@ -253,7 +264,7 @@ def scaled_table(copy_gbs: float) -> str:
     semantics and the same experts dequantised to bf16 through the dense kernel; GB/s counts the
     bytes each must move: the distinct picked experts' weights (and scales), x, and the fp32 output."""
     from kernels.moe.scaled_gluon import (  # Gluon: imported where a GPU runs it
-        DEEP_PIPELINE_STAGES, PIPELINE_STAGES, choose_mma_tiles, moe_experts_scaled_mma,
+        DEEP_PIPELINE_STAGES, PIPELINE_STAGES, moe_experts_scaled_mma,
     )
 
     fp4, dense, shared = make_scaled_experts()
@@ -272,16 +283,14 @@ def scaled_table(copy_gbs: float) -> str:
     def tiles(ids, **changes):
         return dataclasses.replace(choose_scaled_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device)), **changes)
 
-    def op_tiles(ids) -> ScaledTiles:
-        return choose_mma_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device))
-
     def mma_split(ids, factor: int) -> ScaledTiles:  # the op's tiles, its gate/up K split `factor` times the ways
-        chosen = op_tiles(ids)
+        chosen = op_mma_tiles(ids, w1.shape[0])
         return dataclasses.replace(chosen, up_split=factor * chosen.up_split)
 
     def other_depth(ids) -> ScaledTiles:  # the op's tiles with the pipeline depth it does not choose here
-        deep = op_tiles(ids).num_stages == DEEP_PIPELINE_STAGES
-        return dataclasses.replace(op_tiles(ids), num_stages=PIPELINE_STAGES if deep else DEEP_PIPELINE_STAGES)
+        chosen = op_mma_tiles(ids, w1.shape[0])
+        deep = chosen.num_stages == DEEP_PIPELINE_STAGES
+        return dataclasses.replace(chosen, num_stages=PIPELINE_STAGES if deep else DEEP_PIPELINE_STAGES)
 
     # The products the op does not run by default, each on the op's semantics (kernels/moe/scaled*.py),
     # and the op's own product with its gate/up K split into more ways or its other pipeline depth.

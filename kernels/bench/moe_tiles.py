@@ -9,15 +9,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-
 from kernels.bench.moe import (
-    DIM, INTER, LIMIT, check, distinct_experts, fp4_expert_bytes, make_scaled_experts, scaled_routing_sets,
+    DIM, INTER, LIMIT, check, distinct_experts, fp4_expert_bytes, make_scaled_experts, op_mma_tiles, scaled_routing_sets,
 )
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import graph_time_us
 from kernels.moe import moe_experts
 from kernels.moe.scaled import ScaledTiles
-from kernels.triton_util import num_sms
 
 BATCHES = (1, 4, 16, 64)
 STAGES = (4, 6, 8)  # ten take more registers than four programs an SM leave
@@ -26,16 +24,16 @@ SHOWN = 3  # best variants listed per batch
 
 
 def run(copy_gbs: float) -> str:
-    from kernels.moe.scaled_gluon import choose_mma_tiles, moe_experts_scaled_mma  # Gluon: imported where a GPU runs it
+    from kernels.moe.scaled_gluon import moe_experts_scaled_mma  # Gluon: imported where a GPU runs it
 
-    (w1, w2, w3, scales), _, _ = make_scaled_experts()
+    (w1, w2, w3, scales), _, _ = make_scaled_experts(dense_too=False)
     rows, failed = [], []
     for batch in BATCHES:
         sets = scaled_routing_sets(batch)
         expected = moe_experts(*sets[0], w1, w2, w3, LIMIT, impl="reference", scales=scales)
         experts = sum(distinct_experts(ids) for _, ids, _ in sets) / len(sets)
         nbytes = experts * fp4_expert_bytes() + batch * DIM * (2 + 4)
-        chosen = choose_mma_tiles(sets[0][1].numel(), w1.shape[0], DIM, INTER, num_sms(w1.device))
+        chosen = op_mma_tiles(sets[0][1], w1.shape[0])
         timed = []
         for name, tiles in candidate_tiles(chosen).items():
             path = lambda x, ids, weights, tiles=tiles: moe_experts_scaled_mma(  # noqa: E731
