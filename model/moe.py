@@ -16,7 +16,7 @@ from torch import nn
 
 import kernels
 from kernels.linear import linear
-from kernels.moe import swiglu
+from kernels.moe import SharedExpertWeights, swiglu
 from model.config import ModelConfig
 from model.formats import from_checkpoint, logical_in_features, project, scale_dtype_of, to_checkpoint
 from model.layers import FusedLinear, Linear, LinearView, empty_scale, empty_weight, fp32_linear
@@ -143,14 +143,16 @@ class Experts(nn.Module):
         return self.w1_scale, self.w2_scale, self.w3_scale
 
     def forward(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, swiglu_limit: float, with_shared: bool = True
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, swiglu_limit: float, with_shared: bool = True,
+        shared_weights: SharedExpertWeights | None = None,
     ) -> torch.Tensor:
         """fp32 sum over each token's routed picks ids [B, k] (row numbers of the stack; -1 and
         weight 0: no expert) of its expert's output times weights [B, k], then, if stacked here
-        and `with_shared`, the shared expert's output (its last pick, weight 1)."""
+        and `with_shared`, the shared expert's output (its last pick, weight 1), or that of a
+        shared expert of its own FP8 format (`shared_weights`)."""
         return kernels.moe_experts(
             x, ids, weights, self.w1, self.w2, self.w3, swiglu_limit, shared_expert=self.shared_index if with_shared else -1,
-            scales=self.scales(), pow2=self.pow2,
+            scales=self.scales(), pow2=self.pow2, shared_weights=shared_weights,
         )
 
 
@@ -196,6 +198,13 @@ class SharedExpert(nn.Module):
             self.w2 = Linear(inter, dim, **own_format)
             self.gate_up = FusedLinear({"w1": self.w1, "w3": self.w3}, **own_format)
 
+    def own_weights(self) -> SharedExpertWeights | None:
+        """Its FP8 weights and scales as the routed experts' op takes them (kernels.moe_experts'
+        shared_weights), None where it is stacked or its format has no scales."""
+        if self.stacked or self.gate_up.scale is None:
+            return None
+        return SharedExpertWeights(self.gate_up.weight, self.gate_up.scale, self.w2.weight, self.w2.scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.stacked:
             gate, up = self.w1(x), self.w3(x)
@@ -230,10 +239,12 @@ class MoE(nn.Module):
         if self.parallel.world_size > 1:
             return self._split_forward(x, weights, ids)
         # Stacked, the shared expert runs as every token's last pick with weight 1 (exact in the
-        # fp32 SwiGLU); either way the fp32 sum is the official one: the routed picks, then the
-        # shared output.
-        y = self.experts(x, ids, weights, self.swiglu_limit)
-        if not self.shared_experts.stacked:
+        # fp32 SwiGLU); in FP8 beside FP4 experts, the experts' op runs it beside them (on CUDA
+        # on a side stream); either way the fp32 sum is the official one: the routed picks, then
+        # the shared output.
+        own = self.shared_experts.own_weights() if self.experts.scales() is not None else None
+        y = self.experts(x, ids, weights, self.swiglu_limit, shared_weights=own)
+        if not self.shared_experts.stacked and own is None:
             y = y + self.shared_experts(x).float()
         return y.to(x.dtype)
 

@@ -22,7 +22,7 @@ from kernels.bench.tables import markdown_table
 from kernels.bench.timing import graph_time_us, median_time_us
 from kernels.blockscale.op import blockscale_linear
 from kernels.blockscale.ref import FP4_BLOCK, dequantize_fp4_weight, quantize_fp4_weight, quantize_fp8_weight
-from kernels.moe import moe_experts, swiglu
+from kernels.moe import SharedExpertWeights, moe_experts, swiglu
 from kernels.moe.scaled import ScaledTiles, choose_scaled_tiles, moe_experts_scaled_triton
 from kernels.moe.triton import MoeTiles, choose_tiles, moe_experts_triton
 from kernels.triton_util import num_sms, shared_memory_per_block
@@ -274,7 +274,12 @@ def scaled_table(copy_gbs: float) -> str:
     def fp4_path(x, ids, weights, impl="auto"):
         return moe_experts(x, ids, weights, w1, w2, w3, LIMIT, impl=impl, scales=scales)
 
-    def model_path(x, ids, weights):  # routed FP4 experts, then the FP8 shared expert, as model/moe.py
+    shared_weights = SharedExpertWeights(*shared)
+
+    def model_path(x, ids, weights):  # the FP8 shared expert beside the routed FP4 experts, as model/moe.py
+        return moe_experts(x, ids, weights, w1, w2, w3, LIMIT, scales=scales, shared_weights=shared_weights)
+
+    def shared_after(x, ids, weights):  # the routed experts, then the shared expert on the same stream
         return fp4_path(x, ids, weights) + shared_expert_fp8(x, *shared).float()
 
     def dense_path(x, ids, weights, impl="auto"):
@@ -316,15 +321,19 @@ def scaled_table(copy_gbs: float) -> str:
         io_bytes = batch * DIM * (2 + 4)  # x in bf16, the fp32 output
         fp4_bytes = experts * fp4_expert_bytes() + io_bytes
         bf16_bytes = experts * 3 * INTER * DIM * 2 + io_bytes
+        with_shared = moe_experts(*sets[0], w1, w2, w3, LIMIT, impl="reference", scales=scales, shared_weights=shared_weights)
+        check(model_path, sets[0], with_shared, f"scaled B={batch} + FP8 shared")
+        check(shared_after, sets[0], with_shared, f"scaled B={batch} + FP8 shared after")
         fp4_us = graph_time_us(fp4_path, sets)
         model_us = graph_time_us(model_path, sets)
+        after_us = graph_time_us(shared_after, sets)
         dense_us = graph_time_us(dense_path, sets)
         fp4_gbs = fp4_bytes / (fp4_us * 1e-6) / 1e9
         model_gbs = (fp4_bytes + shared_bytes) / (model_us * 1e-6) / 1e9
         dense_gbs = bf16_bytes / (dense_us * 1e-6) / 1e9
         row = [
             batch, f"{experts:.1f}", f"{fp4_bytes / 1e6:.0f}", f"{fp4_us:.1f}", f"{fp4_gbs:.0f}", f"{100 * fp4_gbs / copy_gbs:.0f}%",
-            f"{model_us:.1f}", f"{100 * model_gbs / copy_gbs:.0f}%",
+            f"{model_us:.1f}", f"{100 * model_gbs / copy_gbs:.0f}%", f"{after_us:.1f}", f"{after_us / model_us:.2f}x",
             f"{bf16_bytes / 1e6:.0f}", f"{dense_us:.1f}", f"{dense_gbs:.0f}", f"{100 * dense_gbs / copy_gbs:.0f}%",
             f"{fp4_us / dense_us:.2f}",
         ]
@@ -341,7 +350,7 @@ def scaled_table(copy_gbs: float) -> str:
         verdicts.append(f"B={batch}: FP4 at {100 * fp4_gbs / copy_gbs:.0f}% of copy bandwidth (target {SCALED_TARGET:.0%}: {met})")
         del sets
     headers = ["B", "experts read", "FP4 MB", "FP4 graph us", "FP4 GB/s", "FP4 % copy",
-               "+ FP8 shared (model) graph us", "+ shared % copy",
+               "+ FP8 shared (model) graph us", "+ shared % copy", "+ FP8 shared after graph us", "beside speedup",
                "bf16 MB", "bf16 dequantised graph us", "bf16 GB/s", "bf16 % copy", "FP4 / bf16 time"]
     for name in candidates:
         headers += [f"{name} graph us", f"{name} % copy", f"{name} speedup"]
@@ -352,9 +361,11 @@ def scaled_table(copy_gbs: float) -> str:
         f"routing set, {SCALED_ROUTINGS} sets rotated. MB and GB/s count what each must move: the distinct picked experts' "
         "weights (FP4: packed codes and scales), x and the fp32 output. 'FP4': the op `v4::moe_experts_scaled` as the "
         "model calls it (on sm_89+ the Gluon product of kernels/moe/scaled_gluon.py, the codes decoded straight into the "
-        "tensor-core instruction's registers). '+ FP8 shared (model)': the routed experts, then "
-        "the shared expert in FP8 through two `blockscale_linear` products (w1 and w3 as one), as model/moe.py runs it when the formats "
-        "differ (its bytes added). 'bf16 dequantised': the same experts dequantised to bf16 through the dense Triton kernel. "
+        "tensor-core instruction's registers). '+ FP8 shared (model)': `v4::moe_experts_scaled_shared`, the "
+        "routed experts with the shared expert in FP8 (two `blockscale_linear` products, w1 and w3 as one, and one SwiGLU "
+        "kernel) on a side stream beside them, as model/moe.py runs it when the formats differ (its bytes added); '+ FP8 "
+        "shared after': the routed experts, then the shared expert on the same stream; 'beside speedup': its time over "
+        "the model's. 'bf16 dequantised': the same experts dequantised to bf16 through the dense Triton kernel. "
         "The other products of the same semantics, each with its 'speedup' (the op's time over its own): 'Triton dot_scaled' "
         "(kernels/moe/scaled.py, `tl.dot_scaled` on the packed codes), 'Triton codes decoded' (the codes decoded in the "
         f"Triton kernel, then an fp16 dot, {CODES_WARPS} warps); 'Gluon split x2': the op's Gluon product with "

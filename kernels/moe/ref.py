@@ -11,14 +11,21 @@ Block-scaled experts (FP8 or FP4 weights with their scales, kernels/blockscale/r
 official linear(): each product's input is quantised first (x before w1 and w3, the weighted
 SwiGLU before w2) and the product is returned in the activation dtype.
 
+The shared expert is either one of the stacked experts (`shared_expert`: every token's last pick,
+weight 1) or, where it is stored in a format of its own (V4-Flash: FP8 beside FP4 routed
+experts), `shared_weights`: its products as the official MLP runs them, added to each token's
+sum after the routed picks.
+
 The plain-torch reference, the shared-expert helpers and the input checks.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-from kernels.blockscale.ref import act_quant_dequant, dequantize_weight
+from kernels.blockscale.ref import act_quant_dequant, blockscale_linear_reference, check_blockscale_inputs, dequantize_weight
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -46,6 +53,40 @@ def with_shared_pick(expert_ids: torch.Tensor, expert_weights: torch.Tensor, sha
     return ids, weights
 
 
+class SharedExpertWeights(NamedTuple):
+    """A shared expert of its own block-scaled format (FP8: e4m3, one scale per 128 x 128 block)."""
+
+    gate_up: torch.Tensor  # w1 and w3 stacked along the outputs [2I, D], one product
+    gate_up_scale: torch.Tensor
+    down: torch.Tensor  # w2 [D, I]
+    down_scale: torch.Tensor
+
+
+def shared_expert_product(
+    x: torch.Tensor, weights: SharedExpertWeights, swiglu_limit: float, pow2: bool,
+    product: Callable[..., torch.Tensor] = blockscale_linear_reference,
+) -> torch.Tensor:
+    """[B, D] in x's dtype: the shared expert as the official MLP (weight 1): gate and up in one
+    block-scaled `product`, the clamped SwiGLU in fp32 rounded to x's dtype, then down."""
+    gate, up = product(x, weights.gate_up, weights.gate_up_scale, pow2).chunk(2, dim=-1)
+    return product(swiglu(gate, up, swiglu_limit).to(x.dtype), weights.down, weights.down_scale, pow2)
+
+
+def check_shared_weights(x: torch.Tensor, weights: SharedExpertWeights) -> None:
+    """Raise ValueError naming the shared expert's tensor whose shape or dtype does not fit x [B, D]."""
+    gate_up, down = weights.gate_up, weights.down
+    if gate_up.dim() != 2 or gate_up.shape[0] % 2 or down.dim() != 2 or down.shape != (x.shape[1], gate_up.shape[0] // 2):
+        raise ValueError(
+            f"moe_experts: the shared expert's gate_up must be [2I, D] and its down [D, I] with D = {x.shape[1]}; "
+            f"got gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}"
+        )
+    for name, w, s, inp in (("gate_up", gate_up, weights.gate_up_scale, x.shape[1]), ("down", down, weights.down_scale, down.shape[1])):
+        try:
+            check_blockscale_inputs(x.new_empty(1, inp), w, s)
+        except ValueError as error:
+            raise ValueError(f"moe_experts: shared expert {name}: {error}") from None
+
+
 def _picked(w: torch.Tensor, scale: torch.Tensor | None, ids) -> torch.Tensor:
     """The weights of experts `ids` (an index or an index tensor), dequantised to fp32 where scaled."""
     return w[ids] if scale is None else dequantize_weight(w[ids], scale[ids])
@@ -70,15 +111,24 @@ def moe_experts_reference(
     shared_expert: int = -1,
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     pow2: bool = True,
+    shared_weights: SharedExpertWeights | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference without host syncs. x [B,D]; expert_ids [B,k]; expert_weights
     [B,k] fp32; w1, w3 [E,I,D]; w2 [E,D,I] (block-scaled: as stored, with `scales` (w1, w2, w3
     scales) and `pow2` activation scales); shared_expert: -1 or an expert every token runs last
-    with weight 1. Returns [B,D] fp32.
+    with weight 1; shared_weights: a shared expert of its own format, its output added last.
+    Returns [B,D] fp32.
 
     Few pairs: gather the picked experts' weights (reads only those). Many pairs: run every
     expert densely with a zero routing weight for the tokens that did not pick it; a zero
     weight zeroes the intermediate, so the sum is unchanged."""
+    routed = _routed_reference(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit, shared_expert, scales, pow2)
+    if shared_weights is None:
+        return routed
+    return routed + shared_expert_product(x, shared_weights, swiglu_limit, pow2).float()
+
+
+def _routed_reference(x, expert_ids, expert_weights, w1, w2, w3, swiglu_limit, shared_expert, scales, pow2) -> torch.Tensor:
     s1, s2, s3 = scales if scales is not None else (None, None, None)
     scaled = scales is not None
     if shared_expert >= 0:
@@ -102,7 +152,7 @@ def moe_experts_reference(
     return out
 
 
-def check_moe_inputs(x, expert_ids, expert_weights, w1, w2, w3, shared_expert: int, scales=None) -> None:
+def check_moe_inputs(x, expert_ids, expert_weights, w1, w2, w3, shared_expert: int, scales=None, shared_weights=None) -> None:
     """Raise ValueError naming the first argument whose shape does not fit (no host sync)."""
     if x.dim() != 2 or expert_ids.shape != expert_weights.shape or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(
@@ -116,12 +166,15 @@ def check_moe_inputs(x, expert_ids, expert_weights, w1, w2, w3, shared_expert: i
             f"moe_experts: expert weights disagree: w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}, w3 {tuple(w3.shape)}"
         )
     check_shared_expert(shared_expert, w1.shape[0])
+    if shared_weights is not None:
+        if scales is None or shared_expert >= 0:
+            raise ValueError("moe_experts: shared_weights (a shared expert of its own format) goes with block-scaled "
+                             "routed experts (scales) and no stacked shared_expert")
+        check_shared_weights(x, shared_weights)
 
 
 def _check_scaled_experts(x, w1, w2, w3, scales) -> None:
     """Block-scaled experts: FP8 (e4m3 [E,out,in]) or FP4 (uint8 [E,out,in/2]), scales to match."""
-    from kernels.blockscale.ref import check_blockscale_inputs
-
     if len(scales) != 3 or w1.dim() != 3 or w1.shape != w3.shape or w1.shape[0] != w2.shape[0]:
         raise ValueError(f"moe_experts: expert weights disagree: w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}, w3 {tuple(w3.shape)}")
     inter = w1.shape[1]

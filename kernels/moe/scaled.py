@@ -46,10 +46,12 @@ import triton.language as tl
 from kernels.blockscale.act_quant_pass import act_quant_triton
 from kernels.blockscale.device import act_quant_rows, e2m1_pairs_to_fp16, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
-from kernels.moe.ref import check_shared_expert
+from kernels.moe.ref import SharedExpertWeights, check_shared_expert
+from kernels.moe.shared import shared_expert_triton
 from kernels.moe.triton import (
     PROGRAMS_PER_SM, UP_PROGRAMS_PER_SM, PairBlocks, _routed_swiglu, _widest_tile, combine_pairs, route_pairs,
 )
+from kernels.side_stream import run_beside
 from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, num_sms, split_counters
 
 # Rows of a routing segment: every expert with at most this many pairs is one segment.
@@ -424,22 +426,32 @@ def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow
 
 
 def scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products,
-                   choose_tiles=choose_scaled_tiles) -> torch.Tensor:
+                   choose_tiles=choose_scaled_tiles, shared_weights: SharedExpertWeights | None = None,
+                   pow2: bool = True, swiglu_limit: float = 0.0) -> torch.Tensor:
     """The steps every product path shares around its launches: checks, tiles (the product's
     `choose_tiles` unless given), the preparation (prepare_launch), `launch_products(run, tiles)`
-    (the gate/up and down kernels, filling run.y), and the combine. [B, D] fp32."""
+    (the gate/up and down kernels, filling run.y), and the combine. With `shared_weights` (a
+    shared expert of its own format) its products run on a side stream beside the launches
+    (kernels/side_stream.py: at small batches the routed experts leave SMs idle) and the
+    combine adds its output last. [B, D] fp32."""
     _check_formats(x, expert_ids, w1, w2, w3, scales)
     check_shared_expert(shared_expert, w1.shape[0])
     batch, dim = x.shape
     out = torch.empty((batch, dim), dtype=torch.float32, device=x.device)
     pairs_per_token = expert_ids.shape[1] + (shared_expert >= 0)
     if batch == 0 or pairs_per_token == 0:
-        return out.zero_()
+        out.zero_()
+        return out if shared_weights is None else out.add_(shared_expert_triton(x, shared_weights, swiglu_limit, pow2))
     if tiles is None:
         tiles = choose_tiles(batch * pairs_per_token, w1.shape[0], dim, w1.shape[1], num_sms(x.device))
     ids = expert_ids.contiguous()
-    run = launch_products(ids, tiles)
-    return combine_pairs(run.y, ids, out, w1.shape[0], pairs_per_token)
+    if shared_weights is None:
+        run, shared = launch_products(ids, tiles), None
+    else:
+        shared, run = run_beside(lambda: shared_expert_triton(x, shared_weights, swiglu_limit, pow2),
+                                 lambda: launch_products(ids, tiles), x.device)
+    return combine_pairs(run.y, ids, out, w1.shape[0], pairs_per_token, addend=shared)
+
 
 
 def moe_experts_scaled_triton(
@@ -454,6 +466,7 @@ def moe_experts_scaled_triton(
     shared_expert: int = -1,
     pow2: bool = True,
     tiles: ScaledTiles | None = None,
+    shared_weights: SharedExpertWeights | None = None,
 ) -> torch.Tensor:
     """Weighted sum of each token's block-scaled experts, [B, D] fp32 (arguments as
     moe_experts_reference with `scales`; shapes checked by check_moe_inputs). Expert ids outside
@@ -489,4 +502,5 @@ def moe_experts_scaled_triton(
         )
         return run
 
-    return scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products)
+    return scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products,
+                          shared_weights=shared_weights, pow2=pow2, swiglu_limit=swiglu_limit)

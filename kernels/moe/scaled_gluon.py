@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.gluon_compat import async_load, barrier
+from kernels.moe.ref import SharedExpertWeights
 from kernels.moe.scaled import (
     SEGMENT_ROWS, UP_BLOCK_N, ScaledLaunch, ScaledTiles, arrives_last, choose_scaled_tiles, gate_up_epilogue,
     partial_rows, prepare_launch, scaled_experts, summed_partials,
@@ -468,6 +469,7 @@ def moe_experts_scaled_mma(
     shared_expert: int = -1,
     pow2: bool = True,
     tiles: ScaledTiles | None = None,
+    shared_weights: SharedExpertWeights | None = None,
 ) -> torch.Tensor:
     """moe_experts_scaled_triton's result (same arguments) with the products of this module: FP4
     experts on a GPU."""
@@ -496,7 +498,8 @@ def moe_experts_scaled_mma(
         )
         return run
 
-    return scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products, choose_mma_tiles)
+    return scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products, choose_mma_tiles,
+                          shared_weights=shared_weights, pow2=pow2, swiglu_limit=swiglu_limit)
 
 
 def choose_mma_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num_sms: int) -> ScaledTiles:

@@ -282,14 +282,18 @@ def _routed_swiglu(
     activation dtype (act_ptr's), clamped, silu(gate) * up times the pair's routing weight
     (weights are [B, PICKS]; the shared expert's pair, pick PICKS, weighs 1)."""
     act_dtype = act_ptr.dtype.element_ty
-    gate = acc_gate.to(act_dtype).to(tl.float32)
-    up = acc_up.to(act_dtype).to(tl.float32)
+    pick = pair % PAIRS_PER_TOKEN
+    route_w = tl.load(route_w_ptr + token * PICKS + pick, mask=row_ok & (pick < PICKS), other=1.0)
+    return clamped_swiglu(acc_gate.to(act_dtype).to(tl.float32), acc_up.to(act_dtype).to(tl.float32), swiglu_limit, HAS_LIMIT) * route_w[:, None]
+
+
+@triton.jit
+def clamped_swiglu(gate, up, swiglu_limit, HAS_LIMIT: tl.constexpr):
+    """silu(gate) * up in fp32 with gate clamped from above and up both ways (HAS_LIMIT)."""
     if HAS_LIMIT:
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
         gate = tl.minimum(gate, swiglu_limit)
-    pick = pair % PAIRS_PER_TOKEN
-    route_w = tl.load(route_w_ptr + token * PICKS + pick, mask=row_ok & (pick < PICKS), other=1.0)
-    return gate * tl.sigmoid(gate) * up * route_w[:, None]
+    return gate * tl.sigmoid(gate) * up
 
 
 @triton.jit
@@ -389,10 +393,10 @@ def _down_kernel(
 
 @triton.jit
 def _moe_combine_kernel(
-    y_ptr, ids_ptr, out_ptr,
+    y_ptr, ids_ptr, out_ptr, addend_ptr,
     dim, num_experts,
-    stride_ym, stride_ob,
-    PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_ym, stride_ob, stride_ab,
+    PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ADDEND: tl.constexpr,
 ):
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -407,6 +411,8 @@ def _moe_combine_kernel(
             acc += tl.where(routed, y.to(tl.float32), 0.0)
         else:  # the shared expert's pair
             acc += y.to(tl.float32)
+    if HAS_ADDEND:  # a shared expert of its own format, after the picks
+        acc += tl.load(addend_ptr + token.to(tl.int64) * stride_ab + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + token.to(tl.int64) * stride_ob + offs_n, acc, mask=n_ok)
 
 
@@ -483,17 +489,21 @@ def moe_experts_triton(
     return combine_pairs(y, ids, out, num_experts, pairs_per_token)
 
 
-def combine_pairs(y: torch.Tensor, expert_ids: torch.Tensor, out: torch.Tensor, num_experts: int, pairs_per_token: int) -> torch.Tensor:
+def combine_pairs(
+    y: torch.Tensor, expert_ids: torch.Tensor, out: torch.Tensor, num_experts: int, pairs_per_token: int,
+    addend: torch.Tensor | None = None,
+) -> torch.Tensor:
     """out[b] = the fp32 sum of y's rows b*pairs_per_token ... in pick order (the shared expert's
-    pair last), pairs with an expert id outside [0, E) left out. y [P, D]; expert_ids [B, k]
-    contiguous; out [B, D] fp32, written and returned."""
+    pair last), pairs with an expert id outside [0, E) left out, then addend[b] where given.
+    y [P, D]; expert_ids [B, k] contiguous; addend [B, D] rows contiguous; out [B, D] fp32,
+    written and returned."""
     batch, dim = out.shape
     combine_n = min(1024, triton.next_power_of_2(dim))
     _moe_combine_kernel[(batch, triton.cdiv(dim, combine_n))](
-        y, expert_ids, out,
+        y, expert_ids, out, out if addend is None else addend,
         dim, num_experts,
-        y.stride(0), out.stride(0),
-        PICKS=expert_ids.shape[1], PAIRS_PER_TOKEN=pairs_per_token, BLOCK_N=combine_n,
+        y.stride(0), out.stride(0), 0 if addend is None else addend.stride(0),
+        PICKS=expert_ids.shape[1], PAIRS_PER_TOKEN=pairs_per_token, BLOCK_N=combine_n, HAS_ADDEND=addend is not None,
         num_warps=4,
     )
     return out

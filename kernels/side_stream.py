@@ -1,0 +1,37 @@
+"""Work issued beside the current stream: a fork and a join that CUDA-graph capture records as two
+branches of the graph, so that a small product can run while a kernel that leaves SMs idle (the
+routed experts at small batches) runs on the current stream."""
+from __future__ import annotations
+
+import functools
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+@functools.cache
+def side_stream(device_index: int) -> torch.cuda.Stream:
+    """The device's side stream, created on first use (a warm-up call, before any capture)."""
+    return torch.cuda.Stream(device_index)
+
+
+def run_beside(side_work: Callable[[], torch.Tensor], main_work: Callable[[], T], device: torch.device) -> tuple[torch.Tensor, T]:
+    """(side_work(), main_work()): on CUDA side_work is issued on the device's side stream, after
+    everything issued so far on the current stream, and main_work on the current stream; the
+    current stream then waits for the side stream, so whatever is issued next sees both results.
+    Elsewhere the two run one after the other."""
+    if device.type != "cuda":
+        return side_work(), main_work()
+    main = torch.cuda.current_stream(device)
+    side = side_stream(device.index if device.index is not None else torch.cuda.current_device())
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        side_result = side_work()
+    main_result = main_work()
+    main.wait_stream(side)
+    # Freed by its caller on the current stream: its block must not go back to the side stream's
+    # pool before the current stream is done with it.
+    side_result.record_stream(main)
+    return side_result, main_result
