@@ -159,6 +159,9 @@ class LaunchReport:
     # time per call between the counted kernels, from the first one's start to the last one's end
     # (idle_between): on CUDA the device waiting for launches, on the CPU the host between ops
     idle_us: float | None = None
+    # kernel time per call that ran beside other kernels (a side stream): the categories' times
+    # sum it twice, so their total exceeds the span the kernels cover by this much (overlapped)
+    overlap_us: float | None = None
 
     @property
     def total(self) -> float:
@@ -210,7 +213,7 @@ class LaunchReport:
             "glue_time_share": self.glue_time_share(), "kernels": self.kernels,
             "kernel_time_us": self.kernel_time_us, "origins": self.origins,
             "collectives": self.collectives(), "collective_time_us": self.collective_time_us(),
-            "idle_us": self.idle_us,
+            "idle_us": self.idle_us, "overlap_us": self.overlap_us,
         }
 
     def top_kernels_markdown(self, count: int = 15) -> str:
@@ -277,6 +280,9 @@ def time_markdown(eager: LaunchReport, compiled: LaunchReport) -> str:
                    else "host time between ops and kernels")
         lines += ["", f"Besides the kernels, per call: {between}: {eager.label} {eager.idle_us:.1f} us, "
                       f"{compiled.label} {compiled.idle_us:.1f} us."]
+        if compiled.device == "cuda" and max(eager.overlap_us or 0.0, compiled.overlap_us or 0.0) > 0:
+            lines[-1] += (f" Kernel time that ran beside other kernels (side streams; counted in each category): "
+                          f"{eager.label} {eager.overlap_us or 0.0:.1f} us, {compiled.label} {compiled.overlap_us or 0.0:.1f} us.")
     return "\n".join(lines)
 
 
@@ -382,6 +388,7 @@ def count_launches(
         kernel_time_us={k: v / calls for k, v in sorted(name_us.items(), key=lambda kv: -kv[1])},
         origins={k: origins[k] for k in names if k in origins},
         idle_us=idle_between(spans) / calls,
+        overlap_us=overlapped(spans) / calls,
     )
 
 
@@ -394,6 +401,20 @@ def idle_between(spans: Iterable[tuple[float, float]]) -> float:
             idle += start - reach
         reach = end if reach is None else max(reach, end)
     return idle
+
+
+def overlapped(spans: Iterable[tuple[float, float]]) -> float:
+    """The spans' summed lengths less the length of their union: time a span ran beside another."""
+    spans = sorted(spans)
+    covered, reach = 0.0, None
+    for start, end in spans:
+        if reach is None or start >= reach:
+            covered += end - start
+            reach = end
+        elif end > reach:
+            covered += end - reach
+            reach = end
+    return sum(end - start for start, end in spans) - covered
 
 
 @contextlib.contextmanager

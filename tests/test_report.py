@@ -140,6 +140,15 @@ def test_idle_between_counts_the_gaps_once_where_spans_overlap():
     assert idle_between([(3, 8)]) == 0 and idle_between([]) == 0
 
 
+def test_overlapped_counts_the_time_spans_share():
+    """Kernels on two streams: the time a span ran beside another, which category sums count twice."""
+    from fuse.launches import overlapped
+
+    assert overlapped([(0, 10), (4, 6), (5, 12), (20, 25)]) == (6 - 4) + (10 - 5)
+    assert overlapped([(0, 10), (2, 3), (2, 3)]) == 1 + 1
+    assert overlapped([(3, 8), (8, 9)]) == 0 and overlapped([]) == 0
+
+
 def test_the_time_table_says_the_time_between_kernels(report):
     """Under the time table: the host time between the counted ops and kernels of a step (CPU),
     as report.json has it; eager dispatches op by op from Python, so its gaps are not empty."""
