@@ -3,18 +3,28 @@ branches of the graph, so that a small product can run while a kernel that leave
 routed experts at small batches) runs on the current stream."""
 from __future__ import annotations
 
-import functools
 from typing import Callable, TypeVar
 
 import torch
 
 T = TypeVar("T")
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
-@functools.cache
+
 def side_stream(device_index: int) -> torch.cuda.Stream:
     """The device's side stream, created on first use (a warm-up call, before any capture)."""
-    return torch.cuda.Stream(device_index)
+    if device_index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device_index] = torch.cuda.Stream(device_index)
+    return _SIDE_STREAMS[device_index]
+
+
+def on_side_stream(device: torch.device) -> bool:
+    """Whether work issued now on `device` goes to its side stream (inside run_beside's side_work)."""
+    if device.type != "cuda":
+        return False
+    side = _SIDE_STREAMS.get(device.index if device.index is not None else torch.cuda.current_device())
+    return side is not None and torch.cuda.current_stream(device) == side
 
 
 def run_beside(side_work: Callable[[], torch.Tensor], main_work: Callable[[], T], device: torch.device) -> tuple[torch.Tensor, T]:

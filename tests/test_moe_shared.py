@@ -143,7 +143,10 @@ def test_flash_widths_against_reference(flash_experts, batch):
     apart = moe_experts(x, ids, weights, w1, w2, w3, LIMIT, scales=scales)
     from kernels.moe.shared import shared_expert_triton
 
-    torch.testing.assert_close(out, apart + shared_expert_triton(x, shared, LIMIT, True).float(), rtol=0, atol=0)
+    expected = apart + shared_expert_triton(x, shared, LIMIT, True).float()
+    for _ in range(3):  # the two streams' split-K arrivals must not meet
+        torch.testing.assert_close(moe_experts(x, ids, weights, w1, w2, w3, LIMIT, scales=scales, shared_weights=shared),
+                                   expected, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
@@ -166,3 +169,15 @@ def test_flash_cuda_graph_replay_and_compile(flash_experts):
     compiled = torch.compile(lambda x, ids, weights: call(x * 2, ids, weights) + 1, fullgraph=True)
     ref = moe_experts_reference(x * 2, ids, weights, w1, w2, w3, LIMIT, scales=scales, shared_weights=shared)
     assert_scaled_close(compiled(x, ids, weights) - 1, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_side_stream_splits_k_with_counters_of_its_own():
+    """Split-K arrival counters are per stream role: the shared expert's FP8 product (split K at
+    one row) and the routed experts' gate/up (arrival counters) run at once on two streams."""
+    from kernels.side_stream import run_beside
+    from kernels.triton_util import split_counters
+
+    device = torch.device("cuda")
+    side, main = run_beside(lambda: split_counters(device, 4), lambda: split_counters(device, 4), device)
+    assert side.data_ptr() != main.data_ptr() and main.data_ptr() == split_counters(device, 4).data_ptr()
