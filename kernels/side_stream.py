@@ -7,6 +7,7 @@ from typing import Callable, TypeVar
 
 import torch
 
+S = TypeVar("S", torch.Tensor, list[torch.Tensor])
 T = TypeVar("T")
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -27,11 +28,11 @@ def on_side_stream(device: torch.device) -> bool:
     return side is not None and torch.cuda.current_stream(device) == side
 
 
-def run_beside(side_work: Callable[[], torch.Tensor], main_work: Callable[[], T], device: torch.device) -> tuple[torch.Tensor, T]:
+def run_beside(side_work: Callable[[], S], main_work: Callable[[], T], device: torch.device) -> tuple[S, T]:
     """(side_work(), main_work()): on CUDA side_work is issued on the device's side stream, after
     everything issued so far on the current stream, and main_work on the current stream; the
-    current stream then waits for the side stream, so whatever is issued next sees both results.
-    Elsewhere the two run one after the other."""
+    current stream then waits for the side stream, so whatever is issued next sees both results
+    (side_work returns a tensor or a list of them). Elsewhere the two run one after the other."""
     if device.type != "cuda":
         return side_work(), main_work()
     main = torch.cuda.current_stream(device)
@@ -43,5 +44,6 @@ def run_beside(side_work: Callable[[], torch.Tensor], main_work: Callable[[], T]
     main.wait_stream(side)
     # Freed by its caller on the current stream: its block must not go back to the side stream's
     # pool before the current stream is done with it.
-    side_result.record_stream(main)
+    for tensor in side_result if isinstance(side_result, (list, tuple)) else (side_result,):
+        tensor.record_stream(main)
     return side_result, main_result

@@ -24,7 +24,7 @@ from torch import nn
 import kernels
 from model.config import ModelConfig
 from model.formats import scale_dtype_of
-from model.layers import DecodeStep, FusedLinear, Linear, LinearView, RMSNorm, fp32_param, product_dtype
+from model.layers import DecodeStep, FusedLinear, Linear, LinearView, RMSNorm, fp32_param, fused_products, product_dtype
 from model.parallel import ONE_PROCESS, Parallel, all_reduce
 from model.quant import fp4_qdq, fp8_qdq, hadamard_rotate
 from model.rope import apply_rope
@@ -241,11 +241,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: DecodeStep, hadamard: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]
         rope = step.rope_compress if self.ratio else step.rope_window
-        on_x = self.x_proj(x)  # {projection name: product}
+        # {projection name: product}; the widest product first, the others beside it (fused_products)
+        calls = [(self.x32_proj, x.float())] if self.x32_proj is not None else []
+        calls.append((self.x_proj, x))
         if self.x_dense_proj is not None:
-            on_x.update(self.x_dense_proj(x))
-        if self.x32_proj is not None:
-            on_x.update(self.x32_proj(x.float()))
+            calls.append((self.x_dense_proj, x))
+        on_x = fused_products(calls)
         qr = self.q_norm(on_x["wq_a"])
         on_qr = self.qr_proj(qr)
         q = on_qr["wq_b"].unflatten(-1, (self.n_heads, self.head_dim))

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.linear import linears_beside
 from model.formats import FP8_BLOCK, from_checkpoint, project, scale_shape, storage_dtype, to_checkpoint, weight_shape
 from model.parallel import ONE_PROCESS, Parallel, all_reduce
 
@@ -147,7 +148,11 @@ class FusedLinear(nn.Module):
             start += view.out_features
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return dict(zip(self.names, project(x, self.weight, self.scale, self.pow2).split(self.sizes, dim=-1)))
+        return self.split(project(x, self.weight, self.scale, self.pow2))
+
+    def split(self, product: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{projection name: its columns} of the one product."""
+        return dict(zip(self.names, product.split(self.sizes, dim=-1)))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         pass  # the LinearViews save the rows under their official names
@@ -155,6 +160,21 @@ class FusedLinear(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         if strict:
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix))
+
+
+def fused_products(calls: list[tuple["FusedLinear", torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """{projection name: product} of every (FusedLinear, its input): one product alone, several
+    through `linears_beside` (on CUDA the first on the current stream, the others beside it on a
+    side stream), for the products of one input that differ in weight format."""
+    if len(calls) == 1:
+        fused, x = calls[0]
+        return fused(x)
+    pow2 = {fused.pow2 for fused, _ in calls if fused.scale is not None}
+    if len(pow2) > 1:
+        raise ValueError("fused_products: the block-scaled products must agree on pow2")
+    products = linears_beside([x for _, x in calls], [f.weight for f, _ in calls], [f.scale for f, _ in calls],
+                              pow2.pop() if pow2 else True)
+    return {name: t for (fused, _), product in zip(calls, products) for name, t in fused.split(product).items()}
 
 
 def official_parameters(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.blockscale.op import blockscale_linear
+from kernels.blockscale.ref import check_blockscale_inputs
 from kernels.impl import COMMON_IMPLS, check_impl
 from kernels.linear.ref import (
     HALF_DTYPES,
@@ -99,3 +101,54 @@ def linear(x: torch.Tensor, weight: torch.Tensor, impl: str = "auto") -> torch.T
         return linear_reference(x, weight)
     rows = x.reshape(-1, 1, x.shape[-1])  # one group: already checked, as [M, 1, K] and [1, N, K]
     return _grouped_linear_checked(rows, weight.unsqueeze(0), impl).view(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("v4::linears_beside", mutates_args=())
+def linears_beside_op(inputs: list[torch.Tensor], weights: list[torch.Tensor], scales: list[torch.Tensor | None],
+                      pow2: bool) -> list[torch.Tensor]:
+    return [_product(x, w, s, pow2, "reference") for x, w, s in zip(inputs, weights, scales)]
+
+
+@linears_beside_op.register_fake
+def _(inputs, weights, scales, pow2):
+    return [x.new_empty((*x.shape[:-1], w.shape[0])) for x, w in zip(inputs, weights)]
+
+
+@linears_beside_op.register_kernel("cuda")
+def _(inputs, weights, scales, pow2):
+    from kernels.side_stream import run_beside
+
+    def products(which: range) -> list[torch.Tensor]:
+        return [_product(inputs[i], weights[i], scales[i], pow2, "auto").contiguous() for i in which]
+
+    rest, first = run_beside(lambda: products(range(1, len(inputs))), lambda: products(range(1)), inputs[0].device)
+    return first + rest
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, pow2: bool, impl: str) -> torch.Tensor:
+    """x W^T: `linear` for a dense weight, the block-scaled product for one with scales (impl as theirs)."""
+    return linear(x, weight, impl) if scale is None else blockscale_linear(x, weight, scale, pow2, impl)
+
+
+def linears_beside(
+    inputs: list[torch.Tensor], weights: list[torch.Tensor], scales: list[torch.Tensor | None], pow2: bool = True,
+    impl: str = "auto",
+) -> list[torch.Tensor]:
+    """[inputs[i] weights[i]^T for every i], each as `linear` (no scale) or `blockscale_linear`
+    (its block scales) computes it, in its input's dtype: the products of one step's input that
+    no other launch can hold (weights of several formats). impl "auto": the custom op, on CUDA
+    the first product on the current stream and the others on a side stream beside it (small
+    products are latency-bound: one alone leaves most SMs idle); "reference" or "triton": each
+    product's, one after another."""
+    check_impl("linears_beside", impl, IMPLS)
+    if not inputs or not len(inputs) == len(weights) == len(scales):
+        raise ValueError(f"linears_beside: needs as many inputs, weights and scales (at least one), got "
+                         f"{len(inputs)}, {len(weights)}, {len(scales)}")
+    for i, (x, w, s) in enumerate(zip(inputs, weights, scales)):
+        try:
+            check_linear_inputs(x, w) if s is None else check_blockscale_inputs(x, w, s)
+        except ValueError as error:
+            raise ValueError(f"linears_beside: product {i}: {error}") from None
+    if impl == "auto":
+        return linears_beside_op(list(inputs), list(weights), list(scales), bool(pow2))
+    return [_product(x, w, s, pow2, impl) for x, w, s in zip(inputs, weights, scales)]
