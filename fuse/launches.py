@@ -69,9 +69,9 @@ _COPY_KERNEL = re.compile(r"copy|CatArray|cat_|index|gather|scatter|fill|embeddi
 _COLLECTIVE = re.compile(r"c10d|nccl|gloo", re.I)
 
 
-# The custom ops that are matrix products (the projections, dense or block-scaled): gemm, as
-# cuBLAS's are, with the activation quantisation they fuse.
-MATRIX_PRODUCT_OPS = frozenset({"v4::grouped_linear", "v4::blockscale_linear"})
+# The custom ops that are matrix products (the projections, dense or block-scaled, alone or
+# several beside each other): gemm, as cuBLAS's are, with the activation quantisation they fuse.
+MATRIX_PRODUCT_OPS = frozenset({"v4::grouped_linear", "v4::blockscale_linear", "v4::linears_beside"})
 
 
 def _custom_kernel_names() -> set[str]:
