@@ -110,3 +110,17 @@ def test_gpu_side_stream_equals_the_ops_one_by_one(rows):
     graph.replay()
     for out, ref in zip(captured, linears_beside(fresh, weights, scales)):
         assert torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_two_products_either_way():
+    """Two products (a ratio-128 layer): the op keeps them on one stream (MIN_SIDE_PRODUCTS); on the
+    side stream the results are the same bit for bit."""
+    from kernels.linear.op import MIN_SIDE_PRODUCTS, run_products
+
+    assert MIN_SIDE_PRODUCTS == 2
+    inputs, weights, scales = products(1, 4096, "cuda", 560, widths=(1024, 1536, 64))
+    inputs, weights, scales = inputs[:2], weights[:2], scales[:2]
+    one_stream = run_products(inputs, weights, scales, True, beside=False)
+    for out in (run_products(inputs, weights, scales, True, beside=True), linears_beside(inputs, weights, scales)):
+        assert all(torch.equal(a, b) for a, b in zip(out, one_stream))

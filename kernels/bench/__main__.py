@@ -1,6 +1,7 @@
 """GPU benchmark of the decode kernels: checks each variant against its reference, then times it.
 
-    python -m kernels.bench [--only sparse_mla,indexer,moe,moe_tiles,linear,blockscale,blockscale_plans,hc_sinkhorn,hc_mix] [--out FILE]
+    python -m kernels.bench [--only sparse_mla,indexer,moe,moe_tiles,linear,linears_beside,blockscale,blockscale_plans,hc_sinkhorn,hc_mix]
+        [--out FILE]
         [--results docs/results.md] [--sparse-mla-parts main,split,tiles,plan,overlap,stages]
 
 Each section is a module `kernels.bench.<name>` with `run(copy_gbs) -> str` returning markdown;
@@ -17,7 +18,8 @@ import torch
 from kernels.bench.results import machine, write_section
 from kernels.bench.timing import copy_bandwidth_gbs
 
-SECTIONS = ("sparse_mla", "indexer", "moe", "moe_tiles", "linear", "blockscale", "blockscale_plans", "hc_sinkhorn", "hc_mix")
+SECTIONS = ("sparse_mla", "indexer", "moe", "moe_tiles", "linear", "linears_beside", "blockscale", "blockscale_plans", "hc_sinkhorn",
+            "hc_mix")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -114,13 +114,27 @@ def _(inputs, weights, scales, pow2):
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for x, w in zip(inputs, weights)]
 
 
+# Products that must go beside the first for the side stream to pay: with one, the fork and join
+# cost what the overlap saves (slower at one row); with two, it gains (`python -m kernels.bench
+# --only linears_beside`).
+MIN_SIDE_PRODUCTS = 2
+
+
 @linears_beside_op.register_kernel("cuda")
 def _(inputs, weights, scales, pow2):
+    return run_products(inputs, weights, scales, pow2, beside=len(inputs) - 1 >= MIN_SIDE_PRODUCTS)
+
+
+def run_products(inputs: list[torch.Tensor], weights: list[torch.Tensor], scales: list[torch.Tensor | None], pow2: bool,
+                 beside: bool) -> list[torch.Tensor]:
+    """Every product through its own op; with `beside` (CUDA) all but the first on the side stream."""
     from kernels.side_stream import run_beside
 
     def products(which: range) -> list[torch.Tensor]:
         return [_product(inputs[i], weights[i], scales[i], pow2, "auto").contiguous() for i in which]
 
+    if not beside:
+        return products(range(len(inputs)))
     rest, first = run_beside(lambda: products(range(1, len(inputs))), lambda: products(range(1)), inputs[0].device)
     return first + rest
 
@@ -137,9 +151,9 @@ def linears_beside(
     """[inputs[i] weights[i]^T for every i], each as `linear` (no scale) or `blockscale_linear`
     (its block scales) computes it, in its input's dtype: the products of one step's input that
     no other launch can hold (weights of several formats). impl "auto": the custom op, on CUDA
-    the first product on the current stream and the others on a side stream beside it (small
-    products are latency-bound: one alone leaves most SMs idle); "reference" or "triton": each
-    product's, one after another."""
+    the first product on the current stream and, where at least MIN_SIDE_PRODUCTS follow it, those
+    on a side stream beside it (small products are latency-bound: one alone leaves most SMs idle);
+    "reference" or "triton": each product's, one after another."""
     check_impl("linears_beside", impl, IMPLS)
     if not inputs or not len(inputs) == len(weights) == len(scales):
         raise ValueError(f"linears_beside: needs as many inputs, weights and scales (at least one), got "
