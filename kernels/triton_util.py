@@ -70,7 +70,7 @@ _COUNTERS: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Arrival counters of split tiles, zero between launches (the last program of a tile resets
-    its own). One buffer per device and per stream role (the current stream, or the side stream
+    its own). One buffer per device and per stream role (the current stream, or a side stream
     of kernels/side_stream.py, whose work runs beside it), made outside any CUDA-graph capture so
     that captured calls share it too; calls that split K must therefore not run concurrently on
     two other streams of one device. A capture that finds no buffer (or a call with more tiles

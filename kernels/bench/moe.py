@@ -20,11 +20,14 @@ from triton.runtime.errors import OutOfResources
 
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import graph_time_us, median_time_us
+from kernels.blockscale.gemv import blockscale_gemv
 from kernels.blockscale.op import blockscale_linear
 from kernels.blockscale.ref import FP4_BLOCK, dequantize_fp4_weight, quantize_fp4_weight, quantize_fp8_weight
 from kernels.moe import SharedExpertWeights, moe_experts, swiglu
 from kernels.moe.scaled import ScaledTiles, choose_scaled_tiles, moe_experts_scaled_triton
+from kernels.moe.shared import swiglu_rows
 from kernels.moe.triton import MoeTiles, choose_tiles, moe_experts_triton
+from kernels.side_stream import run_beside
 from kernels.triton_util import num_sms, shared_memory_per_block
 
 DIM, INTER, EXPERTS, PICKS, LIMIT = 4096, 2048, 16, 6, 10.0
@@ -282,6 +285,29 @@ def scaled_table(copy_gbs: float) -> str:
     def shared_after(x, ids, weights):  # the routed experts, then the shared expert on the same stream
         return fp4_path(x, ids, weights) + shared_expert_fp8(x, *shared).float()
 
+    def beside(priority: int = 0, gate_up_gemv: bool = False):
+        """The shared expert beside the routed experts, composed here (its output added after the
+        routed op's combine): on a side stream of `priority`, its gate/up at one row through the
+        FP8 GEMV where `gate_up_gemv` (the op takes the Triton plan for its 16 MiB)."""
+        w13, s13, w2s, s2s = shared
+
+        def shared_output(x):
+            gate_up = (blockscale_gemv if gate_up_gemv and x.shape[0] == 1 else blockscale_linear)(x, w13, s13)
+            return blockscale_linear(swiglu_rows(gate_up.contiguous(), LIMIT), w2s, s2s).contiguous()
+
+        def path(x, ids, weights):
+            out, routed = run_beside(lambda: shared_output(x), lambda: fp4_path(x, ids, weights), x.device, priority)
+            return routed + out.float()
+
+        return path
+
+    # The shared expert beside the routed experts as the bench composes it, against each other.
+    shared_variants = {
+        "beside, composed": beside(),
+        "beside, high-priority side stream": beside(priority=-1),
+        "beside, gate/up GEMV": beside(gate_up_gemv=True),
+    }
+
     def dense_path(x, ids, weights, impl="auto"):
         return moe_experts(x, ids, weights, d1, d2, d3, LIMIT, impl=impl)
 
@@ -311,7 +337,7 @@ def scaled_table(copy_gbs: float) -> str:
     }
 
     shared_bytes = sum(t.numel() * t.element_size() for t in shared)
-    rows, verdicts = [], []
+    rows, shared_rows, verdicts = [], [], []
     for batch in SCALED_BATCHES:
         sets = scaled_routing_sets(batch)
         expected = fp4_path(*sets[0], impl="reference")
@@ -331,9 +357,15 @@ def scaled_table(copy_gbs: float) -> str:
         fp4_gbs = fp4_bytes / (fp4_us * 1e-6) / 1e9
         model_gbs = (fp4_bytes + shared_bytes) / (model_us * 1e-6) / 1e9
         dense_gbs = bf16_bytes / (dense_us * 1e-6) / 1e9
+        shared_row = [batch, f"{fp4_us:.1f}", f"{model_us:.1f}", f"{100 * model_gbs / copy_gbs:.0f}%", f"{after_us:.1f}",
+                      f"{after_us / model_us:.2f}x"]
+        for name, path in shared_variants.items():
+            check(path, sets[0], with_shared, f"scaled B={batch} {name}")
+            us = graph_time_us(path, sets)
+            shared_row += [f"{us:.1f}", f"{model_us / us:.2f}x"]
+        shared_rows.append(shared_row)
         row = [
             batch, f"{experts:.1f}", f"{fp4_bytes / 1e6:.0f}", f"{fp4_us:.1f}", f"{fp4_gbs:.0f}", f"{100 * fp4_gbs / copy_gbs:.0f}%",
-            f"{model_us:.1f}", f"{100 * model_gbs / copy_gbs:.0f}%", f"{after_us:.1f}", f"{after_us / model_us:.2f}x",
             f"{bf16_bytes / 1e6:.0f}", f"{dense_us:.1f}", f"{dense_gbs:.0f}", f"{100 * dense_gbs / copy_gbs:.0f}%",
             f"{fp4_us / dense_us:.2f}",
         ]
@@ -350,27 +382,36 @@ def scaled_table(copy_gbs: float) -> str:
         verdicts.append(f"B={batch}: FP4 at {100 * fp4_gbs / copy_gbs:.0f}% of copy bandwidth (target {SCALED_TARGET:.0%}: {met})")
         del sets
     headers = ["B", "experts read", "FP4 MB", "FP4 graph us", "FP4 GB/s", "FP4 % copy",
-               "+ FP8 shared (model) graph us", "+ shared % copy", "+ FP8 shared after graph us", "beside speedup",
                "bf16 MB", "bf16 dequantised graph us", "bf16 GB/s", "bf16 % copy", "FP4 / bf16 time"]
     for name in candidates:
         headers += [f"{name} graph us", f"{name} % copy", f"{name} speedup"]
     table = markdown_table(headers, rows)
+    shared_headers = ["B", "routed alone graph us", "+ FP8 shared (model) graph us", "+ shared % copy",
+                      "+ FP8 shared after graph us", "beside speedup"]
+    for name in shared_variants:
+        shared_headers += [f"{name} graph us", f"{name} vs model"]
     return (
         f"## Block-scaled routed experts (D={DIM}, I={INTER}, {SCALED_EXPERTS} FP4 experts, ue8m0 scales, top-{PICKS}, bf16 x)\n\n"
         "Every path matched its reference (max error <= 2% of the output scale) before timing. One CUDA graph per "
         f"routing set, {SCALED_ROUTINGS} sets rotated. MB and GB/s count what each must move: the distinct picked experts' "
         "weights (FP4: packed codes and scales), x and the fp32 output. 'FP4': the op `v4::moe_experts_scaled` as the "
         "model calls it (on sm_89+ the Gluon product of kernels/moe/scaled_gluon.py, the codes decoded straight into the "
-        "tensor-core instruction's registers). '+ FP8 shared (model)': `v4::moe_experts_scaled_shared`, the "
-        "routed experts with the shared expert in FP8 (two `blockscale_linear` products, w1 and w3 as one, and one SwiGLU "
-        "kernel) on a side stream beside them, as model/moe.py runs it when the formats differ (its bytes added); '+ FP8 "
-        "shared after': the routed experts, then the shared expert on the same stream; 'beside speedup': its time over "
-        "the model's. 'bf16 dequantised': the same experts dequantised to bf16 through the dense Triton kernel. "
+        "tensor-core instruction's registers). 'bf16 dequantised': the same experts dequantised to bf16 through the dense Triton kernel. "
         "The other products of the same semantics, each with its 'speedup' (the op's time over its own): 'Triton dot_scaled' "
         "(kernels/moe/scaled.py, `tl.dot_scaled` on the packed codes), 'Triton codes decoded' (the codes decoded in the "
         f"Triton kernel, then an fp16 dot, {CODES_WARPS} warps); 'Gluon split x2': the op's Gluon product with "
         "the gate/up product's K split into twice the ways the op chooses (`ScaledTiles.up_split`); 'Gluon other depth': "
         f"the op's Gluon product with the pipeline depth it does not choose at that batch ({PIPELINE_STAGES} or "
         f"{DEEP_PIPELINE_STAGES} stages, `ScaledTiles.num_stages`).\n\n"
-        f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
+        f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n\n"
+        "### The FP8 shared expert with the routed experts\n\n"
+        "'+ FP8 shared (model)': `v4::moe_experts_scaled_shared`, the routed experts with the shared expert in FP8 "
+        "(two `blockscale_linear` products, w1 and w3 as one, and one SwiGLU kernel) on a side stream beside them and "
+        "its output added in their combine, as model/moe.py runs it when the formats differ ('% copy' counts its bytes "
+        "too); '+ FP8 shared after': the routed experts, then the shared expert on the same stream; 'beside speedup': "
+        "after over the model. Then the shared expert beside the routed op composed here (its output added after the "
+        "op's combine, one more kernel), each against the model: 'composed' as the op does it, 'high-priority side "
+        "stream' (CUDA stream priority -1), 'gate/up GEMV' (at one row the 16 MiB gate/up product through the FP8 "
+        "GEMV instead of the Triton plan the linear op takes). Every path matched the reference first.\n\n"
+        f"{markdown_table(shared_headers, shared_rows)}\n"
     )
