@@ -30,6 +30,7 @@ from kernels.linear.ref import (
     linear_reference,
     upcasts_weight,
 )
+from kernels.side_stream import run_beside
 
 IMPLS = COMMON_IMPLS
 
@@ -128,7 +129,6 @@ def _(inputs, weights, scales, pow2):
 def run_products(inputs: list[torch.Tensor], weights: list[torch.Tensor], scales: list[torch.Tensor | None], pow2: bool,
                  beside: bool) -> list[torch.Tensor]:
     """Every product through its own op; with `beside` (CUDA) all but the first on the side stream."""
-    from kernels.side_stream import run_beside
 
     def products(which: range) -> list[torch.Tensor]:
         return [_product(inputs[i], weights[i], scales[i], pow2, "auto").contiguous() for i in which]
@@ -160,7 +160,10 @@ def linears_beside(
                          f"{len(inputs)}, {len(weights)}, {len(scales)}")
     for i, (x, w, s) in enumerate(zip(inputs, weights, scales)):
         try:
-            check_linear_inputs(x, w) if s is None else check_blockscale_inputs(x, w, s)
+            if s is None:
+                check_linear_inputs(x, w)
+            else:
+                check_blockscale_inputs(x, w, s)
         except ValueError as error:
             raise ValueError(f"linears_beside: product {i}: {error}") from None
     if impl == "auto":
