@@ -181,3 +181,16 @@ def test_side_stream_splits_k_with_counters_of_its_own():
     device = torch.device("cuda")
     side, main = run_beside(lambda: split_counters(device, 4), lambda: split_counters(device, 4), device)
     assert side.data_ptr() != main.data_ptr() and main.data_ptr() == split_counters(device, 4).data_ptr()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("gate_up_gemv", [False, True])
+def test_shared_expert_on_the_device_path(gate_up_gemv):
+    """The shared expert as the routed op runs it (its SwiGLU kernel; at one row the gate/up
+    product through the GEMV where asked) against the dequantise-then-multiply formula."""
+    from kernels.moe.shared import shared_expert_triton
+
+    x, *_, shared = small_inputs(1, 470, torch.float16)
+    out = shared_expert_triton(x, shared, LIMIT, True, gate_up_gemv=gate_up_gemv)
+    expected = shared_by_dequantising(x, shared, LIMIT)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2 * expected.abs().max().item())

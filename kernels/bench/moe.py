@@ -20,12 +20,11 @@ from triton.runtime.errors import OutOfResources
 
 from kernels.bench.tables import markdown_table
 from kernels.bench.timing import graph_time_us, median_time_us
-from kernels.blockscale.gemv import blockscale_gemv
 from kernels.blockscale.op import blockscale_linear
 from kernels.blockscale.ref import FP4_BLOCK, dequantize_fp4_weight, quantize_fp4_weight, quantize_fp8_weight
 from kernels.moe import SharedExpertWeights, moe_experts, swiglu
 from kernels.moe.scaled import ScaledTiles, choose_scaled_tiles, moe_experts_scaled_triton
-from kernels.moe.shared import swiglu_rows
+from kernels.moe.shared import shared_expert_triton
 from kernels.moe.triton import MoeTiles, choose_tiles, moe_experts_triton
 from kernels.side_stream import run_beside
 from kernels.triton_util import num_sms, shared_memory_per_block
@@ -289,14 +288,9 @@ def scaled_table(copy_gbs: float) -> str:
         """The shared expert beside the routed experts, composed here (its output added after the
         routed op's combine): on a side stream of `priority`, its gate/up at one row through the
         FP8 GEMV where `gate_up_gemv` (the op takes the Triton plan for its 16 MiB)."""
-        w13, s13, w2s, s2s = shared
-
-        def shared_output(x):
-            gate_up = (blockscale_gemv if gate_up_gemv and x.shape[0] == 1 else blockscale_linear)(x, w13, s13)
-            return blockscale_linear(swiglu_rows(gate_up.contiguous(), LIMIT), w2s, s2s).contiguous()
-
         def path(x, ids, weights):
-            out, routed = run_beside(lambda: shared_output(x), lambda: fp4_path(x, ids, weights), x.device, priority)
+            out, routed = run_beside(lambda: shared_expert_triton(x, shared_weights, LIMIT, True, gate_up_gemv),
+                                     lambda: fp4_path(x, ids, weights), x.device, priority)
             return routed + out.float()
 
         return path

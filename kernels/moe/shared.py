@@ -42,8 +42,15 @@ def swiglu_rows(gate_up: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
     return h
 
 
-def shared_expert_triton(x: torch.Tensor, weights: SharedExpertWeights, swiglu_limit: float, pow2: bool) -> torch.Tensor:
-    """[B, D] in x's dtype, rows contiguous: the shared expert's output."""
-    gate_up = blockscale_linear(x, weights.gate_up, weights.gate_up_scale, pow2).contiguous()
+def shared_expert_triton(x: torch.Tensor, weights: SharedExpertWeights, swiglu_limit: float, pow2: bool,
+                         gate_up_gemv: bool = False) -> torch.Tensor:
+    """[B, D] in x's dtype, rows contiguous: the shared expert's output. gate_up_gemv (tuning): at
+    one row the gate/up product through the FP8 GEMV whatever its size, not the linear op's choice."""
+    if gate_up_gemv and x.shape[0] == 1:
+        from kernels.blockscale.gemv import blockscale_gemv
+
+        gate_up = blockscale_gemv(x, weights.gate_up, weights.gate_up_scale, pow2).contiguous()
+    else:
+        gate_up = blockscale_linear(x, weights.gate_up, weights.gate_up_scale, pow2).contiguous()
     h = swiglu_rows(gate_up, swiglu_limit)
     return blockscale_linear(h, weights.down, weights.down_scale, pow2).contiguous()
