@@ -23,6 +23,7 @@ from kernels.bench.timing import graph_time_us, median_time_us
 from kernels.blockscale.op import blockscale_linear
 from kernels.blockscale.ref import FP4_BLOCK, dequantize_fp4_weight, quantize_fp4_weight, quantize_fp8_weight
 from kernels.moe import SharedExpertWeights, moe_experts, swiglu
+from kernels.moe.ref import shared_expert_product
 from kernels.moe.scaled import ScaledTiles, choose_scaled_tiles, moe_experts_scaled_triton
 from kernels.moe.shared import shared_expert_triton
 from kernels.moe.triton import MoeTiles, choose_tiles, moe_experts_triton
@@ -244,13 +245,6 @@ def op_mma_tiles(ids: torch.Tensor, num_experts: int) -> ScaledTiles:
     return choose_mma_tiles(ids.numel(), num_experts, DIM, INTER, num_sms(ids.device))
 
 
-def shared_expert_fp8(x, w13, s13, w2, s2):
-    """The shared expert as model/moe.py runs it when its format (FP8) is not the routed experts':
-    w1 and w3 as one product, then w2."""
-    gate, up = blockscale_linear(x, w13, s13).split(INTER, dim=-1)
-    return blockscale_linear(swiglu(gate, up, LIMIT).to(x.dtype), w2, s2)
-
-
 def scaled_routing_sets(batch: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     sets = []
     for _ in range(SCALED_ROUTINGS):
@@ -282,7 +276,7 @@ def scaled_table(copy_gbs: float) -> str:
         return moe_experts(x, ids, weights, w1, w2, w3, LIMIT, scales=scales, shared_weights=shared_weights)
 
     def shared_after(x, ids, weights):  # the routed experts, then the shared expert on the same stream
-        return fp4_path(x, ids, weights) + shared_expert_fp8(x, *shared).float()
+        return fp4_path(x, ids, weights) + shared_expert_product(x, shared_weights, LIMIT, True, blockscale_linear).float()
 
     def beside(priority: int = 0, gate_up_gemv: bool = False):
         """The shared expert beside the routed experts, composed here (its output added after the
