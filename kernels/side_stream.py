@@ -22,13 +22,16 @@ def side_stream(device_index: int, priority: int = 0) -> torch.cuda.Stream:
     return _SIDE_STREAMS[key]
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def on_side_stream(device: torch.device) -> bool:
     """Whether work issued now on `device` goes to a side stream (inside run_beside's side_work)."""
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
     current = torch.cuda.current_stream(device)
-    return any(current == stream for (i, _), stream in _SIDE_STREAMS.items() if i == index)
+    return any(current == stream for (i, _), stream in _SIDE_STREAMS.items() if i == _index(device))
 
 
 def run_beside(side_work: Callable[[], S], main_work: Callable[[], T], device: torch.device, priority: int = 0) -> tuple[S, T]:
@@ -40,7 +43,7 @@ def run_beside(side_work: Callable[[], S], main_work: Callable[[], T], device: t
     if device.type != "cuda":
         return side_work(), main_work()
     main = torch.cuda.current_stream(device)
-    side = side_stream(device.index if device.index is not None else torch.cuda.current_device(), priority)
+    side = side_stream(_index(device), priority)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         side_result = side_work()

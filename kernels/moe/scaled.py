@@ -453,7 +453,6 @@ def scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, laun
     return combine_pairs(run.y, ids, out, w1.shape[0], pairs_per_token, addend=shared)
 
 
-
 def moe_experts_scaled_triton(
     x: torch.Tensor,
     expert_ids: torch.Tensor,
