@@ -405,16 +405,11 @@ def idle_between(spans: Iterable[tuple[float, float]]) -> float:
 
 def overlapped(spans: Iterable[tuple[float, float]]) -> float:
     """The spans' summed lengths less the length of their union: time a span ran beside another."""
-    spans = sorted(spans)
-    covered, reach = 0.0, None
-    for start, end in spans:
-        if reach is None or start >= reach:
-            covered += end - start
-            reach = end
-        elif end > reach:
-            covered += end - reach
-            reach = end
-    return sum(end - start for start, end in spans) - covered
+    spans = list(spans)
+    if not spans:
+        return 0.0
+    union = max(end for _, end in spans) - min(start for start, _ in spans) - idle_between(spans)
+    return sum(end - start for start, end in spans) - union
 
 
 @contextlib.contextmanager
