@@ -115,9 +115,9 @@ def _(inputs, weights, scales, pow2):
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for x, w in zip(inputs, weights)]
 
 
-# Products that must go beside the first for the side stream to pay: with one, the fork and join
-# cost what the overlap saves (slower at one row); with two, it gains (`python -m kernels.bench
-# --only linears_beside`).
+# Products that must go beside the first for the side stream to pay: with two it gains at every
+# batch; with one it is no faster beyond the spread of runs (0.88x to 1.14x at one row, a ~17 us
+# pair), so one stream keeps the graph simpler (`python -m kernels.bench --only linears_beside`).
 MIN_SIDE_PRODUCTS = 2
 
 
