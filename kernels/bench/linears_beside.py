@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels.bench.tables import markdown_table
-from kernels.bench.timing import graph_time_us
+from kernels.bench.timing import interleaved_graph_times_us
 from kernels.blockscale.ref import quantize_fp8_weight
 from kernels.linear import linears_beside
 from kernels.linear.op import run_products
@@ -48,7 +48,7 @@ def run(copy_gbs: float) -> str:
             for name, way in ways.items():
                 if not all(torch.equal(a, b) for a, b in zip(way(*sets[0]), expected)):
                     raise AssertionError(f"linears_beside {layer} B={batch}: {name} differs from the products one by one")
-            us = {name: graph_time_us(way, sets) for name, way in ways.items()}
+            us = interleaved_graph_times_us(ways, sets)
             rows.append([layer, len(weights), batch, *(f"{t:.1f}" for t in us.values()),
                          f"{us['one stream'] / us['side stream']:.2f}x", f"{us['one stream'] / us['op']:.2f}x"])
             print(f"linears_beside {layer} B={batch}: " + ", ".join(f"{k} {v:.1f} us" for k, v in us.items()), flush=True)
@@ -57,7 +57,7 @@ def run(copy_gbs: float) -> str:
     return (
         "## Products of the attention input beside each other (`v4::linears_beside`)\n\n"
         "Every way matched the products run one by one bit for bit before timing. One CUDA graph per input set, "
-        f"{SETS} sets rotated. 'one stream': the products one after another; 'side stream': the first (fp32) on the "
+        f"{SETS} sets rotated; the ways timed in turn, median of 5 rounds. 'one stream': the products one after another; 'side stream': the first (fp32) on the "
         "current stream, the others beside it; 'op': `linears_beside`, which takes the side stream where at least "
         "two products follow the first.\n\n" + table + "\n"
     )

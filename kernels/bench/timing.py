@@ -43,6 +43,20 @@ def graph_time_us(fn: Callable[..., object], input_sets: Sequence[tuple]) -> flo
     return median_time_us(lambda g: g.replay(), [(g,) for g in graphs_of(fn, input_sets)])
 
 
+def interleaved_graph_times_us(ways: dict[str, Callable[..., object]], input_sets: Sequence[tuple], rounds: int = 5,
+                               reps: int = 40) -> dict[str, float]:
+    """Each way's graph_time_us, measured side by side: `rounds` rounds that time every way in
+    turn (`reps` replays each), the median of the rounds' medians per way. Ways a few us apart
+    measured one after another differ by the clock and cache drift between them; in turns, the
+    drift falls on every way alike."""
+    graphs = {name: [(g,) for g in graphs_of(fn, input_sets)] for name, fn in ways.items()}
+    samples: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, replays in graphs.items():
+            samples[name].append(median_time_us(lambda g: g.replay(), replays, warmup=len(replays), reps=reps))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def chained_time_us(fn: Callable[..., object], input_sets: Sequence[tuple], reps: int = 20) -> float:
     """Time per call of one CUDA graph that calls fn on every input set in turn: calls back to
     back as in a decode step (no graph launch per call, each kernel's ramp and tail included)."""
