@@ -57,7 +57,7 @@ def run(copy_gbs: float) -> str:
     return (
         "## Products of the attention input beside each other (`v4::linears_beside`)\n\n"
         "Every way matched the products run one by one bit for bit before timing. One CUDA graph per input set, "
-        f"{SETS} sets rotated; the ways timed in turn, median of 5 rounds. 'one stream': the products one after another; 'side stream': the first (fp32) on the "
-        "current stream, the others beside it; 'op': `linears_beside`, which takes the side stream where at least "
-        "two products follow the first.\n\n" + table + "\n"
+        f"{SETS} sets rotated; the ways timed in turn, median of 5 rounds. 'one stream': the products one after "
+        "another; 'side stream': the first (fp32) on the current stream, the others beside it; 'op': `linears_beside`, "
+        "which takes the side stream where at least two products follow the first.\n\n" + table + "\n"
     )
