@@ -18,9 +18,9 @@ LAUNCHED = {
     "v4::indexer_topk": {"_indexer_score_kernel", "_indexer_select_kernel"},
     # The block-scaled experts (v4::moe_experts_scaled) share the routing and combine kernels and
     # count under v4::moe_experts with them (kernels/registry.py: one op per package); their
-    # act_quant pre-pass is the block-scaled linear's and counts under it.
+    # act_quant pre-pass, where not launched with the routing, is the block-scaled linear's.
     "v4::moe_experts": {
-        "_route_pairs_kernel", "_gate_up_kernel", "_down_kernel", "_moe_combine_kernel",
+        "_route_pairs_kernel", "_route_and_quant_kernel", "_gate_up_kernel", "_down_kernel", "_moe_combine_kernel",
         "_scaled_gate_up_kernel", "_scaled_down_kernel", "_mma_gate_up_kernel", "_mma_down_kernel", "_shared_swiglu_kernel",
     },
     "v4::hc_split_sinkhorn": {"_hc_split_sinkhorn_kernel"},

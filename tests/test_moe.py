@@ -16,9 +16,11 @@ import torch
 
 import kernels.moe.scaled as moe_scaled
 import kernels.moe.triton as moe_triton
-from kernels.blockscale.ref import quantize_fp4_weight, quantize_fp8_weight
-from kernels.moe import moe_experts, moe_experts_reference
+from kernels.blockscale.act_quant_pass import act_quant_triton
+from kernels.blockscale.ref import act_quant, quantize_fp4_weight, quantize_fp8_weight
 from kernels.cuda_graph import capture
+from kernels.moe import moe_experts, moe_experts_reference
+from kernels.moe.scaled import route_and_quantise
 
 LIMIT = 10.0
 
@@ -211,6 +213,27 @@ def test_routing_with_a_shared_expert_matches_torch_routing():
     assert sorted(on_shared) == sorted(routed_to_15 + [b * 7 + 6 for b in range(7)])  # each token's last pair
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("batch,shared,pow2", [(1, -1, True), (5, 15, False), (3, -1, False)])
+def test_routing_and_quantisation_in_one_launch_equal_the_two_launches(batch, shared, pow2):
+    """The block-scaled experts' first launch routes in its first program and quantises x in the
+    others: both results bit for bit route_pairs' kernel and act_quant_triton's."""
+    ids, _ = routing("random", batch, 6, 16, "cpu", seed=130 + batch)
+    x = torch.randn(batch, 384) * torch.rand(batch, 1) * 8
+    blocks, values, scales = route_and_quantise(x, ids, 16, 16, shared, pow2)
+    by_kernel = moe_triton.route_pairs(ids, 16, 16, "kernel", shared_expert=shared)
+    assert torch.equal(blocks.block_expert, by_kernel.block_expert)
+    assert torch.equal(blocks.block_rows, by_kernel.block_rows)
+    for block, count in enumerate(blocks.block_rows.tolist()):  # rows past the count are padding
+        rows = slice(block * 16, block * 16 + count)
+        assert torch.equal(blocks.sorted_pair[rows], by_kernel.sorted_pair[rows])
+    expected_values, expected_scales = act_quant_triton(x, pow2)
+    assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
+    assert torch.equal(scales, expected_scales)
+    reference_values, reference_scales = act_quant(x, pow2=pow2)
+    assert torch.equal(values.float(), reference_values.float()) and torch.equal(scales, reference_scales.float())
+
+
 def test_bad_input_raises():
     w1, w2, w3 = expert_weights(4, 32, 16, torch.float32, "cpu", seed=70)
     ids, weights = routing("random", 3, 2, 4, "cpu", seed=71)
@@ -324,7 +347,11 @@ def test_mma_product_splits_gate_up_k_in_one_wave():
     each) fit one wave of GATE_UP_PROGRAMS_PER_SM an SM, with the shallow pipeline; programs
     beyond one wave take the deep pipeline and K in two halves where each has enough blocks."""
     from kernels.moe.scaled_gluon import (
-        DEEP_PIPELINE_STAGES, GATE_UP_PARTS, GATE_UP_PROGRAMS_PER_SM, PIPELINE_STAGES, choose_mma_tiles,
+        DEEP_PIPELINE_STAGES,
+        GATE_UP_PARTS,
+        GATE_UP_PROGRAMS_PER_SM,
+        PIPELINE_STAGES,
+        choose_mma_tiles,
     )
     from kernels.triton_util import MIN_BLOCKS_PER_SPLIT
 
@@ -681,7 +708,12 @@ def test_scaled_mma_product_odd_step_counts(scale_dtype, dim, inter, up_split, s
 def test_scaled_mma_product_refuses_other_formats():
     """FP8 experts, a width that is not whole 128-blocks, or rows laid out otherwise than the copies
     take are refused by name before any launch."""
-    from kernels.moe.scaled_gluon import _copyable, choose_mma_tiles, moe_experts_scaled_mma, takes
+    from kernels.moe.scaled_gluon import (
+        _copyable,
+        choose_mma_tiles,
+        moe_experts_scaled_mma,
+        takes,
+    )
     from kernels.triton_util import converts_e4m3
 
     w1, w2, w3, scales = scaled_experts("fp8", E8M0, 4, 256, 128, "cpu", seed=360)

@@ -16,20 +16,26 @@ BLOCKS_PER_PROGRAM = 8  # 128-blocks a program quantises (a row of V4-Flash's 40
 
 
 @triton.jit
-def _act_quant_kernel(
-    x_ptr, values_ptr, scales_ptr,
-    K_BLOCKS, stride_xm,
-    POW2: tl.constexpr, BLOCKS: tl.constexpr,
-):
-    """act_quant of BLOCKS 128-blocks of one row: e4m3 values [M, K] and fp32 scales [M, K_BLOCKS]."""
-    row = tl.program_id(0).to(tl.int64)
-    blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+def act_quant_program(x_ptr, values_ptr, scales_ptr, row, chunk, K_BLOCKS, stride_xm, POW2: tl.constexpr, BLOCKS: tl.constexpr):
+    """act_quant of 128-blocks [chunk * BLOCKS, (chunk + 1) * BLOCKS) of one row: e4m3 values
+    [M, K] and fp32 scales [M, K_BLOCKS]."""
+    row = row.to(tl.int64)
+    blocks = chunk * BLOCKS + tl.arange(0, BLOCKS)
     ok = blocks < K_BLOCKS
     ks = blocks[:, None] * 128 + tl.arange(0, 128)[None, :]
     x = tl.load(x_ptr + row * stride_xm + ks, mask=ok[:, None], other=0.0).to(tl.float32)
     values, scale = act_quant_rows(x, POW2)
     tl.store(values_ptr + row * K_BLOCKS * 128 + ks, values.to(tl.float8e4nv), mask=ok[:, None])
     tl.store(scales_ptr + row * K_BLOCKS + blocks, scale, mask=ok)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, values_ptr, scales_ptr,
+    K_BLOCKS, stride_xm,
+    POW2: tl.constexpr, BLOCKS: tl.constexpr,
+):
+    act_quant_program(x_ptr, values_ptr, scales_ptr, tl.program_id(0), tl.program_id(1), K_BLOCKS, stride_xm, POW2, BLOCKS)
 
 
 def act_quant_triton(rows: torch.Tensor, pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

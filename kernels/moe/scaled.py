@@ -3,7 +3,7 @@
 block), scales ue8m0 or fp32. A grouped GEMV at decode batches, CUDA-graph safe (no host sync,
 no data-dependent shape).
 
-Pipeline, all on the device:
+Pipeline, all on the device (steps 1 and 2 in one launch, route_and_quantise, at decode):
 
 1. act_quant(x): the shared pre-pass of kernels/blockscale/act_quant_pass.py (e4m3 values and one
    fp32 scale per 128 inputs), once per token, shared by all of its picks.
@@ -43,13 +43,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.blockscale.act_quant_pass import act_quant_triton
+from kernels.blockscale.act_quant_pass import BLOCKS_PER_PROGRAM, act_quant_program, act_quant_triton
 from kernels.blockscale.device import act_quant_rows, e2m1_pairs_to_fp16, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.moe.ref import SharedExpertWeights, check_shared_expert
 from kernels.moe.shared import shared_expert_triton
 from kernels.moe.triton import (
-    PROGRAMS_PER_SM, UP_PROGRAMS_PER_SM, PairBlocks, _routed_swiglu, _widest_tile, combine_pairs, route_pairs,
+    MAX_PAIRS_ONE_PROGRAM, PROGRAMS_PER_SM, UP_PROGRAMS_PER_SM, PairBlocks, _routed_swiglu, _widest_tile, combine_pairs,
+    route_pairs, route_pairs_program, routing_launch,
 )
 from kernels.side_stream import run_beside
 from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, num_sms, split_counters
@@ -397,6 +398,48 @@ class ScaledLaunch:
     pairs_per_token: int
 
 
+@triton.jit
+def _route_and_quant_kernel(
+    ids_ptr, shift_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
+    num_pairs, num_experts, num_blocks, shared_expert,
+    x_ptr, values_ptr, scales_ptr, K_BLOCKS, stride_xm, CHUNKS,
+    BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
+    PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, POW2: tl.constexpr, BLOCKS: tl.constexpr,
+):
+    """Program 0 routes the pairs (route_pairs_program); program 1 + r * CHUNKS + c quantises
+    chunk c of x's row r (act_quant_program): two independent steps, one launch."""
+    pid = tl.program_id(0)
+    if pid == 0:
+        route_pairs_program(ids_ptr, shift_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
+                            num_pairs, num_experts, num_blocks, shared_expert,
+                            BLOCK_M, PAIRS, EXPERTS, BLOCKS_PER_STEP, PICKS, PAIRS_PER_TOKEN)
+    else:
+        act_quant_program(x_ptr, values_ptr, scales_ptr, (pid - 1) // CHUNKS, (pid - 1) % CHUNKS, K_BLOCKS, stride_xm,
+                          POW2, BLOCKS)
+
+
+def route_and_quantise(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert: int,
+                       pow2: bool) -> tuple[PairBlocks, torch.Tensor, torch.Tensor]:
+    """route_pairs(expert_ids, ...) and act_quant_triton(x, pow2), bit for bit, in one launch
+    where the routing is one program's (at decode: one kernel less a layer); else the two calls."""
+    batch, picks = expert_ids.shape
+    if batch * (picks + (shared_expert >= 0)) > MAX_PAIRS_ONE_PROGRAM:
+        return route_pairs(expert_ids, num_experts, block_m, "auto", shared_expert), *act_quant_triton(x, pow2)
+    if x.stride(-1) != 1:
+        x = x.contiguous()  # the quantisation reads each row's blocks at unit stride
+    blocks, route_args, route_meta = routing_launch(expert_ids, num_experts, block_m, shared_expert)
+    rows, k = x.shape
+    k_blocks = k // FP8_BLOCK
+    values = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((rows, k_blocks), dtype=torch.float32, device=x.device)
+    chunks = triton.cdiv(k_blocks, BLOCKS_PER_PROGRAM)
+    _route_and_quant_kernel[(1 + rows * chunks,)](
+        *route_args, x, values, scales, k_blocks, x.stride(0), chunks,
+        **route_meta, POW2=pow2, BLOCKS=BLOCKS_PER_PROGRAM, num_warps=4,
+    )
+    return blocks, values, scales
+
+
 def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=False) -> ScaledLaunch:
     """The routing, the activations' quantisation and the buffers of one call (batch > 0);
     partial_tiles: the gate/up scratch and arrival counters even without a K split."""
@@ -405,8 +448,7 @@ def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow
     pairs_per_token = picks + (shared_expert >= 0)
     num_experts, inter = w1.shape[:2]
     num_pairs = batch * pairs_per_token
-    xq, xs = act_quant_triton(x, pow2)
-    segments = route_pairs(expert_ids, num_experts, SEGMENT_ROWS, "auto", shared_expert)
+    segments, xq, xs = route_and_quantise(x, expert_ids, num_experts, SEGMENT_ROWS, shared_expert, pow2)
     k_blocks = dim // FP8_BLOCK
     per_split = triton.cdiv(k_blocks, min(max(1, tiles.up_split), k_blocks))
     split = triton.cdiv(k_blocks, per_split)  # no split left without blocks

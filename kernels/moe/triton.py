@@ -142,12 +142,14 @@ def _pair_expert(ids_ptr, pair, pair_ok, shared_expert, PICKS: tl.constexpr, PAI
 
 
 @triton.jit
-def _route_pairs_kernel(
+def route_pairs_program(
     ids_ptr, shift_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
     num_pairs, num_experts, num_blocks, shared_expert,
     BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
 ):
+    """The whole routing in one program (route_pairs' "kernel" method); also the first program of
+    kernels/moe/scaled.py's routing-and-quantisation launch."""
     pair = tl.arange(0, PAIRS)
     expert = _pair_expert(ids_ptr, pair, pair < num_pairs, shared_expert, PICKS, PAIRS_PER_TOKEN)
     valid = (pair < num_pairs) & (expert >= 0) & (expert < num_experts)
@@ -181,6 +183,18 @@ def _route_pairs_kernel(
         block = padded_start // BLOCK_M + j
         tl.store(block_expert_ptr + block, experts, mask=has)
         tl.store(block_rows_ptr + block, tl.minimum(counts - j * BLOCK_M, BLOCK_M), mask=has)
+
+
+@triton.jit
+def _route_pairs_kernel(
+    ids_ptr, shift_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
+    num_pairs, num_experts, num_blocks, shared_expert,
+    BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
+    PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
+):
+    route_pairs_program(ids_ptr, shift_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
+                        num_pairs, num_experts, num_blocks, shared_expert,
+                        BLOCK_M, PAIRS, EXPERTS, BLOCKS_PER_STEP, PICKS, PAIRS_PER_TOKEN)
 
 
 def _route_pairs_torch(flat_ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int) -> PairBlocks:
@@ -239,23 +253,32 @@ def route_pairs(
         raise ValueError(f"route_pairs: unknown method {method!r}")
     if num_pairs > MAX_PAIRS_ONE_PROGRAM:
         raise ValueError(f"route_pairs: the kernel takes at most {MAX_PAIRS_ONE_PROGRAM} pairs, got {num_pairs}")
+    blocks, args, meta = routing_launch(expert_ids, num_experts, block_m, shared_expert)
+    _route_pairs_kernel[(1,)](*args, **meta, num_warps=4)
+    return blocks
+
+
+def routing_launch(expert_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert: int) -> tuple[PairBlocks, tuple, dict]:
+    """The routing's buffers (as PairBlocks, filled by the launch), and the arguments and
+    constants of route_pairs_program for them: at most MAX_PAIRS_ONE_PROGRAM pairs."""
+    batch, picks = expert_ids.shape
+    pairs_per_token = picks + (shared_expert >= 0)
+    num_pairs = batch * pairs_per_token
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
     device = expert_ids.device
     experts_pow2 = _pow2_at_least(num_experts, 32)  # at least one histogram bin per lane
     shift = torch.empty(experts_pow2, dtype=torch.int32, device=device)
-    sorted_pair = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    block_rows = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    _route_pairs_kernel[(1,)](
-        expert_ids.contiguous(), shift, sorted_pair, block_expert, block_rows,
-        num_pairs, num_experts, num_blocks, shared_expert,
-        BLOCK_M=block_m,
-        PAIRS=_pow2_at_least(num_pairs, 16),
-        EXPERTS=experts_pow2,
-        BLOCKS_PER_STEP=_pow2_at_least(min(num_blocks, 1024), 16),
-        PICKS=picks, PAIRS_PER_TOKEN=pairs_per_token,
-        num_warps=4,
+    blocks = PairBlocks(
+        sorted_pair=torch.empty(num_blocks * block_m, dtype=torch.int32, device=device),
+        block_expert=torch.empty(num_blocks, dtype=torch.int32, device=device),
+        block_rows=torch.empty(num_blocks, dtype=torch.int32, device=device),
+        block_m=block_m,
     )
-    return PairBlocks(sorted_pair, block_expert, block_rows, block_m)
+    args = (expert_ids.contiguous(), shift, blocks.sorted_pair, blocks.block_expert, blocks.block_rows,
+            num_pairs, num_experts, num_blocks, shared_expert)
+    meta = dict(BLOCK_M=block_m, PAIRS=_pow2_at_least(num_pairs, 16), EXPERTS=experts_pow2,
+                BLOCKS_PER_STEP=_pow2_at_least(min(num_blocks, 1024), 16), PICKS=picks, PAIRS_PER_TOKEN=pairs_per_token)
+    return blocks, args, meta
 
 
 # ---------------------------------------------------------------------------------------------
