@@ -49,8 +49,8 @@ from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.moe.ref import SharedExpertWeights, check_shared_expert
 from kernels.moe.shared import shared_expert_triton
 from kernels.moe.triton import (
-    MAX_PAIRS_ONE_PROGRAM, PROGRAMS_PER_SM, UP_PROGRAMS_PER_SM, PairBlocks, _routed_swiglu, _widest_tile, combine_pairs,
-    route_pairs, route_pairs_program, routing_launch,
+    MAX_PAIRS_ONE_PROGRAM, PROGRAMS_PER_SM, UP_PROGRAMS_PER_SM, PairBlocks, _route_pairs_kernel, _routed_swiglu, _widest_tile,
+    combine_pairs, route_pairs, routing_launch,
 )
 from kernels.side_stream import run_beside
 from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, num_sms, split_counters
@@ -406,11 +406,11 @@ def _route_and_quant_kernel(
     BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, POW2: tl.constexpr, BLOCKS: tl.constexpr,
 ):
-    """Program 0 routes the pairs (route_pairs_program); program 1 + r * CHUNKS + c quantises
+    """Program 0 routes the pairs (_route_pairs_kernel); program 1 + r * CHUNKS + c quantises
     chunk c of x's row r (act_quant_program): two independent steps, one launch."""
     pid = tl.program_id(0)
     if pid == 0:
-        route_pairs_program(ids_ptr, shift_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
+        _route_pairs_kernel(ids_ptr, shift_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
                             num_pairs, num_experts, num_blocks, shared_expert,
                             BLOCK_M, PAIRS, EXPERTS, BLOCKS_PER_STEP, PICKS, PAIRS_PER_TOKEN)
     else:

@@ -142,14 +142,14 @@ def _pair_expert(ids_ptr, pair, pair_ok, shared_expert, PICKS: tl.constexpr, PAI
 
 
 @triton.jit
-def route_pairs_program(
+def _route_pairs_kernel(
     ids_ptr, shift_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
     num_pairs, num_experts, num_blocks, shared_expert,
     BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
 ):
-    """The whole routing in one program (route_pairs' "kernel" method); also the first program of
-    kernels/moe/scaled.py's routing-and-quantisation launch."""
+    """The whole routing in one program (route_pairs' "kernel" method); also called as the first
+    program of kernels/moe/scaled.py's routing-and-quantisation launch."""
     pair = tl.arange(0, PAIRS)
     expert = _pair_expert(ids_ptr, pair, pair < num_pairs, shared_expert, PICKS, PAIRS_PER_TOKEN)
     valid = (pair < num_pairs) & (expert >= 0) & (expert < num_experts)
@@ -183,18 +183,6 @@ def route_pairs_program(
         block = padded_start // BLOCK_M + j
         tl.store(block_expert_ptr + block, experts, mask=has)
         tl.store(block_rows_ptr + block, tl.minimum(counts - j * BLOCK_M, BLOCK_M), mask=has)
-
-
-@triton.jit
-def _route_pairs_kernel(
-    ids_ptr, shift_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
-    num_pairs, num_experts, num_blocks, shared_expert,
-    BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
-    PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
-):
-    route_pairs_program(ids_ptr, shift_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
-                        num_pairs, num_experts, num_blocks, shared_expert,
-                        BLOCK_M, PAIRS, EXPERTS, BLOCKS_PER_STEP, PICKS, PAIRS_PER_TOKEN)
 
 
 def _route_pairs_torch(flat_ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int) -> PairBlocks:
@@ -260,7 +248,7 @@ def route_pairs(
 
 def routing_launch(expert_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert: int) -> tuple[PairBlocks, tuple, dict]:
     """The routing's buffers (as PairBlocks, filled by the launch), and the arguments and
-    constants of route_pairs_program for them: at most MAX_PAIRS_ONE_PROGRAM pairs."""
+    constants of _route_pairs_kernel for them: at most MAX_PAIRS_ONE_PROGRAM pairs."""
     batch, picks = expert_ids.shape
     pairs_per_token = picks + (shared_expert >= 0)
     num_pairs = batch * pairs_per_token
