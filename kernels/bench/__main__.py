@@ -1,6 +1,6 @@
 """GPU benchmark of the decode kernels: checks each variant against its reference, then times it.
 
-    python -m kernels.bench [--only sparse_mla,indexer,moe,moe_tiles,linear,router,linears_beside,blockscale,blockscale_plans,hc_sinkhorn,hc_mix]
+    python -m kernels.bench [--only sparse_mla,indexer,moe,moe_tiles,linear,router,linears_beside,blockscale,blockscale_plans,hc_sinkhorn,hc_mix,launch_cost]
         [--out FILE]
         [--results docs/results.md] [--sparse-mla-parts main,split,tiles,plan,overlap,stages]
 
@@ -19,7 +19,7 @@ from kernels.bench.results import machine, write_section
 from kernels.bench.timing import copy_bandwidth_gbs
 
 SECTIONS = ("sparse_mla", "indexer", "moe", "moe_tiles", "linear", "router", "linears_beside", "blockscale", "blockscale_plans", "hc_sinkhorn",
-            "hc_mix")
+            "hc_mix", "launch_cost")
 
 
 def main(argv: list[str] | None = None) -> None:
