@@ -230,13 +230,12 @@ def route_pairs(
     batch, picks = expert_ids.shape
     pairs_per_token = picks + (shared_expert >= 0)
     num_pairs = batch * pairs_per_token
-    num_blocks = max_blocks(num_pairs, num_experts, block_m)
     if method == "auto":
         method = "kernel" if num_pairs <= MAX_PAIRS_ONE_PROGRAM else "torch"
     if method == "torch":
         if shared_expert >= 0:
             expert_ids = with_shared_ids(expert_ids, shared_expert)
-        return _route_pairs_torch(expert_ids.reshape(-1), num_experts, block_m, num_blocks)
+        return _route_pairs_torch(expert_ids.reshape(-1), num_experts, block_m, max_blocks(num_pairs, num_experts, block_m))
     if method != "kernel":
         raise ValueError(f"route_pairs: unknown method {method!r}")
     if num_pairs > MAX_PAIRS_ONE_PROGRAM:
