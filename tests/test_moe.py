@@ -347,11 +347,7 @@ def test_mma_product_splits_gate_up_k_in_one_wave():
     each) fit one wave of GATE_UP_PROGRAMS_PER_SM an SM, with the shallow pipeline; programs
     beyond one wave take the deep pipeline and K in two halves where each has enough blocks."""
     from kernels.moe.scaled_gluon import (
-        DEEP_PIPELINE_STAGES,
-        GATE_UP_PARTS,
-        GATE_UP_PROGRAMS_PER_SM,
-        PIPELINE_STAGES,
-        choose_mma_tiles,
+        DEEP_PIPELINE_STAGES, GATE_UP_PARTS, GATE_UP_PROGRAMS_PER_SM, PIPELINE_STAGES, choose_mma_tiles,
     )
     from kernels.triton_util import MIN_BLOCKS_PER_SPLIT
 
@@ -708,12 +704,7 @@ def test_scaled_mma_product_odd_step_counts(scale_dtype, dim, inter, up_split, s
 def test_scaled_mma_product_refuses_other_formats():
     """FP8 experts, a width that is not whole 128-blocks, or rows laid out otherwise than the copies
     take are refused by name before any launch."""
-    from kernels.moe.scaled_gluon import (
-        _copyable,
-        choose_mma_tiles,
-        moe_experts_scaled_mma,
-        takes,
-    )
+    from kernels.moe.scaled_gluon import _copyable, choose_mma_tiles, moe_experts_scaled_mma, takes
     from kernels.triton_util import converts_e4m3
 
     w1, w2, w3, scales = scaled_experts("fp8", E8M0, 4, 256, 128, "cpu", seed=360)
