@@ -49,8 +49,8 @@ from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.moe.ref import SharedExpertWeights, check_shared_expert
 from kernels.moe.shared import shared_expert_triton
 from kernels.moe.triton import (
-    MAX_PAIRS_ONE_PROGRAM, PROGRAMS_PER_SM, UP_PROGRAMS_PER_SM, PairBlocks, _route_pairs_kernel, _routed_swiglu, _widest_tile,
-    combine_pairs, route_pairs, routing_launch,
+    PROGRAMS_PER_SM, UP_PROGRAMS_PER_SM, PairBlocks, _route_pairs_kernel, _routed_swiglu, _widest_tile, combine_pairs,
+    route_pairs, routes_in_one_program, routing_launch,
 )
 from kernels.side_stream import run_beside
 from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, num_sms, split_counters
@@ -422,8 +422,7 @@ def route_and_quantise(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: i
                        pow2: bool) -> tuple[PairBlocks, torch.Tensor, torch.Tensor]:
     """route_pairs(expert_ids, ...) and act_quant_triton(x, pow2), bit for bit, in one launch
     where the routing is one program's (at decode: one kernel less a layer); else the two calls."""
-    batch, picks = expert_ids.shape
-    if batch * (picks + (shared_expert >= 0)) > MAX_PAIRS_ONE_PROGRAM:
+    if not routes_in_one_program(expert_ids, shared_expert):
         return route_pairs(expert_ids, num_experts, block_m, "auto", shared_expert), *act_quant_triton(x, pow2)
     if x.stride(-1) != 1:
         x = x.contiguous()  # the quantisation reads each row's blocks at unit stride

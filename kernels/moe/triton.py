@@ -228,21 +228,26 @@ def route_pairs(
     each token has a last pair on that expert (pair b*(k+1)+k). method: "kernel" (one Triton
     program), "torch", or "auto" (the kernel up to MAX_PAIRS_ONE_PROGRAM pairs)."""
     batch, picks = expert_ids.shape
-    pairs_per_token = picks + (shared_expert >= 0)
-    num_pairs = batch * pairs_per_token
+    num_pairs = batch * (picks + (shared_expert >= 0))
     if method == "auto":
-        method = "kernel" if num_pairs <= MAX_PAIRS_ONE_PROGRAM else "torch"
+        method = "kernel" if routes_in_one_program(expert_ids, shared_expert) else "torch"
     if method == "torch":
         if shared_expert >= 0:
             expert_ids = with_shared_ids(expert_ids, shared_expert)
         return _route_pairs_torch(expert_ids.reshape(-1), num_experts, block_m, max_blocks(num_pairs, num_experts, block_m))
     if method != "kernel":
         raise ValueError(f"route_pairs: unknown method {method!r}")
-    if num_pairs > MAX_PAIRS_ONE_PROGRAM:
+    if not routes_in_one_program(expert_ids, shared_expert):
         raise ValueError(f"route_pairs: the kernel takes at most {MAX_PAIRS_ONE_PROGRAM} pairs, got {num_pairs}")
     blocks, args, meta = routing_launch(expert_ids, num_experts, block_m, shared_expert)
     _route_pairs_kernel[(1,)](*args, **meta, num_warps=4)
     return blocks
+
+
+def routes_in_one_program(expert_ids: torch.Tensor, shared_expert: int) -> bool:
+    """Whether route_pairs' "auto" takes the one-program kernel: at most MAX_PAIRS_ONE_PROGRAM pairs."""
+    batch, picks = expert_ids.shape
+    return batch * (picks + (shared_expert >= 0)) <= MAX_PAIRS_ONE_PROGRAM
 
 
 def routing_launch(expert_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert: int) -> tuple[PairBlocks, tuple, dict]:
