@@ -170,7 +170,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, one_row_gemv: bool | No
         _launch_gemv(x, weight, out)
         return out
     args = (x, weight, out, rows, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1))
-    meta = dict(BLOCK_M=row_tile(rows), PRECISION=dot_precision(weight.dtype if split_x else x.dtype), SPLIT_X=split_x)
+    meta = dict(BLOCK_M=row_tile(rows), PRECISION=dot_precision(x.dtype), SPLIT_X=split_x)
     if interpreting():
         grid = (triton.cdiv(n, _INTERPRETER_CONFIG["BLOCK_N"]), groups)
         _linear_kernel[grid](*args, **meta, **_INTERPRETER_CONFIG)
