@@ -5,13 +5,10 @@ import os
 
 import torch
 
-from kernels.side_stream import on_side_stream
-
 # Under TRITON_INTERPRET=1 (tests on a CPU) there is no SM count; plans use this one instead.
 INTERPRETER_NUM_SMS = 8
 # sm_90's opt-in maximum per program: the plans' assumption where the device cannot say.
 SM90_SHARED_MEMORY_PER_BLOCK = 227 * 1024
-COUNTER_SLOTS = 4096  # arrival counters of split-K tiles per device (split_counters)
 # A split of K takes at least this many 128-blocks, so its pipeline is full most of the time.
 MIN_BLOCKS_PER_SPLIT = 4
 
@@ -63,23 +60,3 @@ def launches_dependents(device: torch.device) -> bool:
     import triton.language as tl
 
     return hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
-
-
-_COUNTERS: dict[tuple[torch.device, bool], torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Arrival counters of split tiles, zero between launches (the last program of a tile resets
-    its own). One buffer per device and per stream role (the current stream, or a side stream
-    of kernels/side_stream.py, whose work runs beside it), made outside any CUDA-graph capture so
-    that captured calls share it too; calls that split K must therefore not run concurrently on
-    two other streams of one device. A capture that finds no buffer (or a call with more tiles
-    than it holds) gets a zeroed buffer of its own, whose memset the graph then records."""
-    key = (device, on_side_stream(device))
-    counters = _COUNTERS.get(key)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if counters is None and not capturing:
-        counters = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    if counters is None or tiles > counters.numel():
-        return torch.zeros(tiles, dtype=torch.int32, device=device)
-    return counters

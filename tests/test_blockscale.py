@@ -179,7 +179,7 @@ def test_triton_split_k_and_the_pre_pass(fmt, split, x_quantized):
     program of a tile adds the partials, and leaves the counters at zero for the next launch),
     activations quantised in-kernel or by the pre-pass, and more rows than one row tile."""
     from kernels.blockscale.triton import Plan, blockscale_linear_triton, split_plan
-    from kernels.triton_util import split_counters
+    from kernels.arrival import split_counters
 
     k = 640  # five blocks: splits of 3 + 2 and 2 + 2 + 1
     plan = split_plan(Plan(block_m=16, block_n=32, split=1, blocks_per_split=5, x_quantized=x_quantized), k, split)

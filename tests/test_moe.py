@@ -378,7 +378,7 @@ def test_scaled_gate_up_split_k(fmt, split):
     (The interpreter runs programs one after another, so the arrival order never varies here; the
     GPU tests check that the result does not depend on it.)"""
     from kernels.moe.scaled import choose_scaled_tiles, moe_experts_scaled_triton
-    from kernels.triton_util import split_counters
+    from kernels.arrival import split_counters
 
     picks, num_experts, dim, inter = 3, 8, 512, 256
     w1, w2, w3, scales = scaled_experts(fmt, E8M0, num_experts, dim, inter, "cpu", seed=230 + split)

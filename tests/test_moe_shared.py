@@ -176,7 +176,7 @@ def test_side_stream_splits_k_with_counters_of_its_own():
     """Split-K arrival counters are per stream role: the shared expert's FP8 product (split K at
     one row) and the routed experts' gate/up (arrival counters) run at once on two streams."""
     from kernels.side_stream import run_beside
-    from kernels.triton_util import split_counters
+    from kernels.arrival import split_counters
 
     device = torch.device("cuda")
     side, main = run_beside(lambda: split_counters(device, 4), lambda: split_counters(device, 4), device)

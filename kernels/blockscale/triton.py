@@ -24,7 +24,7 @@ weight byte once with all SMs busy:
 - Split K: each program writes its fp32 partial tile to a scratch buffer and counts its arrival;
   the last program of a tile sums the partials in split order (deterministic whichever program
   arrives last), writes the output and sets the counter back to zero for the next launch (no
-  memset per call: kernels/triton_util.py `split_counters`). Nothing syncs with the host and
+  memset per call: kernels/arrival.py `split_counters`). Nothing syncs with the host and
   every allocation depends on shapes only, so a call can be captured in a CUDA graph.
 
 Activations are quantised once by the act_quant pre-pass (kernels/blockscale/act_quant_pass.py:
@@ -42,7 +42,8 @@ import triton.language as tl
 from kernels.blockscale.act_quant_pass import act_quant_triton
 from kernels.blockscale.device import act_scale, quantize_e4m3, unpack_e2m1, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
-from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, converts_e4m3, interpreting, num_sms, split_counters
+from kernels.arrival import arrives_last, split_counters
+from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, converts_e4m3, interpreting, num_sms
 
 
 @triton.jit
@@ -137,8 +138,7 @@ def write_tile(acc, out_ptrs, partial_ptrs, mask, counter, split, split_stride, 
         tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
     else:
         tl.store(partial_ptrs + split * split_stride, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+        if arrives_last(counter, SPLIT):
             total = tl.load(partial_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
             for s in range(1, SPLIT):
                 total += tl.load(partial_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")

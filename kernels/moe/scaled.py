@@ -15,7 +15,7 @@ Pipeline, all on the device (steps 1 and 2 in one launch, route_and_quantise, at
    act_quant of that: the tile is one activation block wide, so the epilogue holds whole blocks.
    Stored per pair: e4m3 values and one scale per 128. With few experts picked the model width
    is split among programs; the last of a tile to arrive sums the partials in split order and
-   runs the epilogue (kernels/triton_util.py's arrival counters).
+   runs the epilogue (kernels/arrival.py's counters).
 4. Down: per (segment, N tile of the model width), the product over the intermediate, rounded to
    x's dtype, stored per pair.
 5. Combine: kernels/moe/triton.py's combine_pairs (fp32, pick order).
@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.arrival import arrives_last, split_counters
 from kernels.blockscale.act_quant_pass import BLOCKS_PER_PROGRAM, act_quant_program, act_quant_triton
 from kernels.blockscale.device import act_quant_rows, e2m1_pairs_to_fp16, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
@@ -53,7 +54,7 @@ from kernels.moe.triton import (
     route_pairs, routes_in_one_program, routing_launch,
 )
 from kernels.side_stream import run_beside
-from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, num_sms, split_counters
+from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, num_sms
 
 # Rows of a routing segment: every expert with at most this many pairs is one segment.
 SEGMENT_ROWS = 64
@@ -232,14 +233,6 @@ def store_partials(gate, up, partial_ptr, pair, row_ok, offs_n, split, split_str
     """This split's partial gate and up rows into the scratch."""
     tl.store(partial_rows(partial_ptr, pair, offs_n, split, split_stride, inter, 0), gate, mask=row_ok[:, None])
     tl.store(partial_rows(partial_ptr, pair, offs_n, split, split_stride, inter, 1), up, mask=row_ok[:, None])
-
-
-@triton.jit
-def arrives_last(counter, SPLIT: tl.constexpr):
-    """Count this program's arrival at its tile once its partials are written: whether it is the
-    last of the SPLIT (which then sums them and sets the counter back to zero)."""
-    tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-    return tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1
 
 
 @triton.jit

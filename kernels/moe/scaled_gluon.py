@@ -43,11 +43,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from kernels.arrival import arrives_last
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.gluon_compat import async_load, barrier
 from kernels.moe.ref import SharedExpertWeights
 from kernels.moe.scaled import (
-    SEGMENT_ROWS, UP_BLOCK_N, ScaledLaunch, ScaledTiles, arrives_last, choose_scaled_tiles, gate_up_epilogue,
+    SEGMENT_ROWS, UP_BLOCK_N, ScaledLaunch, ScaledTiles, choose_scaled_tiles, gate_up_epilogue,
     partial_rows, prepare_launch, scaled_experts, summed_partials,
 )
 from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, converts_e4m3
