@@ -34,7 +34,7 @@ def hc_pre(streams, fn, scale, base, sinkhorn_iters: int, hc_eps: float, norm_ep
 
 def hc_pre_norm(streams, fn, scale, base, norm: RMSNorm, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
     """hc_pre, then the sublayer's `norm`: (normed input [B, D], post [B, hc], comb [B, hc, hc]).
-    On CUDA one op of two kernels (kernels/hc_mix/), where Inductor would write 4-5."""
+    On CUDA one op of one or two kernels (kernels/hc_mix/), where Inductor would write 4-5."""
     if boundary_takes_kernel(streams, fn):
         return kernels.hc_pre_norm(streams, fn, scale, base, norm.weight, sinkhorn_iters, hc_eps, norm_eps, norm.eps)
     x, post, comb = hc_pre(streams, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps)

@@ -100,6 +100,25 @@ def test_triton_matches_reference_interpreter(write_back, batch, dtype):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("write_back", [False, True])
+def test_one_launch_equals_two_launches_interpreter(write_back):
+    """The slices' last arrival finishing each token gives the second kernel's outputs bit for bit
+    (the same partials, summed in the same order) and leaves the arrival counters at zero."""
+    from kernels.arrival import split_counters
+    from kernels.hc_mix.triton import hc_mix_triton
+
+    t = random_boundary(3, 256, seed=20 + write_back)
+    extra = dict(out=t["out"], post=t["post"], comb=t["comb"]) if write_back else {}
+    args = (t["streams"], t["fn"], t["scale"], t["base"], t["weight"], ITERS, HC_EPS, NORM_EPS, NORM_EPS)
+    one = hc_mix_triton(*args, **extra, one_launch=True)
+    two = hc_mix_triton(*args, **extra, one_launch=False)
+    for a, b in zip(one, two):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert_outputs_close(one[0 if write_back else 1:], run_op(t, write_back, impl="reference"), torch.float32, "one launch")
+    assert not split_counters(torch.device("cpu"), 3).any()
+
+
+@pytest.mark.interpreter
 def test_triton_reads_strided_streams_interpreter():
     """Streams that are a view with a batch stride of their own (a slice of a larger buffer)."""
     t = random_boundary(6, 256, seed=30)

@@ -6,7 +6,9 @@ op, the RMSNorm).
 One CUDA graph per rotating input set (each set its own fn, as each layer has its own), and one
 graph calling every set in turn (chained: per call, as a step runs them); the calls are
 latency-bound, so the time is what a decode step pays per boundary. Every path is
-checked against the plain-torch reference first."""
+checked against the plain-torch reference first. 'one launch' / 'two launches': the op with the
+slices' last arrival finishing each token, or with the second kernel (the op picks by batch:
+kernels/hc_mix/triton.py ONE_LAUNCH_MAX_BATCH)."""
 from __future__ import annotations
 
 import torch
@@ -18,7 +20,7 @@ from kernels.hc_mix.triton import hc_mix_triton
 import kernels.hc_sinkhorn  # noqa: F401 (registers v4::hc_split_sinkhorn, which the composition calls)
 
 HC, DIM, ITERS, EPS = 4, 4096, 20, 1e-6
-BATCHES = (1, 2, 16, 64)
+BATCHES = (1, 2, 4, 16, 64)
 TOLERANCE = 2e-2  # relative, on every output: bf16 copies and normed inputs, fp32 post and comb
 
 
@@ -48,10 +50,10 @@ def _pre_composition(streams, fn, scale, base, weight):
     return (weight * x).to(streams.dtype), post, comb
 
 
-def _op(write_back: bool):
+def _op(write_back: bool, one_launch: bool | None = None):
     def call(out, streams, post, comb, fn, scale, base, weight):
         extra = dict(out=out, post=post, comb=comb) if write_back else {}
-        result = hc_mix_triton(streams, fn, scale, base, weight, ITERS, EPS, EPS, EPS, **extra)
+        result = hc_mix_triton(streams, fn, scale, base, weight, ITERS, EPS, EPS, EPS, **extra, one_launch=one_launch)
         return result if write_back else result[1:]
     return call
 
@@ -73,6 +75,8 @@ def run(copy_gbs: float) -> str:
     paths = [
         ("post + pre, Inductor", inductor, True),
         ("post + pre, op", _op(True), True),
+        ("post + pre, op one launch", _op(True, one_launch=True), True),
+        ("post + pre, op two launches", _op(True, one_launch=False), True),
         ("pre, Inductor", inductor_pre, False),
         ("pre, op", _op(False), False),
     ]

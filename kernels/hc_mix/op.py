@@ -4,11 +4,12 @@
 copies as they came in), `v4::hc_post_pre_norm` the whole of it. At decode batch sizes each is a
 chain of latency-bound steps (a 1.5 MB fp32 GEMV with 24 outputs, a 20-round Sinkhorn on a 4x4
 matrix per token, a weighted sum and a norm) that Inductor writes as 4-5 kernels with a skinny
-reduction that occupies a few SMs. On CUDA (hc = 4) the op is two Triton kernels
-(kernels/hc_mix/triton.py): every program of the first owns a slice of the flattened copies, writes
-the new copies there and sums its slice's share of the 24 mixes and of the mean square; the second
-adds the slices per token and runs the Sinkhorn rounds, the weighted sum and the norm. The CPU and
-other shapes run the plain-torch reference.
+reduction that occupies a few SMs. On CUDA (hc = 4) the op is Triton (kernels/hc_mix/triton.py):
+every program of a first kernel owns a slice of the flattened copies, writes the new copies there
+and sums its slice's share of the 24 mixes and of the mean square; per token the slices are then
+added and the Sinkhorn rounds, the weighted sum and the norm run, by the token's last slice to
+arrive (small batches: one launch) or by a second kernel. The CPU and other shapes run the
+plain-torch reference.
 """
 from __future__ import annotations
 

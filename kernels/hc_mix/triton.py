@@ -1,4 +1,4 @@
-"""Triton mHC boundary (semantics: kernels/hc_mix/ref.py) in two kernels, hc = 4.
+"""Triton mHC boundary (semantics: kernels/hc_mix/ref.py), hc = 4.
 
 Slices: program (s, t) of the first kernel owns slice s of SLICE values of the flattened copies
 [hc * D] (one copy h, a range of d) for TOKENS tokens. With a write-back it forms the new copies
@@ -8,12 +8,15 @@ stores 24 partial mixes and the slice's sum of squares per token. At D = 4096 th
 fn's 1.5 MB is read by 64 programs at once instead of by the 24 rows Inductor's reduction gives
 a program each.
 
-Finish: program t of the second kernel adds token t's partials, scales the mixes by the inverse
-RMS, runs split + Sinkhorn on values held by every thread (each of the 2 * iters steps is four
-sums of four, one approximate reciprocal per row or column and four products, no cross-thread
-traffic), forms the pre-weighted
-sum of the copies and its RMSNorm. Math is fp32; each boundary is two launches whose shapes depend
-on B only, allocating only outputs and a small workspace (CUDA-graph safe).
+Finish, per token: add the token's partials, scale the mixes by the inverse RMS, run split +
+Sinkhorn on values held by every thread (each of the 2 * iters steps is four sums of four, one
+approximate reciprocal per row or column and four products, no cross-thread traffic), form the
+pre-weighted sum of the copies and its RMSNorm. Up to ONE_LAUNCH_MAX_BATCH tokens the slices
+kernel runs it itself: each token's slices are programs of their own and the last of them to
+arrive (an arrival counter, as the split products use) finishes the token, so a boundary is one
+launch. Larger batches take a second kernel, one program a token, which keeps fn's block shared
+by TOKENS tokens in the first. Math is fp32; shapes depend on B only, only outputs and a small
+workspace are allocated (CUDA-graph safe).
 """
 from __future__ import annotations
 
@@ -23,10 +26,14 @@ import triton.language as tl
 
 from kernels.hc_mix.ref import KERNEL_HC as HC, SLICE, tiles
 from kernels.hc_sinkhorn.triton import _div, _sigmoid
+from kernels.arrival import arrives_last, split_counters
 
 WIDTH = (2 + HC) * HC  # mixes per token: pre, post, comb
 PARTS = 32  # partial sums per token and slice: the 24 mixes, the sum of squares, padding
-TOKENS = 4  # tokens per program of the first kernel: fn's block is loaded once for them
+TOKENS = 4  # tokens per program of the first kernel where a second finishes: fn's block is loaded once for them
+# Batches whose boundary is one launch (the slices' last arrival finishes each token): a token a
+# program re-reads fn's block per token, which small batches pay less for than a second launch.
+ONE_LAUNCH_MAX_BATCH = 4
 # Warps of the second kernel. Every warp runs the Sinkhorn chain on values all threads hold, so
 # warps that share a scheduler slow it down; 4 still spread the pre-weighted sum over D.
 FINISH_WARPS = 4
@@ -133,7 +140,10 @@ def _hc4_pre_post(mixes_row, scale_ptr, base_ptr, stride_mc, stride_scale, strid
 def _hc_mix_slices_kernel(
     streams_ptr, out_ptr, post_ptr, comb_ptr, fn_ptr, new_ptr, part_ptr,
     batch, stride_sb, stride_sh, stride_ob, stride_fn,
-    D: tl.constexpr, WRITE_BACK: tl.constexpr,
+    # FINISH only: the last of a token's slices to arrive finishes it (_finish_token's arguments)
+    counter_ptr, mixes_ptr, scale_ptr, base_ptr, weight_ptr, x_ptr, post_out_ptr, comb_out_ptr,
+    stride_cb, stride_ch, stride_scale, stride_base, hc_eps, hc_norm_eps, norm_eps,
+    D: tl.constexpr, WRITE_BACK: tl.constexpr, FINISH: tl.constexpr, ITERS: tl.constexpr,
     HC: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr, SLICE: tl.constexpr, TOKENS: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -142,7 +152,7 @@ def _hc_mix_slices_kernel(
     d = k - h * D
     rows = tl.arange(0, PARTS)
     fn = tl.load(fn_ptr + rows[:, None] * stride_fn + k[None, :], mask=(rows < WIDTH)[:, None], other=0.0).to(tl.float32)
-    slices = tl.num_programs(0)
+    SLICES: tl.constexpr = HC * D // SLICE
     for i in tl.static_range(TOKENS):
         token = tl.program_id(1) * TOKENS + i
         if token < batch:
@@ -161,7 +171,17 @@ def _hc_mix_slices_kernel(
             # The GEMV in fn's dtype, as the reference casts the copies to it first.
             dots = tl.sum(fn * x.to(fn_ptr.dtype.element_ty).to(tl.float32)[None, :], axis=1)
             parts = tl.where(rows == WIDTH, tl.sum(x * x, axis=0), dots)
-            tl.store(part_ptr + (t * slices + s) * PARTS + rows, parts)
+            tl.store(part_ptr + (t * SLICES + s) * PARTS + rows, parts)
+    if FINISH:  # TOKENS = 1: program (s, t) holds token t
+        counter = counter_ptr + tl.program_id(1)
+        if arrives_last(counter, SLICES):
+            _finish_token(
+                tl.program_id(1).to(tl.int64), part_ptr, mixes_ptr, new_ptr if WRITE_BACK else streams_ptr,
+                scale_ptr, base_ptr, weight_ptr, x_ptr, post_out_ptr, comb_out_ptr,
+                stride_cb, stride_ch, stride_scale, stride_base, hc_eps, hc_norm_eps, norm_eps,
+                D, SLICES, ITERS, HC, WIDTH, PARTS,
+            )
+            tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -173,15 +193,32 @@ def _hc_mix_finish_kernel(
     D: tl.constexpr, SLICES: tl.constexpr, ITERS: tl.constexpr,
     HC: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    _finish_token(
+        tl.program_id(0).to(tl.int64), part_ptr, mixes_ptr, copies_ptr, scale_ptr, base_ptr, weight_ptr,
+        x_ptr, post_ptr, comb_ptr, stride_cb, stride_ch, stride_scale, stride_base, hc_eps, hc_norm_eps, norm_eps,
+        D, SLICES, ITERS, HC, WIDTH, PARTS,
+    )
+
+
+@triton.jit
+def _finish_token(
+    t, part_ptr, mixes_ptr, copies_ptr, scale_ptr, base_ptr, weight_ptr,
+    x_ptr, post_ptr, comb_ptr,
+    stride_cb, stride_ch, stride_scale, stride_base,
+    hc_eps, hc_norm_eps, norm_eps,
+    D: tl.constexpr, SLICES: tl.constexpr, ITERS: tl.constexpr,
+    HC: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr,
+):
+    """Token t's mixes from its slices' partials, its post, comb and normed sublayer input."""
     # The copies and the norm weight are loaded first: their latency passes while the partials
     # are summed and the Sinkhorn chain runs (a program's work is one long dependent chain).
+    # .cg: other programs wrote the copies and the partials; read them from L2, not a stale L1 line.
     lanes = tl.arange(0, HC)
     d = tl.arange(0, D)  # D is a power of two (kernels.hc_mix.ref.tiles): one unmasked range
-    copies = tl.load(copies_ptr + t * stride_cb + lanes[:, None] * stride_ch + d[None, :])
+    copies = tl.load(copies_ptr + t * stride_cb + lanes[:, None] * stride_ch + d[None, :], cache_modifier=".cg")
     norm_weight = tl.load(weight_ptr + d)
     cols = tl.arange(0, PARTS)
-    parts = tl.load(part_ptr + (t * SLICES + tl.arange(0, SLICES))[:, None] * PARTS + cols[None, :])
+    parts = tl.load(part_ptr + (t * SLICES + tl.arange(0, SLICES))[:, None] * PARTS + cols[None, :], cache_modifier=".cg")
     sums = tl.sum(parts, axis=0)
     mean_square = tl.sum(tl.where(cols == WIDTH, sums, 0.0), axis=0) / (HC * D)
     mixes = sums * tl.math.rsqrt(mean_square + hc_norm_eps)
@@ -216,12 +253,14 @@ def hc_mix_triton(
     streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_weight: torch.Tensor,
     iters: int, hc_eps: float, hc_norm_eps: float, norm_eps: float,
     out: torch.Tensor | None = None, post: torch.Tensor | None = None, comb: torch.Tensor | None = None,
+    one_launch: bool | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(new streams or None, normed x [B, D], post [B, 4], comb [B, 4, 4]); with out/post/comb the
     write-back first (hc_post_pre_norm), without it hc_pre_norm. Shapes as checked by
     kernels.hc_mix.ref.check_hc_mix_inputs; D a multiple of SLICE with 4 * D / SLICE a power of two.
     The Sinkhorn steps divide by one approximate reciprocal per row or column (a few ulp from the
-    rounded quotients: _norm4 above)."""
+    rounded quotients: _norm4 above). one_launch: the slices kernel finishes every token itself
+    (default: up to ONE_LAUNCH_MAX_BATCH tokens) instead of a second kernel."""
     batch, hc, dim = streams.shape
     if hc != HC or not tiles(dim):
         raise ValueError(f"hc_mix (triton): needs hc = {HC} and D a multiple of {SLICE} with 4 * D / {SLICE} a power of two, got hc={hc}, D={dim}")
@@ -235,23 +274,27 @@ def hc_mix_triton(
     new = torch.empty((batch, HC, dim), dtype=streams.dtype, device=device) if write_back else None
     if batch == 0:
         return new, x, post_out, comb_out
+    if one_launch is None:
+        one_launch = batch <= ONE_LAUNCH_MAX_BATCH
     slices = HC * dim // SLICE
     part = torch.empty((batch, slices, PARTS), dtype=torch.float32, device=device)
     mixes = torch.empty((batch, PARTS), dtype=torch.float32, device=device)
     if write_back:
         post, comb = post.contiguous(), comb.contiguous()
-    _hc_mix_slices_kernel[(slices, triton.cdiv(batch, TOKENS))](
+    copies = new if write_back else streams
+    finish = (part, mixes, copies, scale, base, norm_weight, x, post_out, comb_out,
+              copies.stride(0), copies.stride(1), scale.stride(0), base.stride(0), hc_eps, hc_norm_eps, norm_eps)
+    tokens = 1 if one_launch else TOKENS
+    _hc_mix_slices_kernel[(slices, triton.cdiv(batch, tokens))](
         streams, out if write_back else streams, post if write_back else scale, comb if write_back else scale,
         fn, new if write_back else x, part,
         batch, streams.stride(0), streams.stride(1), out.stride(0) if write_back else 0, fn.stride(0),
-        D=dim, WRITE_BACK=write_back, HC=HC, WIDTH=WIDTH, PARTS=PARTS, SLICE=SLICE, TOKENS=TOKENS, num_warps=4,
+        split_counters(device, batch) if one_launch else part, *finish[1:2], *finish[3:],
+        D=dim, WRITE_BACK=write_back, FINISH=one_launch, ITERS=iters, HC=HC, WIDTH=WIDTH, PARTS=PARTS, SLICE=SLICE,
+        TOKENS=tokens, num_warps=4,
     )
-    copies = new if write_back else streams
-    _hc_mix_finish_kernel[(batch,)](
-        part, mixes, copies, scale, base, norm_weight,
-        x, post_out, comb_out,
-        copies.stride(0), copies.stride(1), scale.stride(0), base.stride(0),
-        hc_eps, hc_norm_eps, norm_eps,
-        D=dim, SLICES=slices, ITERS=iters, HC=HC, WIDTH=WIDTH, PARTS=PARTS, num_warps=FINISH_WARPS,
-    )
+    if not one_launch:
+        _hc_mix_finish_kernel[(batch,)](
+            *finish, D=dim, SLICES=slices, ITERS=iters, HC=HC, WIDTH=WIDTH, PARTS=PARTS, num_warps=FINISH_WARPS,
+        )
     return new, x, post_out, comb_out
