@@ -1,7 +1,6 @@
 """GPU benchmark of the router's product: fp32 rows times its bf16 weight (V4-Flash: 256 experts x
 4096), exact in fp32 as the official gate computes it. `linear` (the `v4::grouped_linear` op: the
-fp32 GEMV at one row, the dot kernel on three bf16 parts of the rows up to SPLIT_X_MAX_ROWS)
-against what runs without the op: cuBLAS's fp32 product of the weight upcast every call. The
+fp32 GEMV at one row, the library's product at more) against what runs without the op: cuBLAS's fp32 product of the weight upcast every call. The
 ways are timed in turn (interleaved graph replays, median of rounds) on rotating inputs; kernels
 per call from the profiler. Each way is checked against an fp64 product first."""
 from __future__ import annotations
@@ -40,7 +39,7 @@ def run(copy_gbs: float) -> str:
     return (
         f"## The router's product (fp32 rows x bf16 weight, {EXPERTS} x {DIM})\n\n"
         "One CUDA graph per input set, the two ways replayed in turn (median of rounds). 'op': `linear` "
-        "(one row: the fp32 GEMV; up to 16 rows: the dot kernel on three bf16 parts of the rows; more: "
+        "(one row: the fp32 GEMV; more: "
         "the library's product); 'cuBLAS of the upcast': `F.linear(x, w.float())`, the weight upcast "
         f"every call. Both matched an fp64 product within {TOLERANCE:g} of the output scale first.\n\n"
         + markdown_table(header, rows_out) + "\n"

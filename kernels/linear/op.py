@@ -24,7 +24,6 @@ from kernels.impl import COMMON_IMPLS, check_impl
 from kernels.linear.ref import (
     HALF_DTYPES,
     MAX_ROWS,
-    SPLIT_X_MAX_ROWS,
     check_grouped_inputs,
     check_linear_inputs,
     grouped_linear_reference,
@@ -38,8 +37,8 @@ IMPLS = COMMON_IMPLS
 
 def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a product runs the Triton kernel: a CUDA half-precision weight with K >= N (per
-    group), x in its dtype or in fp32 (`upcasts_weight`: with an fp16 weight one row only, else the
-    reference inside the op). Only then does `linear` go through the custom op (grouped products always do).
+    group), x in its dtype or in fp32 (`upcasts_weight`: one row only, else the reference inside
+    the op). Only then does `linear` go through the custom op (grouped products always do).
     Depends on the weight and the device only, never on the batch, so a graph compiled for a
     symbolic batch holds no batch-size guard for it."""
     return x.is_cuda and weight.dtype in HALF_DTYPES and weight.shape[-1] >= weight.shape[-2]
@@ -64,10 +63,8 @@ def _(x, weight):
 @grouped_linear_op.register_kernel("cuda")
 def _(x, weight):
     strided_k = x.stride(-1) != 1 or weight.stride(-1) != 1
-    rows_limit = MAX_ROWS
-    if upcasts_weight(x, weight):
-        # fp32 rows split into fp16 parts would lose what lies outside fp16's range.
-        rows_limit = SPLIT_X_MAX_ROWS if weight.dtype == torch.bfloat16 else 1
+    # An upcast weight takes the GEMV (one row); more rows keep the library's fp32 product.
+    rows_limit = 1 if upcasts_weight(x, weight) else MAX_ROWS
     if not takes_kernel(x, weight) or x.shape[0] > rows_limit or strided_k:
         return _contiguous_reference(x, weight)
     from kernels.linear.triton import linear_triton  # triton only where the kernel runs

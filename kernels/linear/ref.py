@@ -10,10 +10,6 @@ import torch.nn.functional as F
 # cuBLAS, which is compute-efficient there and has no reason to split K.
 MAX_ROWS = 64
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-# fp32 rows with a half weight take the kernel (x split into three parts) up to one 16-row tile:
-# every program reads all of x's K from L2 (4 bytes a value), which at 64 rows outweighs the
-# weight it streams, and the larger tiles' three parts spill registers.
-SPLIT_X_MAX_ROWS = 16
 
 
 def grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from kernels.linear.ref import MAX_ROWS, SPLIT_X_MAX_ROWS, upcasts_weight
+from kernels.linear.ref import MAX_ROWS, upcasts_weight
 from kernels.triton_util import dot_precision, interpreting, num_sms
 
 
@@ -39,7 +39,6 @@ def _linear_kernel(
     rows, N, K,
     stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    SPLIT_X: tl.constexpr,
 ):
     group = tl.program_id(1).to(tl.int64)
     x_ptr += group * stride_xg
@@ -57,18 +56,7 @@ def _linear_kernel(
         k_ok = (k0 + ks) < K
         x = tl.load(x_tile + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_tile + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if SPLIT_X:
-            # fp32 rows as the sum of three parts in the weight's dtype (exact for bf16: 3 x 8
-            # significand bits), each part's product exact on the tensor cores.
-            hi = x.to(w.dtype)
-            rest = x - hi.to(tl.float32)
-            mid = rest.to(w.dtype)
-            lo = (rest - mid.to(tl.float32)).to(w.dtype)
-            acc = tl.dot(lo, tl.trans(w), acc)
-            acc = tl.dot(mid, tl.trans(w), acc)
-            acc = tl.dot(hi, tl.trans(w), acc)
-        else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     out = out_ptr + row[:, None] * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -116,7 +104,7 @@ def _short_bench(kernel_call, quantiles):
 
 
 _linear_autotuned = triton.autotune(
-    configs=_CONFIGS, key=["BLOCK_M", "N", "K", "SPLIT_X"], do_bench=_short_bench, cache_results=True
+    configs=_CONFIGS, key=["BLOCK_M", "N", "K"], do_bench=_short_bench, cache_results=True
 )(_linear_kernel)
 _INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32}
 
@@ -149,17 +137,15 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, one_row_gemv: bool | No
     out[:, g] = x[:, g] @ weight[g]^T. K must be contiguous in both. Allocates only the output
     (CUDA-graph safe). one_row_gemv: None lets `takes_gemv` choose between the GEMV and the dot
     kernel for one row; True or False forces it (benchmarks). An fp32 x with a half weight
-    (`upcasts_weight`): one row through the GEMV (fp32 math throughout) unless one_row_gemv is
-    False; the dot kernel multiplies x as three parts in the weight's dtype that sum to it (exact
-    for bf16; fp16 parts lose what lies outside fp16's range), fp32 to within summation order."""
+    (`upcasts_weight`) takes one row, always through the GEMV, whose math is fp32 throughout."""
     rows, groups, k = x.shape
     n = weight.shape[1]
     if rows > MAX_ROWS:
         raise ValueError(f"linear (triton): at most {MAX_ROWS} rows, got {rows}")
-    split_x = upcasts_weight(x, weight)
-    if split_x and rows > SPLIT_X_MAX_ROWS:
-        raise ValueError(f"linear (triton): an fp32 x with a {weight.dtype} weight takes at most {SPLIT_X_MAX_ROWS} rows, got {rows}")
-    if split_x and rows == 1 and one_row_gemv is None:
+    if upcasts_weight(x, weight):
+        if rows > 1 or one_row_gemv is False:
+            raise ValueError(f"linear (triton): an fp32 x with a {weight.dtype} weight takes one row, through the GEMV; "
+                             f"got {rows} rows, one_row_gemv={one_row_gemv}")
         one_row_gemv = True
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("linear (triton): x and weight must be contiguous along K")
@@ -170,7 +156,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, one_row_gemv: bool | No
         _launch_gemv(x, weight, out)
         return out
     args = (x, weight, out, rows, n, k, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1))
-    meta = dict(BLOCK_M=row_tile(rows), PRECISION=dot_precision(x.dtype), SPLIT_X=split_x)
+    meta = dict(BLOCK_M=row_tile(rows), PRECISION=dot_precision(x.dtype))
     if interpreting():
         grid = (triton.cdiv(n, _INTERPRETER_CONFIG["BLOCK_N"]), groups)
         _linear_kernel[grid](*args, **meta, **_INTERPRETER_CONFIG)
