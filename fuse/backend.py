@@ -44,6 +44,10 @@ def compile_backend(
     if device.type == "cpu":
         # Names the C++ kernels in profiler traces (launch accounting); costs nothing unprofiled.
         config["cpp.enable_kernel_profile"] = True
+    else:
+        # Each generated kernel a programmatic dependent launch (Inductor writes it for Hopper and
+        # later only): it starts while the kernel before it drains (`fuse bench --variants fuse,fuse-no-pdl`).
+        config["triton.enable_pdl"] = True
     config.update(options.inductor_options or {})
     config["post_grad_custom_pre_pass"] = _OriginComments(SkinnyProducts(options.skinny_product_columns))
 

@@ -15,9 +15,9 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
                    compiled on their own (not run by default).
   fuse-batch1-shared `fuse.compile_decode(batch_one_shared=True)`: batch 1 in the symbolic
                    batch's graph, one compile per layer kind (not run by default).
-  fuse-pdl         `fuse` with Inductor's programmatic dependent launch (`triton.enable_pdl`): on
-                   Hopper and later each generated kernel starts while the one before it ends
-                   (not run by default).
+  fuse-no-pdl      `fuse` without Inductor's programmatic dependent launch (`triton.enable_pdl`,
+                   on by default on CUDA: on Hopper and later each generated kernel starts while
+                   the one before it ends; not run by default).
   fuse-combo       `fuse` with Inductor's combo kernels (`combo_kernels`): independent small
                    kernels of a graph (cache writes, state updates) launched as one (not run by
                    default).
@@ -61,14 +61,14 @@ from model.parallel import ParallelError
 
 VARIANTS = (
     "eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-nested", "fuse-regional",
-    "fuse-batch1-shared", "fuse-pdl", "fuse-combo",
+    "fuse-batch1-shared", "fuse-no-pdl", "fuse-combo",
 )
 # The compile_decode variants and the CompileOptions each asks for (the module docstring says what each is).
 COMPILE_DECODE_VARIANTS = {
     "fuse": {}, "fuse-static": {"dynamic_batch": False},
     "fuse-nested": {"compilation": "nested"}, "fuse-regional": {"compilation": "regional"},
     "fuse-batch1-shared": {"batch_one_shared": True},
-    "fuse-pdl": {"inductor_options": {"triton.enable_pdl": True}},
+    "fuse-no-pdl": {"inductor_options": {"triton.enable_pdl": False}},
     "fuse-combo": {"inductor_options": {"combo_kernels": True}},
 }
 DEFAULT_VARIANTS = VARIANTS[:4]

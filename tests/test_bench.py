@@ -158,7 +158,7 @@ def test_inductor_options_on_the_command_line():
 
 
 def test_variants_own_inductor_patches_join_the_runs(monkeypatch):
-    """fuse-pdl and fuse-combo compile with their Inductor setting on top of --inductor-option's;
+    """fuse-no-pdl and fuse-combo compile with their Inductor setting on top of --inductor-option's;
     plain fuse with the run's only."""
     seen = {}
 
@@ -175,10 +175,10 @@ def test_variants_own_inductor_patches_join_the_runs(monkeypatch):
     monkeypatch.setattr(bench, "compile_decode", compile_decode)
     decoder = types.SimpleNamespace(device=torch.device("cpu"))
     run = (("combo_kernels", False), ("max_fusion_size", 8))
-    for name in ("fuse", "fuse-pdl", "fuse-combo"):
+    for name in ("fuse", "fuse-no-pdl", "fuse-combo"):
         bench.build_variant(name, decoder, (1,), lambda batch: (), run)
     assert seen[0]["inductor_options"] == {"combo_kernels": False, "max_fusion_size": 8}
-    assert seen[1]["inductor_options"] == {"combo_kernels": False, "max_fusion_size": 8, "triton.enable_pdl": True}
+    assert seen[1]["inductor_options"] == {"combo_kernels": False, "max_fusion_size": 8, "triton.enable_pdl": False}
     assert seen[2]["inductor_options"] == {"combo_kernels": True, "max_fusion_size": 8}
     assert all("compile" not in options and options["buckets"] == (1,) for options in seen.values())
 

@@ -208,6 +208,15 @@ def test_inductor_options_reach_the_backend_last():
     assert compile_backend(fuse.CompileOptions(), torch.device("cuda")).config_patches["split_reductions"] is False
 
 
+def test_programmatic_dependent_launch_is_on_for_cuda_and_can_be_turned_off():
+    from fuse.backend import compile_backend
+
+    assert compile_backend(fuse.CompileOptions(), torch.device("cuda")).config_patches["triton.enable_pdl"] is True
+    assert "triton.enable_pdl" not in compile_backend(fuse.CompileOptions(), torch.device("cpu")).config_patches
+    off = fuse.CompileOptions(inductor_options={"triton.enable_pdl": False})
+    assert compile_backend(off, torch.device("cuda")).config_patches["triton.enable_pdl"] is False
+
+
 def test_the_compile_pool_starts_ahead_only_for_gpu_compiles(monkeypatch):
     """warm_compile_pool starts Inductor's pool of Triton compile processes for a CUDA device
     (torch's own backend does at its first call) and leaves the CPU's C++ compiles alone."""
