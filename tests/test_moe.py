@@ -234,6 +234,38 @@ def test_routing_and_quantisation_in_one_launch_equal_the_two_launches(batch, sh
     assert torch.equal(values.float(), reference_values.float()) and torch.equal(scales, reference_scales.float())
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_values_in_fragment_order_are_the_e4m3_values_as_fp16_each_8_rotated(one_launch):
+    """What the Gluon FP4 product reads: the quantised values as fp16 (exactly the e4m3 values),
+    each 8 inputs 4h + 2n + s at position 4s + 2h + n; the scales as in e4m3 order. Both ways
+    of quantising x (in the routing launch, and after it where the routing takes the torch path)."""
+    batch = 3 if one_launch else 1 + moe_triton.MAX_PAIRS_ONE_PROGRAM // 6
+    ids, _ = routing("random", batch, 6, 16, "cpu", seed=140)
+    x = torch.randn(batch, 384) * torch.rand(batch, 1) * 8
+    assert moe_triton.routes_in_one_program(ids, -1) == one_launch
+    _, values, scales = route_and_quantise(x, ids, 16, 16, -1, True, fragment_order=True)
+    expected_values, expected_scales = act_quant_triton(x, True)
+    assert values.dtype == torch.float16 and torch.equal(scales, expected_scales)
+    i = torch.arange(8)
+    h, n, s = i >> 2, (i >> 1) & 1, i & 1
+    position = 4 * s + 2 * h + n
+    placed = torch.empty_like(values)
+    placed.view(-1, 8)[:, position] = expected_values.float().half().view(-1, 8)
+    assert torch.equal(values, placed)
+    assert not torch.equal(values, expected_values.float().half())  # the order is not the identity
+
+
+def test_triton_products_refuse_the_mma_products_lean_loop():
+    from kernels.moe.scaled import ScaledTiles, moe_experts_scaled_triton
+
+    w1, w2, w3, scales = scaled_experts("fp4", E8M0, 4, 256, 256, "cpu", seed=150)
+    ids, weights = routing("random", 2, 2, 4, "cpu", seed=151)
+    with pytest.raises(ValueError, match="lean_loop"):
+        moe_experts_scaled_triton(torch.randn(2, 256), ids, weights, w1, w2, w3, scales, LIMIT,
+                                  tiles=ScaledTiles(down_block_n=64, lean_loop=True))
+
+
 def test_bad_input_raises():
     w1, w2, w3 = expert_weights(4, 32, 16, torch.float32, "cpu", seed=70)
     ids, weights = routing("random", 3, 2, 4, "cpu", seed=71)
@@ -676,6 +708,29 @@ def test_scaled_mma_product_matches_reference(flash_scaled, batch, pattern, spli
         ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared_expert, scales)
         assert_scaled_close(out, ref, torch.bfloat16)
         assert torch.equal(moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert, tiles=tiles), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_scaled_mma_lean_loop_gives_the_default_loops_result(flash_scaled, batch):
+    """`ScaledTiles.lean_loop` (scales in PTX, activations as fp16 in fragment order) computes the
+    same products in the same order: bit for bit the default loop's, and the reference's within
+    tolerance, with and without the shared expert."""
+    from kernels.moe.scaled_gluon import choose_mma_tiles, moe_experts_scaled_mma
+
+    w1, w2, w3, scales = flash_scaled
+    if w1.dtype != torch.uint8:
+        pytest.skip("the mma product takes FP4 experts")
+    c = SCALED_FLASH
+    x, ids, weights = scaled_flash_inputs(batch, 380 + batch, "random")
+    for shared_expert in (-1, c["num_experts"] - 1):
+        pairs = batch * (c["picks"] + (shared_expert >= 0))
+        tiles = choose_mma_tiles(pairs, c["num_experts"], c["dim"], c["inter"], torch.cuda.get_device_properties(0).multi_processor_count)
+        default = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert, tiles=tiles)
+        lean = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert,
+                                      tiles=dataclasses.replace(tiles, lean_loop=True))
+        assert torch.equal(lean, default)
+        assert_scaled_close(lean, moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared_expert, scales), torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -2,7 +2,12 @@
 of activations -> e4m3 values (1 byte a value) and one fp32 scale per 128, bit for bit the
 reference's. The block-scaled linear runs it from more than a few rows, the block-scaled experts
 once per token; both read the e4m3 values back, so the rounding runs once per value and every
-reader moves 1 byte a value."""
+reader moves 1 byte a value.
+
+In fragment order (the FP4 experts' tensor-core product, kernels/moe/scaled_gluon.py) the values
+are stored as fp16 (every e4m3 value is one, exactly), each 8 inputs 4h + 2n + s at position
+4s + 2h + n: the order in which a thread of that product holds them in its instruction registers,
+so that one 16-byte load fills them, with no conversion, byte permute or move a step."""
 from __future__ import annotations
 
 import torch
@@ -16,16 +21,28 @@ BLOCKS_PER_PROGRAM = 8  # 128-blocks a program quantises (a row of V4-Flash's 40
 
 
 @triton.jit
-def act_quant_program(x_ptr, values_ptr, scales_ptr, row, chunk, K_BLOCKS, stride_xm, POW2: tl.constexpr, BLOCKS: tl.constexpr):
-    """act_quant of 128-blocks [chunk * BLOCKS, (chunk + 1) * BLOCKS) of one row: e4m3 values
-    [M, K] and fp32 scales [M, K_BLOCKS]."""
+def store_values(row_ptr, ks, values, mask, FRAGMENT_ORDER: tl.constexpr):
+    """Quantised values (e4m3-rounded fp32) of inputs ks into a row: e4m3 at ks, or in fragment
+    order fp16 at ks with its three low bits rotated right by one."""
+    if FRAGMENT_ORDER:
+        at = (ks & ~7) | ((ks >> 1) & 3) | ((ks & 1) << 2)
+        tl.store(row_ptr + at, values.to(tl.float16), mask=mask)
+    else:
+        tl.store(row_ptr + ks, values.to(tl.float8e4nv), mask=mask)
+
+
+@triton.jit
+def act_quant_program(x_ptr, values_ptr, scales_ptr, row, chunk, K_BLOCKS, stride_xm, POW2: tl.constexpr, BLOCKS: tl.constexpr,
+                      FRAGMENT_ORDER: tl.constexpr):
+    """act_quant of 128-blocks [chunk * BLOCKS, (chunk + 1) * BLOCKS) of one row: values [M, K]
+    (store_values) and fp32 scales [M, K_BLOCKS]."""
     row = row.to(tl.int64)
     blocks = chunk * BLOCKS + tl.arange(0, BLOCKS)
     ok = blocks < K_BLOCKS
     ks = blocks[:, None] * 128 + tl.arange(0, 128)[None, :]
     x = tl.load(x_ptr + row * stride_xm + ks, mask=ok[:, None], other=0.0).to(tl.float32)
     values, scale = act_quant_rows(x, POW2)
-    tl.store(values_ptr + row * K_BLOCKS * 128 + ks, values.to(tl.float8e4nv), mask=ok[:, None])
+    store_values(values_ptr + row * K_BLOCKS * 128, ks, values, ok[:, None], FRAGMENT_ORDER)
     tl.store(scales_ptr + row * K_BLOCKS + blocks, scale, mask=ok)
 
 
@@ -33,21 +50,29 @@ def act_quant_program(x_ptr, values_ptr, scales_ptr, row, chunk, K_BLOCKS, strid
 def _act_quant_kernel(
     x_ptr, values_ptr, scales_ptr,
     K_BLOCKS, stride_xm,
-    POW2: tl.constexpr, BLOCKS: tl.constexpr,
+    POW2: tl.constexpr, BLOCKS: tl.constexpr, FRAGMENT_ORDER: tl.constexpr,
 ):
-    act_quant_program(x_ptr, values_ptr, scales_ptr, tl.program_id(0), tl.program_id(1), K_BLOCKS, stride_xm, POW2, BLOCKS)
+    act_quant_program(x_ptr, values_ptr, scales_ptr, tl.program_id(0), tl.program_id(1), K_BLOCKS, stride_xm, POW2, BLOCKS,
+                      FRAGMENT_ORDER)
 
 
-def act_quant_triton(rows: torch.Tensor, pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def values_buffer(m: int, k: int, fragment_order: bool, device: torch.device) -> torch.Tensor:
+    """Where quantised values [m, k] go: e4m3, or fp16 in fragment order."""
+    return torch.empty((m, k), dtype=torch.float16 if fragment_order else torch.float8_e4m3fn, device=device)
+
+
+def act_quant_triton(rows: torch.Tensor, pow2: bool = True, fragment_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [M, K] (K a multiple of 128, any strides: copied only where K is not contiguous) ->
-    (e4m3 values [M, K], fp32 scales [M, K / 128]), bit for bit ref.act_quant's."""
+    (e4m3 values [M, K], fp32 scales [M, K / 128]), bit for bit ref.act_quant's; with
+    fragment_order the values as fp16 in fragment order (the module's docstring)."""
     if rows.stride(-1) != 1:
         rows = rows.contiguous()  # the kernel reads each row's blocks at unit stride
     m, k = rows.shape
     k_blocks = k // FP8_BLOCK
-    values = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=rows.device)
+    values = values_buffer(m, k, fragment_order, rows.device)
     scales = torch.empty((m, k_blocks), dtype=torch.float32, device=rows.device)
     if m:
         grid = (m, triton.cdiv(k_blocks, BLOCKS_PER_PROGRAM))
-        _act_quant_kernel[grid](rows, values, scales, k_blocks, rows.stride(0), POW2=pow2, BLOCKS=BLOCKS_PER_PROGRAM)
+        _act_quant_kernel[grid](rows, values, scales, k_blocks, rows.stride(0), POW2=pow2, BLOCKS=BLOCKS_PER_PROGRAM,
+                                FRAGMENT_ORDER=fragment_order)
     return values, scales

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from kernels.arrival import arrives_last, split_counters
-from kernels.blockscale.act_quant_pass import BLOCKS_PER_PROGRAM, act_quant_program, act_quant_triton
+from kernels.blockscale.act_quant_pass import BLOCKS_PER_PROGRAM, act_quant_program, act_quant_triton, store_values, values_buffer
 from kernels.blockscale.device import act_quant_rows, e2m1_pairs_to_fp16, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.moe.ref import SharedExpertWeights, check_shared_expert
@@ -87,6 +87,9 @@ class ScaledTiles:
     num_stages: int = 3  # Triton's pipeline stages; the Gluon products' steps in shared memory
     product: str = "dot_scaled"
     up_split: int = 1  # K of the gate/up product split this many ways (few experts picked)
+    # The "mma" product's inner loop with fewer instructions (kernels/moe/scaled_gluon.py): the
+    # weight scales' exponents in PTX, the activations as fp16 in fragment order. Same results.
+    lean_loop: bool = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -257,13 +260,15 @@ def _load_partial(partial_ptr, pair, row_ok, offs_n, split, split_stride, inter,
 def gate_up_epilogue(
     gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n, inter, swiglu_limit,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr, POW2: tl.constexpr,
+    FRAGMENT_ORDER: tl.constexpr,
 ):
-    """The tile's weighted SwiGLU, rounded to x's dtype, act_quant'ed into hq (e4m3) and hs."""
+    """The tile's weighted SwiGLU, rounded to x's dtype, act_quant'ed into hq (e4m3, or fp16 in
+    fragment order: store_values) and hs."""
     h = _routed_swiglu(gate, up, x_ptr, route_w_ptr, token, pair, row_ok, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT)
     h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded to x's dtype, as the reference
     hq, hs = act_quant_rows(h, POW2)  # the tile is one whole activation block of each row
     pair = pair.to(tl.int64)
-    tl.store(hq_ptr + pair[:, None] * inter + offs_n[None, :], hq.to(tl.float8e4nv), mask=row_ok[:, None])
+    store_values(hq_ptr + pair[:, None] * inter, offs_n[None, :], hq, row_ok[:, None], FRAGMENT_ORDER)
     tl.store(hs_ptr + pair * (inter // ACT_BLOCK) + tile_n, hs, mask=row_ok)
 
 
@@ -299,7 +304,7 @@ def _scaled_gate_up_kernel(
         )
         if SPLIT == 1:
             gate_up_epilogue(gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n,
-                             inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2)
+                             inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, False)
         else:
             store_partials(gate, up, partial_ptr, pair, row_ok, offs_n, split, split_stride, inter)
     if SPLIT > 1:
@@ -311,7 +316,7 @@ def _scaled_gate_up_kernel(
                 row_ok, pair = _segment_rows(sorted_pair_ptr, segment, first, rows, SEGMENT)
                 gate, up = summed_partials(partial_ptr, pair, row_ok, offs_n, split_stride, inter, SPLIT)
                 gate_up_epilogue(gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, pair // PAIRS_PER_TOKEN, pair, row_ok,
-                                 offs_n, tile_n, inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2)
+                                 offs_n, tile_n, inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, False)
             tl.atomic_xchg(counter, 0)
 
 
@@ -376,11 +381,11 @@ class ScaledLaunch:
     quantised activations, the pairs grouped by expert, the buffers between the kernels and the
     gate/up product's K split (with its scratch and arrival counters)."""
 
-    xq: torch.Tensor  # act_quant(x): e4m3 values [B, D]
+    xq: torch.Tensor  # act_quant(x): e4m3 values [B, D] (fp16 in fragment order for the Gluon product)
     xs: torch.Tensor  # and their scales [B, D / 128]
     segments: PairBlocks
     route_w: torch.Tensor  # routing weights, flat fp32
-    hq: torch.Tensor  # act_quant of the weighted SwiGLU: e4m3 [pairs, I]
+    hq: torch.Tensor  # act_quant of the weighted SwiGLU: [pairs, I], as xq
     hs: torch.Tensor  # fp32 [pairs, I / 128]
     y: torch.Tensor  # each pair's down product [pairs, D], x's dtype
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # as the kernels read them (_kernel_scale)
@@ -398,6 +403,7 @@ def _route_and_quant_kernel(
     x_ptr, values_ptr, scales_ptr, K_BLOCKS, stride_xm, CHUNKS,
     BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, POW2: tl.constexpr, BLOCKS: tl.constexpr,
+    FRAGMENT_ORDER: tl.constexpr,
 ):
     """Program 0 routes the pairs (_route_pairs_kernel); program 1 + r * CHUNKS + c quantises
     chunk c of x's row r (act_quant_program): two independent steps, one launch."""
@@ -408,43 +414,47 @@ def _route_and_quant_kernel(
                             BLOCK_M, PAIRS, EXPERTS, BLOCKS_PER_STEP, PICKS, PAIRS_PER_TOKEN)
     else:
         act_quant_program(x_ptr, values_ptr, scales_ptr, (pid - 1) // CHUNKS, (pid - 1) % CHUNKS, K_BLOCKS, stride_xm,
-                          POW2, BLOCKS)
+                          POW2, BLOCKS, FRAGMENT_ORDER)
 
 
 def route_and_quantise(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert: int,
-                       pow2: bool) -> tuple[PairBlocks, torch.Tensor, torch.Tensor]:
-    """route_pairs(expert_ids, ...) and act_quant_triton(x, pow2), bit for bit, in one launch
-    where the routing is one program's (at decode: one kernel less a layer); else the two calls."""
+                       pow2: bool, fragment_order: bool = False) -> tuple[PairBlocks, torch.Tensor, torch.Tensor]:
+    """route_pairs(expert_ids, ...) and act_quant_triton(x, pow2, fragment_order), bit for bit, in
+    one launch where the routing is one program's (at decode: one kernel less a layer); else the
+    two calls."""
     if not routes_in_one_program(expert_ids, shared_expert):
-        return route_pairs(expert_ids, num_experts, block_m, "auto", shared_expert), *act_quant_triton(x, pow2)
+        return (route_pairs(expert_ids, num_experts, block_m, "auto", shared_expert),
+                *act_quant_triton(x, pow2, fragment_order))
     if x.stride(-1) != 1:
         x = x.contiguous()  # the quantisation reads each row's blocks at unit stride
     blocks, route_args, route_meta = routing_launch(expert_ids, num_experts, block_m, shared_expert)
     rows, k = x.shape
     k_blocks = k // FP8_BLOCK
-    values = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    values = values_buffer(rows, k, fragment_order, x.device)
     scales = torch.empty((rows, k_blocks), dtype=torch.float32, device=x.device)
     chunks = triton.cdiv(k_blocks, BLOCKS_PER_PROGRAM)
     _route_and_quant_kernel[(1 + rows * chunks,)](
         *route_args, x, values, scales, k_blocks, x.stride(0), chunks,
-        **route_meta, POW2=pow2, BLOCKS=BLOCKS_PER_PROGRAM, num_warps=4,
+        **route_meta, POW2=pow2, BLOCKS=BLOCKS_PER_PROGRAM, FRAGMENT_ORDER=fragment_order, num_warps=4,
     )
     return blocks, values, scales
 
 
-def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=False) -> ScaledLaunch:
+def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=False,
+                   fragment_order=False) -> ScaledLaunch:
     """The routing, the activations' quantisation and the buffers of one call (batch > 0);
-    partial_tiles: the gate/up scratch and arrival counters even without a K split."""
+    partial_tiles: the gate/up scratch and arrival counters even without a K split;
+    fragment_order: xq and hq as fp16 in fragment order (kernels/blockscale/act_quant_pass.py)."""
     batch, dim = x.shape
     picks = expert_ids.shape[1]
     pairs_per_token = picks + (shared_expert >= 0)
     num_experts, inter = w1.shape[:2]
     num_pairs = batch * pairs_per_token
-    segments, xq, xs = route_and_quantise(x, expert_ids, num_experts, SEGMENT_ROWS, shared_expert, pow2)
+    segments, xq, xs = route_and_quantise(x, expert_ids, num_experts, SEGMENT_ROWS, shared_expert, pow2, fragment_order)
     k_blocks = dim // FP8_BLOCK
     per_split = triton.cdiv(k_blocks, min(max(1, tiles.up_split), k_blocks))
     split = triton.cdiv(k_blocks, per_split)  # no split left without blocks
-    hq = torch.empty((num_pairs, inter), dtype=torch.float8_e4m3fn, device=x.device)
+    hq = values_buffer(num_pairs, inter, fragment_order, x.device)
     partials, counters = hq, hq  # unused without a split or partial_tiles
     if split > 1 or partial_tiles:
         partials = torch.empty((split, num_pairs, 2, inter), dtype=torch.float32, device=x.device)
@@ -509,6 +519,8 @@ def moe_experts_scaled_triton(
     def launch_products(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
         if tiles.product not in TRITON_PRODUCTS:
             raise ValueError(f"moe_experts (triton): product must be one of {TRITON_PRODUCTS}, got {tiles.product!r}")
+        if tiles.lean_loop:
+            raise ValueError("moe_experts (triton): lean_loop is the mma product's (kernels/moe/scaled_gluon.py)")
         run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles)
         num_experts, inter = w1.shape[:2]
         dim = x.shape[1]
