@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.arrival import arrives_last, split_counters
 from kernels.hc_mix.ref import KERNEL_HC as HC, SLICE, tiles
 from kernels.hc_sinkhorn.triton import _div, _sigmoid
-from kernels.arrival import arrives_last, split_counters
 
 WIDTH = (2 + HC) * HC  # mixes per token: pre, post, comb
 PARTS = 32  # partial sums per token and slice: the 24 mixes, the sum of squares, padding
@@ -282,19 +282,20 @@ def hc_mix_triton(
     if write_back:
         post, comb = post.contiguous(), comb.contiguous()
     copies = new if write_back else streams
-    finish = (part, mixes, copies, scale, base, norm_weight, x, post_out, comb_out,
-              copies.stride(0), copies.stride(1), scale.stride(0), base.stride(0), hc_eps, hc_norm_eps, norm_eps)
+    # What finishing a token reads besides its partials, the mixes' workspace and the copies, and writes.
+    finish_rest = (scale, base, norm_weight, x, post_out, comb_out,
+                   copies.stride(0), copies.stride(1), scale.stride(0), base.stride(0), hc_eps, hc_norm_eps, norm_eps)
     tokens = 1 if one_launch else TOKENS
     _hc_mix_slices_kernel[(slices, triton.cdiv(batch, tokens))](
         streams, out if write_back else streams, post if write_back else scale, comb if write_back else scale,
         fn, new if write_back else x, part,
         batch, streams.stride(0), streams.stride(1), out.stride(0) if write_back else 0, fn.stride(0),
-        split_counters(device, batch) if one_launch else part, *finish[1:2], *finish[3:],
+        split_counters(device, batch) if one_launch else part, mixes, *finish_rest,
         D=dim, WRITE_BACK=write_back, FINISH=one_launch, ITERS=iters, HC=HC, WIDTH=WIDTH, PARTS=PARTS, SLICE=SLICE,
         TOKENS=tokens, num_warps=4,
     )
     if not one_launch:
         _hc_mix_finish_kernel[(batch,)](
-            *finish, D=dim, SLICES=slices, ITERS=iters, HC=HC, WIDTH=WIDTH, PARTS=PARTS, num_warps=FINISH_WARPS,
+            part, mixes, copies, *finish_rest, D=dim, SLICES=slices, ITERS=iters, HC=HC, WIDTH=WIDTH, PARTS=PARTS, num_warps=FINISH_WARPS,
         )
     return new, x, post_out, comb_out
