@@ -223,25 +223,9 @@ def _value_groups(values, TOKENS: gl.constexpr, MMA: gl.constexpr, LEAN_LOOP: gl
 # Four ue8m0 bytes ($4) -> the fp32s with exponent fields min(e, 241) + 14 ($0..$3, in byte
 # order): each byte zero-extended by a byte permute, clamped, shifted into the exponent and
 # offset by 14 there.
-_E8M0_TO_SCALE = gl.constexpr("""{
-.reg .b32 t;
-prmt.b32 t, $4, 0, 0x4440;
-min.u32 t, t, 241;
-shl.b32 t, t, 23;
-add.u32 $0, t, 0x07000000;
-prmt.b32 t, $4, 0, 0x4441;
-min.u32 t, t, 241;
-shl.b32 t, t, 23;
-add.u32 $1, t, 0x07000000;
-prmt.b32 t, $4, 0, 0x4442;
-min.u32 t, t, 241;
-shl.b32 t, t, 23;
-add.u32 $2, t, 0x07000000;
-prmt.b32 t, $4, 0, 0x4443;
-min.u32 t, t, 241;
-shl.b32 t, t, 23;
-add.u32 $3, t, 0x07000000;
-}""")
+_E8M0_TO_SCALE = gl.constexpr("{\n.reg .b32 t;\n" + "".join(
+    f"prmt.b32 t, $4, 0, 0x444{i};\nmin.u32 t, t, 241;\nshl.b32 t, t, 23;\nadd.u32 ${i}, t, 0x07000000;\n" for i in range(4)
+) + "}")
 
 
 @gluon.jit
