@@ -32,7 +32,7 @@ from torch import nn
 
 from fuse.padding import Inputs, with_padding
 from kernels.linear import MAX_ROWS
-from model import Decoder
+from model import Decoder, ModelConfig
 
 NOISE_FACTOR = 2.0
 # Per dtype: the bound on the median row and on the worst row when the eager step's noise is
@@ -184,12 +184,18 @@ class StreamedReference(Decoder):
 
 def without_qat(model: Decoder) -> Decoder:
     """`model` with QAT off, for the checks that must be exact (compiled fp32 against eager fp32):
-    a Decoder of its config with qat=False that shares its parameters (no copy) and holds its own
-    caches and states, copied from `model`'s. Not every QAT rounding lands in a cache: the
-    indexer's FP4 query is rounded and dropped, so a flip there moves the top-k selection, and the
-    logits, with no trace for `rounding_flips` to see."""
+    `sharing_weights` with qat=False. Not every QAT rounding lands in a cache: the indexer's FP4
+    query is rounded and dropped, so a flip there moves the top-k selection, and the logits, with
+    no trace for `rounding_flips` to see."""
+    return sharing_weights(model, model.config.replace(qat=False))
+
+
+def sharing_weights(model: Decoder, config: ModelConfig | None = None) -> Decoder:
+    """A Decoder of `config` (default: `model`'s) that shares `model`'s parameters (no copy) and
+    holds its own caches and states, copied from `model`'s: a second decoder at the memory cost of
+    its caches."""
     twin = Decoder(
-        model.config.replace(qat=False), model.max_batch, model.max_seq_len, dtype=model.dtype, device="meta",
+        config or model.config, model.max_batch, model.max_seq_len, dtype=model.dtype, device="meta",
         check_device_values=model.check_device_values, parallel=getattr(model, "parallel", None),
     )
     source = dict(model.named_modules())

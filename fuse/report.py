@@ -20,7 +20,8 @@ import torch
 from fuse.floor import copy_bandwidth_gbs, step_floor
 from fuse.launches import CATEGORIES, LaunchReport, count_launches, diff_markdown, time_markdown
 from fuse.numerics import (
-    StreamedReference, Verdict, check_step, copy_state, fp32_reference, judge, one_step_errors, relative_error, without_qat,
+    StreamedReference, Verdict, check_step, copy_state, fp32_reference, judge, one_step_errors, relative_error, sharing_weights,
+    without_qat,
 )
 from fuse.ranks import gather_to_first, launched_ranks
 from fuse.runner import compile_decode
@@ -62,8 +63,7 @@ def run_report(settings: ReportSettings) -> dict:
         os.makedirs(folder, exist_ok=True)
     shape = dict(max_batch=settings.batch, max_seq_len=max(64, settings.steps + 8), dtype=settings.dtype, device=device)
     eager = Decoder(cfg, parallel=parallel, **shape).init_random(settings.seed)
-    compiled_model = Decoder(cfg, parallel=parallel, **shape)
-    compiled_model.load_state_dict(eager.state_dict())
+    compiled_model = sharing_weights(eager)  # its own caches, the weights once: the widths that fit one decoder fit both
 
     dump_dir, inspection = None, "skipped: --no-inspect"
     if not writes:

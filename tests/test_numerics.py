@@ -8,6 +8,7 @@ import torch
 
 from fuse.numerics import (
     MIN_ROWS, QAT_FLIP_BOUND, WORST_FLOOR, Check, RoundingFlips, check_step, copy_state, fp32_reference, judge,
+    sharing_weights,
     without_qat,
 )
 from decoders import TINY_SHAPE
@@ -63,6 +64,25 @@ def test_without_qat_shares_the_weights_and_runs_the_unrounded_model():
     assert torch.equal(unrounded, independent.step(*inputs))
     assert all(torch.equal(buf, before[name]) for name, buf in model.named_buffers())
     assert not torch.equal(unrounded, model.step(*inputs)), "QAT changed nothing: the twin is not telling"
+
+
+def test_a_twin_sharing_weights_steps_as_the_model_on_caches_of_its_own():
+    """The report's compiled decoder: the model's parameter tensors, its buffers copies; a step of
+    the twin gives the model's logits and leaves the model's caches as they were."""
+    model = Decoder(ModelConfig.preset("tiny"), max_batch=3, max_seq_len=32, dtype=torch.float32).init_random(6)
+    generator = torch.Generator().manual_seed(2)
+    for position in range(2):
+        model(*tiny_inputs(generator, position, slots=(1, 2)))
+    twin = sharing_weights(model)
+    params = dict(model.named_parameters())
+    assert all(p is params[name] for name, p in twin.named_parameters())
+    buffers = dict(model.named_buffers())
+    assert all(buf.data_ptr() != buffers[name].data_ptr() for name, buf in twin.named_buffers())
+    before = {name: buf.clone() for name, buf in model.named_buffers()}
+    inputs = tiny_inputs(generator, 2, slots=(2, 1))
+    logits = twin.step(*inputs)
+    assert all(torch.equal(buf, before[name]) for name, buf in model.named_buffers())
+    assert torch.equal(logits, model.step(*inputs))
 
 
 def test_criterion_widens_for_rare_qat_flips_only_and_needs_rows_for_the_median():
