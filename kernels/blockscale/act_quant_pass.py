@@ -61,18 +61,24 @@ def values_buffer(m: int, k: int, fragment_order: bool, device: torch.device) ->
     return torch.empty((m, k), dtype=torch.float16 if fragment_order else torch.float8_e4m3fn, device=device)
 
 
-def act_quant_triton(rows: torch.Tensor, pow2: bool = True, fragment_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [M, K] (K a multiple of 128, any strides: copied only where K is not contiguous) ->
-    (e4m3 values [M, K], fp32 scales [M, K / 128]), bit for bit ref.act_quant's; with
-    fragment_order the values as fp16 in fragment order (the module's docstring)."""
+def act_quant_launch(rows: torch.Tensor, fragment_order: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """What a launch of act_quant_program needs for rows [M, K]: the rows (copied only where K is
+    not contiguous: the programs read each row's blocks at unit stride), the values and scales
+    buffers it fills, and its programs a row."""
     if rows.stride(-1) != 1:
-        rows = rows.contiguous()  # the kernel reads each row's blocks at unit stride
+        rows = rows.contiguous()
     m, k = rows.shape
-    k_blocks = k // FP8_BLOCK
     values = values_buffer(m, k, fragment_order, rows.device)
-    scales = torch.empty((m, k_blocks), dtype=torch.float32, device=rows.device)
-    if m:
-        grid = (m, triton.cdiv(k_blocks, BLOCKS_PER_PROGRAM))
-        _act_quant_kernel[grid](rows, values, scales, k_blocks, rows.stride(0), POW2=pow2, BLOCKS=BLOCKS_PER_PROGRAM,
-                                FRAGMENT_ORDER=fragment_order)
+    scales = torch.empty((m, k // FP8_BLOCK), dtype=torch.float32, device=rows.device)
+    return rows, values, scales, triton.cdiv(k // FP8_BLOCK, BLOCKS_PER_PROGRAM)
+
+
+def act_quant_triton(rows: torch.Tensor, pow2: bool = True, fragment_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [M, K] (K a multiple of 128, any strides) -> (e4m3 values [M, K], fp32 scales [M, K / 128]),
+    bit for bit ref.act_quant's; with fragment_order the values as fp16 in fragment order (the
+    module's docstring)."""
+    rows, values, scales, chunks = act_quant_launch(rows, fragment_order)
+    if rows.shape[0]:
+        _act_quant_kernel[(rows.shape[0], chunks)](rows, values, scales, scales.shape[1], rows.stride(0), POW2=pow2,
+                                                   BLOCKS=BLOCKS_PER_PROGRAM, FRAGMENT_ORDER=fragment_order)
     return values, scales

@@ -44,7 +44,9 @@ import triton
 import triton.language as tl
 
 from kernels.arrival import arrives_last, split_counters
-from kernels.blockscale.act_quant_pass import BLOCKS_PER_PROGRAM, act_quant_program, act_quant_triton, store_values, values_buffer
+from kernels.blockscale.act_quant_pass import (
+    BLOCKS_PER_PROGRAM, act_quant_launch, act_quant_program, act_quant_triton, store_values, values_buffer,
+)
 from kernels.blockscale.device import act_quant_rows, e2m1_pairs_to_fp16, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.moe.ref import SharedExpertWeights, check_shared_expert
@@ -425,36 +427,29 @@ def route_and_quantise(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: i
     if not routes_in_one_program(expert_ids, shared_expert):
         return (route_pairs(expert_ids, num_experts, block_m, "auto", shared_expert),
                 *act_quant_triton(x, pow2, fragment_order))
-    if x.stride(-1) != 1:
-        x = x.contiguous()  # the quantisation reads each row's blocks at unit stride
     blocks, route_args, route_meta = routing_launch(expert_ids, num_experts, block_m, shared_expert)
-    rows, k = x.shape
-    k_blocks = k // FP8_BLOCK
-    values = values_buffer(rows, k, fragment_order, x.device)
-    scales = torch.empty((rows, k_blocks), dtype=torch.float32, device=x.device)
-    chunks = triton.cdiv(k_blocks, BLOCKS_PER_PROGRAM)
-    _route_and_quant_kernel[(1 + rows * chunks,)](
-        *route_args, x, values, scales, k_blocks, x.stride(0), chunks,
+    x, values, scales, chunks = act_quant_launch(x, fragment_order)
+    _route_and_quant_kernel[(1 + x.shape[0] * chunks,)](
+        *route_args, x, values, scales, scales.shape[1], x.stride(0), chunks,
         **route_meta, POW2=pow2, BLOCKS=BLOCKS_PER_PROGRAM, FRAGMENT_ORDER=fragment_order, num_warps=4,
     )
     return blocks, values, scales
 
 
-def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=False,
-                   fragment_order=False) -> ScaledLaunch:
+def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=False) -> ScaledLaunch:
     """The routing, the activations' quantisation and the buffers of one call (batch > 0);
-    partial_tiles: the gate/up scratch and arrival counters even without a K split;
-    fragment_order: xq and hq as fp16 in fragment order (kernels/blockscale/act_quant_pass.py)."""
+    partial_tiles: the gate/up scratch and arrival counters even without a K split. With
+    tiles.lean_loop xq and hq are fp16 in fragment order (kernels/blockscale/act_quant_pass.py)."""
     batch, dim = x.shape
     picks = expert_ids.shape[1]
     pairs_per_token = picks + (shared_expert >= 0)
     num_experts, inter = w1.shape[:2]
     num_pairs = batch * pairs_per_token
-    segments, xq, xs = route_and_quantise(x, expert_ids, num_experts, SEGMENT_ROWS, shared_expert, pow2, fragment_order)
+    segments, xq, xs = route_and_quantise(x, expert_ids, num_experts, SEGMENT_ROWS, shared_expert, pow2, tiles.lean_loop)
     k_blocks = dim // FP8_BLOCK
     per_split = triton.cdiv(k_blocks, min(max(1, tiles.up_split), k_blocks))
     split = triton.cdiv(k_blocks, per_split)  # no split left without blocks
-    hq = values_buffer(num_pairs, inter, fragment_order, x.device)
+    hq = values_buffer(num_pairs, inter, tiles.lean_loop, x.device)
     partials, counters = hq, hq  # unused without a split or partial_tiles
     if split > 1 or partial_tiles:
         partials = torch.empty((split, num_pairs, 2, inter), dtype=torch.float32, device=x.device)

@@ -506,8 +506,7 @@ def moe_experts_scaled_mma(
     def launch_products(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
         if tiles.num_stages < 2:
             raise ValueError(f"moe_experts (mma): num_stages must be at least 2 (one step copied ahead), got {tiles.num_stages}")
-        run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=True,
-                             fragment_order=tiles.lean_loop)
+        run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=True)
         dim = x.shape[1]
         inter = w1.shape[1]
         segments = run.segments
