@@ -49,7 +49,7 @@ def _fp4_block_probe(packed_ptr, scale_ptr, values_ptr, out_ptr):
     value_inputs = gl.arange(0, 128, layout=gl.SliceLayout(1, VALUES))
     tokens = gl.arange(0, 8, layout=gl.SliceLayout(0, VALUES))
     values = gl.load(values_ptr + tokens[None, :] * 128 + value_inputs[:, None])
-    v0, v1, v2, v3 = fp4_mma._value_groups(values, 8, MMA)
+    v0, v1, v2, v3 = fp4_mma._value_groups(values, 8, MMA)  # fp16 in fragment order
     SCALES: gl.constexpr = fp4_mma.scales_layout(128)
     scale_groups = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALES))
     scales = gl.load(scale_ptr + gl.arange(0, 128, layout=gl.SliceLayout(1, SCALES))[:, None] * 4 + scale_groups[None, :])
@@ -66,12 +66,22 @@ def fp8_block(codes: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def fragment_order(values: torch.Tensor) -> torch.Tensor:
+    """values [.., 128] -> fp16 in the FP4 product's fragment order (kernels/blockscale/act_quant_pass.py):
+    each 8 inputs 4h + 2n + s at position 4s + 2h + n, written out here independently of its store."""
+    i = torch.arange(8)
+    h, n, s = i >> 2, (i >> 1) & 1, i & 1
+    placed = torch.empty(values.shape, dtype=torch.float16, device=values.device)
+    placed.view(-1, 8)[:, 4 * s + 2 * h + n] = values.reshape(-1, 8).half()
+    return placed
+
+
 def fp4_block(packed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """packed [128, 64] e2m1 codes (low nibble first, every scale 1) and values [8, 128] (e4m3)
     -> the probe's [128, 8] fp32."""
     out = torch.empty(ROWS, TOKENS, dtype=torch.float32, device="cuda")
     ones = torch.full((ROWS, INPUTS // 32), 127, dtype=torch.uint8, device="cuda")  # ue8m0 127 = 1.0
-    _fp4_block_probe[(1,)](packed, ones, values.view(torch.uint8), out, num_warps=fp4_mma.WARPS)
+    _fp4_block_probe[(1,)](packed, ones, fragment_order(values.float()), out, num_warps=fp4_mma.WARPS)
     return out
 
 

@@ -256,16 +256,6 @@ def test_values_in_fragment_order_are_the_e4m3_values_as_fp16_each_8_rotated(one
     assert not torch.equal(values, expected_values.float().half())  # the order is not the identity
 
 
-def test_triton_products_refuse_the_mma_products_lean_loop():
-    from kernels.moe.scaled import ScaledTiles, moe_experts_scaled_triton
-
-    w1, w2, w3, scales = scaled_experts("fp4", E8M0, 4, 256, 256, "cpu", seed=150)
-    ids, weights = routing("random", 2, 2, 4, "cpu", seed=151)
-    with pytest.raises(ValueError, match="lean_loop"):
-        moe_experts_scaled_triton(torch.randn(2, 256), ids, weights, w1, w2, w3, scales, LIMIT,
-                                  tiles=ScaledTiles(down_block_n=64, lean_loop=True))
-
-
 def test_bad_input_raises():
     w1, w2, w3 = expert_weights(4, 32, 16, torch.float32, "cpu", seed=70)
     ids, weights = routing("random", 3, 2, 4, "cpu", seed=71)
@@ -708,29 +698,6 @@ def test_scaled_mma_product_matches_reference(flash_scaled, batch, pattern, spli
         ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared_expert, scales)
         assert_scaled_close(out, ref, torch.bfloat16)
         assert torch.equal(moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert, tiles=tiles), out)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 16, 64])
-def test_scaled_mma_lean_loop_gives_the_default_loops_result(flash_scaled, batch):
-    """`ScaledTiles.lean_loop` (scales in PTX, activations as fp16 in fragment order) computes the
-    same products in the same order: bit for bit the default loop's, and the reference's within
-    tolerance, with and without the shared expert."""
-    from kernels.moe.scaled_gluon import choose_mma_tiles, moe_experts_scaled_mma
-
-    w1, w2, w3, scales = flash_scaled
-    if w1.dtype != torch.uint8:
-        pytest.skip("the mma product takes FP4 experts")
-    c = SCALED_FLASH
-    x, ids, weights = scaled_flash_inputs(batch, 380 + batch, "random")
-    for shared_expert in (-1, c["num_experts"] - 1):
-        pairs = batch * (c["picks"] + (shared_expert >= 0))
-        tiles = choose_mma_tiles(pairs, c["num_experts"], c["dim"], c["inter"], torch.cuda.get_device_properties(0).multi_processor_count)
-        default = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert, tiles=tiles)
-        lean = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert,
-                                      tiles=dataclasses.replace(tiles, lean_loop=True))
-        assert torch.equal(lean, default)
-        assert_scaled_close(lean, moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared_expert, scales), torch.bfloat16)
 
 
 @pytest.mark.gpu

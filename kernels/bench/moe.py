@@ -322,9 +322,6 @@ def scaled_table(copy_gbs: float) -> str:
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=mma_split(ids, 2)),
         "Gluon other depth": lambda x, ids, weights: moe_experts_scaled_mma(
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=other_depth(ids)),
-        "Gluon lean loop": lambda x, ids, weights: moe_experts_scaled_mma(
-            x, ids, weights, w1, w2, w3, scales, LIMIT,
-            tiles=dataclasses.replace(op_mma_tiles(ids, w1.shape[0]), lean_loop=True)),
     }
 
     shared_bytes = sum(t.numel() * t.element_size() for t in shared)
@@ -394,8 +391,7 @@ def scaled_table(copy_gbs: float) -> str:
         f"Triton kernel, then an fp16 dot, {CODES_WARPS} warps); 'Gluon split x2': the op's Gluon product with "
         "the gate/up product's K split into twice the ways the op chooses (`ScaledTiles.up_split`); 'Gluon other depth': "
         f"the op's Gluon product with the pipeline depth it does not choose at that batch ({PIPELINE_STAGES} or "
-        f"{DEEP_PIPELINE_STAGES} stages, `ScaledTiles.num_stages`); 'Gluon lean loop': the op's Gluon product with "
-        "`ScaledTiles.lean_loop` (the weight scales' exponents in PTX, the activations as fp16 in fragment order).\n\n"
+        f"{DEEP_PIPELINE_STAGES} stages, `ScaledTiles.num_stages`).\n\n"
         f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n\n"
         "### The FP8 shared expert with the routed experts\n\n"
         "'+ FP8 shared (model)': `v4::moe_experts_scaled_shared`, the routed experts with the shared expert in FP8 "

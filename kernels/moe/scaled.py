@@ -89,9 +89,6 @@ class ScaledTiles:
     num_stages: int = 3  # Triton's pipeline stages; the Gluon products' steps in shared memory
     product: str = "dot_scaled"
     up_split: int = 1  # K of the gate/up product split this many ways (few experts picked)
-    # The "mma" product's inner loop with fewer instructions (kernels/moe/scaled_gluon.py): the
-    # weight scales' exponents in PTX, the activations as fp16 in fragment order. Same results.
-    lean_loop: bool = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -436,20 +433,22 @@ def route_and_quantise(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: i
     return blocks, values, scales
 
 
-def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=False) -> ScaledLaunch:
+def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=False,
+                   fragment_order=False) -> ScaledLaunch:
     """The routing, the activations' quantisation and the buffers of one call (batch > 0);
-    partial_tiles: the gate/up scratch and arrival counters even without a K split. With
-    tiles.lean_loop xq and hq are fp16 in fragment order (kernels/blockscale/act_quant_pass.py)."""
+    partial_tiles: the gate/up scratch and arrival counters even without a K split;
+    fragment_order: xq and hq as fp16 in fragment order (kernels/blockscale/act_quant_pass.py),
+    as the Gluon product reads them, else e4m3."""
     batch, dim = x.shape
     picks = expert_ids.shape[1]
     pairs_per_token = picks + (shared_expert >= 0)
     num_experts, inter = w1.shape[:2]
     num_pairs = batch * pairs_per_token
-    segments, xq, xs = route_and_quantise(x, expert_ids, num_experts, SEGMENT_ROWS, shared_expert, pow2, tiles.lean_loop)
+    segments, xq, xs = route_and_quantise(x, expert_ids, num_experts, SEGMENT_ROWS, shared_expert, pow2, fragment_order)
     k_blocks = dim // FP8_BLOCK
     per_split = triton.cdiv(k_blocks, min(max(1, tiles.up_split), k_blocks))
     split = triton.cdiv(k_blocks, per_split)  # no split left without blocks
-    hq = values_buffer(num_pairs, inter, tiles.lean_loop, x.device)
+    hq = values_buffer(num_pairs, inter, fragment_order, x.device)
     partials, counters = hq, hq  # unused without a split or partial_tiles
     if split > 1 or partial_tiles:
         partials = torch.empty((split, num_pairs, 2, inter), dtype=torch.float32, device=x.device)
@@ -514,8 +513,6 @@ def moe_experts_scaled_triton(
     def launch_products(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
         if tiles.product not in TRITON_PRODUCTS:
             raise ValueError(f"moe_experts (triton): product must be one of {TRITON_PRODUCTS}, got {tiles.product!r}")
-        if tiles.lean_loop:
-            raise ValueError("moe_experts (triton): lean_loop is the mma product's (kernels/moe/scaled_gluon.py)")
         run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles)
         num_experts, inter = w1.shape[:2]
         dim = x.shape[1]

@@ -7,7 +7,7 @@ epilogue and the combine are scaled.py's.
 At decode a routed expert is a grouped GEMV: the time goes to moving and decoding the codes, so
 both are laid out for the instruction rather than for the dot of a generic tile.
 
-- Every 128-input step's bytes (codes, their scales, the activations' e4m3 bytes and scales)
+- Every 128-input step's bytes (codes, their scales, the activations and their scales)
   reach shared memory by cp.async, 16 bytes a thread and whole sectors, STAGES - 1 steps ahead
   of the one multiplied. Reading the fragments straight from global memory (4 bytes a thread,
   half of each sector) kept the L1 busy and left nothing in flight while a step computed.
@@ -15,7 +15,7 @@ both are laid out for the instruction rather than for the dot of a generic tile.
   the activations share it. Thread q of a quad takes inputs [8q, 8q + 8) of every group: 4 bytes
   of codes a row (one 32-bit shared-memory read), which its A fragment holds as k-slots
   {2q, 2q+1, 2q+8, 2q+9} of the group's two 16-wide steps, and the same 8 activation values (one
-  64-bit read) for its B fragment. The shared-memory swizzles keep those reads free of bank
+  128-bit read) for its B fragment. The shared-memory swizzles keep those reads free of bank
   conflicts; `convert_layout(..., assert_trivial=True)` checks when it compiles that no value
   moves between threads.
 - Gate/up program (segment, w1 or w3, 64 of a 128-column tile's columns, K split): 4 warps, each
@@ -27,19 +27,18 @@ both are laid out for the instruction rather than for the dot of a generic tile.
 - Decoding: a byte's two codes become the high bytes of two fp16 values (sign to bit 15,
   exponent and mantissa bits to bits 11..9: 2^-14 times the code's value, exact, the subnormal
   0.5 included) by shifts, masks and byte permutes, no conversion instruction. The 2^14 is folded
-  into the weight scales' exponents. The activations (e4m3) take the hardware's e4m3x2 -> f16x2
-  conversion.
-- `ScaledTiles.lean_loop` (not the default until measured on a GPU) takes 244 instructions a
-  step down to 203 (sm_90): the weight scales' exponent arithmetic as three PTX instructions a
-  scale (Triton's integer casts pack the bytes into 16-bit halves and back), and the activations
-  quantised as fp16 in fragment order (kernels/blockscale/act_quant_pass.py: the e4m3 values
-  exactly, each 8 in the order a thread's registers take them) by the quantisation of x and the
-  gate/up epilogue, loaded into the B fragments by one 16-byte read with no conversion, byte
-  permute or move. The same products, bit for bit.
+  into the weight scales' exponents, three PTX instructions a scale (Triton's integer casts
+  packed the bytes into 16-bit halves and back: 244 instructions a step against 203, sm_90).
+- The activations arrive quantised as fp16 in fragment order (kernels/blockscale/act_quant_pass.py:
+  the e4m3 values exactly, each 8 in the order a thread's registers take them), written so by the
+  quantisation of x and by the gate/up epilogue: one 16-byte read fills a step's B fragments,
+  with no conversion, byte permute or move (against e4m3 bytes converted in the loop: 1.03x,
+  1.09x, 1.07x faster at batch 1, 16, 64 on an H100; docs/results.md).
 - Each group's product is scaled by its weight scales in fp32, each 128 inputs by the
   activations' scales: scaled.py's arithmetic in another summation order.
 
-sm_80 or newer (the e4m3 conversion: sm_89); CUDA only (inline PTX: no interpreter path).
+The op takes it on sm_89 or newer (the Triton products elsewhere); CUDA only (inline PTX: no
+interpreter path).
 """
 from __future__ import annotations
 
@@ -109,18 +108,6 @@ prmt.b32 $1, l, z, 0x3424;
 prmt.b32 $2, h, z, 0x1404;
 prmt.b32 $3, h, z, 0x3424;
 }""")
-# Four e4m3 bytes ($2) -> f16x2 pairs of bytes (0, 2) in $0 and (1, 3) in $1: the pairs the
-# instruction's fragment packs (_value_groups).
-_E4M3_TO_FP16 = gl.constexpr("""{
-.reg .b32 t;
-.reg .b16 a0, a1;
-prmt.b32 t, $2, 0, 0x3120;
-mov.b32 {a0, a1}, t;
-cvt.rn.f16x2.e4m3x2 $0, a0;
-cvt.rn.f16x2.e4m3x2 $1, a1;
-}""")
-
-
 @gluon.constexpr_function
 def mma_layout() -> gl.NVMMADistributedLayout:
     return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
@@ -151,9 +138,9 @@ def scales_layout(block_n: int) -> gl.DistributedLinearLayout:
 
 @gluon.constexpr_function
 def values_layout(tokens: int) -> gl.DistributedLinearLayout:
-    """[128 positions, tokens] of activations (e4m3 bytes, or fp16 in fragment order): thread
-    (r, q) holds positions 32g + 8q + p (p < 8, every group g; p in consecutive registers: 64- or
-    128-bit loads) of token r, every 8 tokens; every warp the same."""
+    """[128 positions, tokens] of activations (fp16 in fragment order): thread (r, q) holds
+    positions 32g + 8q + p (p < 8, every group g; p in consecutive registers: 128-bit loads) of
+    token r, every 8 tokens; every warp the same."""
     return gl.DistributedLinearLayout(
         reg_bases=[[1, 0], [2, 0], [4, 0], [32, 0], [64, 0]] + [[0, 8 << i] for i in range((tokens // 8).bit_length() - 1)],
         lane_bases=[[8, 0], [16, 0], [0, 1], [0, 2], [0, 4]],
@@ -202,19 +189,14 @@ def _weight_groups(packed, BLOCK_N: gl.constexpr, MMA: gl.constexpr):
 
 
 @gluon.jit
-def _value_groups(values, TOKENS: gl.constexpr, MMA: gl.constexpr, LEAN_LOOP: gl.constexpr):
-    """Activations [128, TOKENS] (values_layout: e4m3 bytes, or with LEAN_LOOP fp16 in fragment
-    order) -> the four groups' B fragments [32, TOKENS] fp16: input 32g + 8q + 4h + 2n + s at
-    k-slot 16s + 8h + 2q + n, as _weight_groups."""
+def _value_groups(values, TOKENS: gl.constexpr, MMA: gl.constexpr):
+    """Activations [128, TOKENS] (values_layout, fp16 in fragment order) -> the four groups' B
+    fragments [32, TOKENS] fp16: input 32g + 8q + 4h + 2n + s at k-slot 16s + 8h + 2q + n, as
+    _weight_groups."""
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    if LEAN_LOOP:
-        # Position 4s + 2h + n of a thread's 8 holds input 4h + 2n + s: the register pair of each
-        # 16-wide step (h = 0, 1) is consecutive.
-        v = values.reshape([4, 4, 2, 2, 2, TOKENS]).permute(0, 2, 3, 1, 4, 5).reshape([4, 32, TOKENS])
-    else:
-        v = gl.inline_asm_elementwise(_E4M3_TO_FP16, "=r,=r,r", [values], dtype=gl.float16, is_pure=True, pack=4)
-        # Position 4h + 2s + n of a thread's 8 now holds input 4h + 2n + s (the asm's byte order).
-        v = v.reshape([4, 4, 2, 2, 2, TOKENS]).permute(0, 3, 2, 1, 4, 5).reshape([4, 32, TOKENS])
+    # Position 4s + 2h + n of a thread's 8 holds input 4h + 2n + s: the register pair of each
+    # 16-wide step (h = 0, 1) is consecutive.
+    v = values.reshape([4, 4, 2, 2, 2, TOKENS]).permute(0, 2, 3, 1, 4, 5).reshape([4, 32, TOKENS])
     v0, v1, v2, v3 = _groups(v.permute(1, 2, 0).reshape([32, TOKENS, 2, 2]))
     return (gl.convert_layout(v0, b_op, assert_trivial=True), gl.convert_layout(v1, b_op, assert_trivial=True),
             gl.convert_layout(v2, b_op, assert_trivial=True), gl.convert_layout(v3, b_op, assert_trivial=True))
@@ -229,15 +211,13 @@ _E8M0_TO_SCALE = gl.constexpr("{\n.reg .b32 t;\n" + "".join(
 
 
 @gluon.jit
-def _code_scale(s, S_E8M0: gl.constexpr, LEAN_LOOP: gl.constexpr):
+def _code_scale(s, S_E8M0: gl.constexpr):
     """Loaded weight scales as fp32 times 2^14 (undoing the decoded codes' 2^-14): ue8m0 byte e is
     2^(e - 127), so the product is the fp32 with exponent field e + 14 (normal for every byte, 0
-    included; the 255 of NaN saturates to infinity). With LEAN_LOOP in PTX, one asm call a row
-    (its four groups are consecutive registers: scales_layout)."""
+    included; the 255 of NaN saturates to infinity): one asm call a row (its four groups are
+    consecutive registers: scales_layout)."""
     if S_E8M0:
-        if LEAN_LOOP:
-            return gl.inline_asm_elementwise(_E8M0_TO_SCALE, "=r,=r,=r,=r,r", [s], dtype=gl.float32, is_pure=True, pack=4)
-        return (gl.minimum(s.to(gl.int32) + 14, 255) << 23).to(gl.float32, bitcast=True)
+        return gl.inline_asm_elementwise(_E8M0_TO_SCALE, "=r,=r,=r,=r,r", [s], dtype=gl.float32, is_pure=True, pack=4)
     else:
         return s * 16384.0
 
@@ -249,12 +229,11 @@ def _group_product(w, v, s, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, MMA: gl
 
 
 @gluon.jit
-def _block_product(codes, v0, v1, v2, v3, scales, S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr,
-                   LEAN_LOOP: gl.constexpr):
+def _block_product(codes, v0, v1, v2, v3, scales, S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr):
     """128 inputs of one weight: its four groups' products, each times its weight scales
     (scales: [BLOCK_N, 4] as stored, scales_layout)."""
     MMA: gl.constexpr = mma_layout()
-    s = _code_scale(scales, S_E8M0, LEAN_LOOP)
+    s = _code_scale(scales, S_E8M0)
     s0, s1, s2, s3 = _groups(s.reshape([BLOCK_N, 2, 2]))
     w0, w1, w2, w3 = _weight_groups(codes, BLOCK_N, MMA)
     rows: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -269,7 +248,7 @@ def _block_product(codes, v0, v1, v2, v3, scales, S_E8M0: gl.constexpr, BLOCK_N:
 def _issue_step(stage, codes_smem, scales_smem, values_smem, a_scale_smem, w_ptr, s_ptr, a_ptr, a_scale_ptr,
                 code_offs, scale_offs, value_offs, value_ok, a_scale_offs, a_scale_ok, step, live):
     """Start the copies of step `step` (128 inputs from the program's first) into slot `stage`:
-    the codes, their scales, the activations' e4m3 bytes and scales. `live` false (a step past
+    the codes, their scales, the activations and their scales. `live` false (a step past
     the end) copies nothing and fills the slot with zeros. Offsets in 32 bits (an expert's weight
     is under 2 GB), added to the pointers here."""
     async_load(codes_smem.index(stage), w_ptr + (code_offs + step * (BLOCK_K // 2)), mask=live)
@@ -283,11 +262,10 @@ def _issue_step(stage, codes_smem, scales_smem, values_smem, a_scale_smem, w_ptr
 def _fp4_products(
     a_ptr, a_scale_ptr, a_row, row_ok, stride_am, stride_as,
     w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end,
-    S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr, LEAN_LOOP: gl.constexpr,
+    S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr,
 ):
     """[BLOCK_N, TOKENS] fp32: weight rows col0 + [0, BLOCK_N) (w_ptr, s_ptr at the expert) times
-    the quantised activation rows a_row (e4m3 bytes [rows, K], or with LEAN_LOOP fp16 in fragment
-    order, and one scale per 128; row_ok
+    the quantised activation rows a_row (fp16 in fragment order [rows, K], one scale per 128; row_ok
     masks the padding) over inputs [k_begin, k_end), a multiple of 128.
     Each step's bytes are copied into shared memory STAGES - 1 steps ahead of their products."""
     MMA: gl.constexpr = mma_layout()
@@ -296,8 +274,8 @@ def _fp4_products(
     COPY_VALUES: gl.constexpr = copy_layout(8, 16)  # a token's 128 values by 16 threads
     COPY_ROWS: gl.constexpr = gl.SliceLayout(1, copy_layout(1, 1))
     # Swizzles that keep the fragments' reads free of bank conflicts (codes: a warp reads 4
-    # bytes of 8 rows 64 bytes apart; values: 8 bytes of 4 tokens 128 bytes apart, or 16 bytes of
-    # 2 tokens 256 bytes apart; each token's runs of 32 values XORed by its index).
+    # bytes of 8 rows 64 bytes apart; values: 16 bytes of 2 tokens 256 bytes apart; each token's
+    # runs of 32 values XORed by its index).
     CODES_SMEM: gl.constexpr = gl.SwizzledSharedLayout(16, 2, 4, [1, 0])
     VALUES_SMEM: gl.constexpr = gl.SwizzledSharedLayout(32, 1, 4, [1, 0])
     PLAIN_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -336,10 +314,10 @@ def _fp4_products(
         stage = step % STAGES
         values = values_smem.index(stage).permute([1, 0]).load(values_layout(TOKENS))
         a_scale = a_scale_smem.index(stage).load(gl.SliceLayout(0, MMA))
-        v0, v1, v2, v3 = _value_groups(values, TOKENS, MMA, LEAN_LOOP)
+        v0, v1, v2, v3 = _value_groups(values, TOKENS, MMA)
         codes = codes_smem.index(stage).load(codes_layout(BLOCK_N))
         scales = scales_smem.index(stage).load(scales_layout(BLOCK_N))
-        acc += _block_product(codes, v0, v1, v2, v3, scales, S_E8M0, BLOCK_N, TOKENS, LEAN_LOOP) * a_scale[None, :]
+        acc += _block_product(codes, v0, v1, v2, v3, scales, S_E8M0, BLOCK_N, TOKENS) * a_scale[None, :]
     async_copy.wait_group(0)  # no copy outlives the program's use of its shared memory
     barrier()
     return acc
@@ -361,7 +339,7 @@ def _mma_gate_up_kernel(
     split_stride, dim, inter, swiglu_limit,
     stride_w1e, stride_s1e, stride_w3e, stride_s3e, stride_wn, stride_sn,
     PICKS: gl.constexpr, PAIRS_PER_TOKEN: gl.constexpr, HAS_LIMIT: gl.constexpr, POW2: gl.constexpr,
-    S_E8M0: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, LEAN_LOOP: gl.constexpr,
+    S_E8M0: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
 ):
     """A program: one of w1 (even parts) or w3, PART_N of the tile's 128 columns, one K split
     (grid axis 1: split * UP_PARTS + part). Its partials go to the scratch [SPLIT, pairs, 2,
@@ -394,7 +372,7 @@ def _mma_gate_up_kernel(
             pair, row_ok = _chunk_pairs(sorted_pair_ptr, segment, first, rows, gl.SliceLayout(1, PARTIAL))
             acc = _fp4_products(
                 xq_ptr, xs_ptr, pair // PAIRS_PER_TOKEN, row_ok, dim, dim // BLOCK_K,
-                w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end, S_E8M0, PART_N, TOKENS, STAGES, LEAN_LOOP,
+                w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end, S_E8M0, PART_N, TOKENS, STAGES,
             )
             acc = gl.convert_layout(acc.permute(1, 0), PARTIAL)
             partial_at = partial_rows(partial_ptr, pair, part_cols, split, split_stride, inter, part % 2)  # w1: gate, w3: up
@@ -408,7 +386,8 @@ def _mma_gate_up_kernel(
                 pair, row_ok = _chunk_pairs(sorted_pair_ptr, segment, first, rows, gl.SliceLayout(1, EPILOGUE))
                 gate, up = summed_partials(partial_ptr, pair, row_ok, offs_n, split_stride, inter, SPLIT)
                 gate_up_epilogue(gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, pair // PAIRS_PER_TOKEN, pair, row_ok,
-                                 offs_n, tile_n, inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, LEAN_LOOP)
+                                 offs_n, tile_n, inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2,
+                                 True)  # hq in fragment order, as this product reads it
             gl.atomic_xchg(counter, 0)
 
 
@@ -416,7 +395,7 @@ def _mma_gate_up_kernel(
 def _mma_down_kernel(
     hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
     dim, inter, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-    S_E8M0: gl.constexpr, STAGES: gl.constexpr, LEAN_LOOP: gl.constexpr,
+    S_E8M0: gl.constexpr, STAGES: gl.constexpr,
 ):
     pid = gl.program_id(0)
     tiles_n = dim // DOWN_BLOCK_N
@@ -435,7 +414,7 @@ def _mma_down_kernel(
             pair, row_ok = _chunk_pairs(sorted_pair_ptr, segment, first, rows, gl.SliceLayout(1, EPILOGUE))
             acc = _fp4_products(
                 hq_ptr, hs_ptr, pair, row_ok, inter, inter // BLOCK_K,
-                w2_ptr, s2_ptr, col0, stride_wn, stride_sn, 0, inter, S_E8M0, DOWN_BLOCK_N, TOKENS, STAGES, LEAN_LOOP,
+                w2_ptr, s2_ptr, col0, stride_wn, stride_sn, 0, inter, S_E8M0, DOWN_BLOCK_N, TOKENS, STAGES,
             )
             y = gl.convert_layout(acc.permute(1, 0), EPILOGUE)
             y_ptrs = y_ptr + pair.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -445,7 +424,7 @@ def _mma_down_kernel(
 def takes(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
           scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
     """Whether the op runs this product: FP4 experts whose widths are whole 128-blocks, laid out
-    for the copies (_copyable), on a GPU with the e4m3 conversions (sm_89 or newer)."""
+    for the copies (_copyable), on a GPU of sm_89 or newer (not the interpreter)."""
     return (w1.dtype == torch.uint8 and _whole_blocks(x.shape[1], w1.shape[1]) and _copyable(w1, w2, w3, scales)
             and converts_e4m3(x.device))
 
@@ -506,33 +485,29 @@ def moe_experts_scaled_mma(
     def launch_products(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
         if tiles.num_stages < 2:
             raise ValueError(f"moe_experts (mma): num_stages must be at least 2 (one step copied ahead), got {tiles.num_stages}")
-        run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=True)
+        run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=True,
+                             fragment_order=True)
         dim = x.shape[1]
         inter = w1.shape[1]
         segments = run.segments
         s1, s2, s3 = run.scales
         _mma_gate_up_kernel[(segments.num_blocks * (inter // UP_BLOCK_N), run.split * GATE_UP_PARTS)](
-            x, _kernel_values(run.xq), run.xs, w1, s1, w3, s3, run.route_w, run.hq, run.hs,
+            x, run.xq, run.xs, w1, s1, w3, s3, run.route_w, run.hq, run.hs,
             segments.sorted_pair, segments.block_expert, segments.block_rows, run.partials, run.counters,
             run.hq.shape[0] * 2 * inter, dim, inter, float(swiglu_limit),
             w1.stride(0), s1.stride(0), w3.stride(0), s3.stride(0), w1.stride(1), s1.stride(1),
             PICKS=run.picks, PAIRS_PER_TOKEN=run.pairs_per_token, HAS_LIMIT=swiglu_limit > 0, POW2=pow2,
-            S_E8M0=s1.dtype == torch.uint8, SPLIT=run.split, STAGES=tiles.num_stages, LEAN_LOOP=tiles.lean_loop, num_warps=WARPS,
+            S_E8M0=s1.dtype == torch.uint8, SPLIT=run.split, STAGES=tiles.num_stages, num_warps=WARPS,
         )
         _mma_down_kernel[(segments.num_blocks * (dim // DOWN_N),)](
-            _kernel_values(run.hq), run.hs, w2, s2, run.y, segments.sorted_pair, segments.block_expert, segments.block_rows,
+            run.hq, run.hs, w2, s2, run.y, segments.sorted_pair, segments.block_expert, segments.block_rows,
             dim, inter, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), run.y.stride(0),
-            S_E8M0=s2.dtype == torch.uint8, STAGES=tiles.num_stages, LEAN_LOOP=tiles.lean_loop, num_warps=WARPS,
+            S_E8M0=s2.dtype == torch.uint8, STAGES=tiles.num_stages, num_warps=WARPS,
         )
         return run
 
     return scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products, choose_mma_tiles,
                           shared_weights=shared_weights, pow2=pow2, swiglu_limit=swiglu_limit)
-
-
-def _kernel_values(values: torch.Tensor) -> torch.Tensor:
-    """Quantised activations as the kernels read them: e4m3 as bytes (Gluon loads no e4m3), fp16 as they are."""
-    return values.view(torch.uint8) if values.dtype == torch.float8_e4m3fn else values
 
 
 def choose_mma_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num_sms: int) -> ScaledTiles:
