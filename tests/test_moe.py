@@ -723,6 +723,47 @@ def test_scaled_mma_product_odd_step_counts(scale_dtype, dim, inter, up_split, s
                             torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_scaled_mma_two_blocks_a_stage_give_one_blocks_result(flash_scaled, batch):
+    """`ScaledTiles.blocks_per_stage` 2 (each row's codes copied 128 bytes at a time, two blocks
+    multiplied a stage) sums the same block products in the same order: bit for bit one block a
+    stage, and the reference within tolerance, over pipelines shallower and deeper than the op's."""
+    from kernels.moe.scaled_gluon import choose_mma_tiles, moe_experts_scaled_mma
+
+    w1, w2, w3, scales = flash_scaled
+    if w1.dtype != torch.uint8:
+        pytest.skip("the mma product takes FP4 experts")
+    c = SCALED_FLASH
+    x, ids, weights = scaled_flash_inputs(batch, 390 + batch, "random")
+    for shared_expert in (-1, c["num_experts"] - 1):
+        pairs = batch * (c["picks"] + (shared_expert >= 0))
+        tiles = choose_mma_tiles(pairs, c["num_experts"], c["dim"], c["inter"], torch.cuda.get_device_properties(0).multi_processor_count)
+        one = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert, tiles=tiles)
+        for stages in (2, 4):
+            two = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert,
+                                         tiles=dataclasses.replace(tiles, blocks_per_stage=2, num_stages=stages))
+            assert torch.equal(two, one)
+        assert_scaled_close(two, moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared_expert, scales), torch.bfloat16)
+
+
+def test_scaled_mma_product_refuses_blocks_a_stage_that_do_not_divide_its_splits():
+    """Two blocks a stage need an even count of 128-input blocks in every K split of the gate/up
+    product and in the intermediate width; other counts of blocks are refused before anything
+    is quantised or launched."""
+    from kernels.moe.scaled import ScaledTiles
+    from kernels.moe.scaled_gluon import moe_experts_scaled_mma
+
+    w1, w2, w3, scales = scaled_experts("fp4", torch.float32, 4, 512, 384, "cpu", seed=365)
+    ids, weights = routed_ids("random", 2, 2, 4, seed=366)
+    x = torch.randn(2, 512)
+    for tiles, named in ((ScaledTiles(down_block_n=64, blocks_per_stage=2), "inter 384"),
+                         (ScaledTiles(down_block_n=64, blocks_per_stage=2, up_split=4), "in 4 splits"),
+                         (ScaledTiles(down_block_n=64, blocks_per_stage=3), "got 3")):
+        with pytest.raises(ValueError, match=f"blocks_per_stage.*{named}"):
+            moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles)
+
+
 def test_scaled_mma_product_refuses_other_formats():
     """FP8 experts, a width that is not whole 128-blocks, or rows laid out otherwise than the copies
     take are refused by name before any launch."""

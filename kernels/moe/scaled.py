@@ -89,6 +89,9 @@ class ScaledTiles:
     num_stages: int = 3  # Triton's pipeline stages; the Gluon products' steps in shared memory
     product: str = "dot_scaled"
     up_split: int = 1  # K of the gate/up product split this many ways (few experts picked)
+    # The Gluon products' 128-input blocks a pipeline stage: with 2 each weight row's codes are
+    # read 128 contiguous bytes at a time (64-byte runs a row leave DRAM bandwidth unused).
+    blocks_per_stage: int = 1
 
 
 @functools.lru_cache(maxsize=None)

@@ -68,6 +68,7 @@ DOWN_N = 64
 GATE_UP_N = 64
 GATE_UP_PARTS = 2 * UP_BLOCK_N // GATE_UP_N  # programs of a tile and split: w1 and w3, each in parts
 GATE_UP_PROGRAMS_PER_SM = 4  # gate/up programs an SM holds (registers: about 120 a thread)
+GATE_UP_REGISTERS = 65536 // (GATE_UP_PROGRAMS_PER_SM * WARPS * 32)  # a thread's share at that
 # Steps in shared memory at a time (STAGES - 1 copied ahead of the one multiplied),
 # `ScaledTiles.num_stages` of these products: about 5 KB a step, four programs an SM (as their
 # registers allow). Programs in one wave (few experts picked) take the shallow pipeline; where
@@ -154,6 +155,15 @@ def copy_layout(vector: int, lanes_per_row: int) -> gl.BlockedLayout:
     `lanes_per_row` threads a row, warps stacked over the rows."""
     return gl.BlockedLayout(size_per_thread=[1, vector], threads_per_warp=[32 // lanes_per_row, lanes_per_row],
                             warps_per_cta=[WARPS, 1], order=[1, 0])
+
+
+@gluon.constexpr_function
+def codes_copy_layout(blocks: int) -> gl.BlockedLayout:
+    """Copies of a stage's codes [blocks, rows, 64 bytes]: 16 bytes a thread, the `blocks` 64-byte
+    runs of a row on consecutive threads (one 64 * blocks-byte run of the row in memory), warps
+    stacked over the rows."""
+    return gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[blocks, 32 // (4 * blocks), 4],
+                            warps_per_cta=[1, WARPS, 1], order=[2, 0, 1])
 
 
 @gluon.constexpr_function
@@ -246,15 +256,20 @@ def _block_product(codes, v0, v1, v2, v3, scales, S_E8M0: gl.constexpr, BLOCK_N:
 
 @gluon.jit
 def _issue_step(stage, codes_smem, scales_smem, values_smem, a_scale_smem, w_ptr, s_ptr, a_ptr, a_scale_ptr,
-                code_offs, scale_offs, value_offs, value_ok, a_scale_offs, a_scale_ok, step, live):
-    """Start the copies of step `step` (128 inputs from the program's first) into slot `stage`:
-    the codes, their scales, the activations and their scales. `live` false (a step past
+                code_offs, scale_offs, value_offs, value_ok, a_scale_offs, a_scale_ok, step, live,
+                BLOCKS: gl.constexpr):
+    """Start the copies of step `step` (BLOCKS 128-input blocks from the program's first) into
+    slot `stage`: the codes (one copy for the blocks: each row's run of 64 * BLOCKS bytes), and a
+    block at a time their scales, the activations and their scales. `live` false (a step past
     the end) copies nothing and fills the slot with zeros. Offsets in 32 bits (an expert's weight
     is under 2 GB), added to the pointers here."""
-    async_load(codes_smem.index(stage), w_ptr + (code_offs + step * (BLOCK_K // 2)), mask=live)
-    async_load(scales_smem.index(stage), s_ptr + (scale_offs + step * 4), mask=live)
-    async_load(values_smem.index(stage), a_ptr + (value_offs + step * BLOCK_K), mask=value_ok & live)
-    async_load(a_scale_smem.index(stage), a_scale_ptr + (a_scale_offs + step), mask=a_scale_ok & live)
+    first = step * BLOCKS
+    async_load(codes_smem.index(stage), w_ptr + (code_offs + first * (BLOCK_K // 2)), mask=live)
+    for b in gl.static_range(BLOCKS):
+        slot = stage * BLOCKS + b
+        async_load(scales_smem.index(slot), s_ptr + (scale_offs + (first + b) * 4), mask=live)
+        async_load(values_smem.index(slot), a_ptr + (value_offs + (first + b) * BLOCK_K), mask=value_ok & live)
+        async_load(a_scale_smem.index(slot), a_scale_ptr + (a_scale_offs + first + b), mask=a_scale_ok & live)
     async_copy.commit_group()
 
 
@@ -262,14 +277,15 @@ def _issue_step(stage, codes_smem, scales_smem, values_smem, a_scale_smem, w_ptr
 def _fp4_products(
     a_ptr, a_scale_ptr, a_row, row_ok, stride_am, stride_as,
     w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end,
-    S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr,
+    S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr, BLOCKS: gl.constexpr,
 ):
     """[BLOCK_N, TOKENS] fp32: weight rows col0 + [0, BLOCK_N) (w_ptr, s_ptr at the expert) times
     the quantised activation rows a_row (fp16 in fragment order [rows, K], one scale per 128; row_ok
-    masks the padding) over inputs [k_begin, k_end), a multiple of 128.
-    Each step's bytes are copied into shared memory STAGES - 1 steps ahead of their products."""
+    masks the padding) over inputs [k_begin, k_end), a multiple of BLOCKS * 128.
+    Each step (BLOCKS blocks of 128 inputs) is copied into shared memory STAGES - 1 steps ahead
+    of its products."""
     MMA: gl.constexpr = mma_layout()
-    COPY_CODES: gl.constexpr = copy_layout(16, 4)  # a row's 64 bytes by 4 threads
+    COPY_CODES: gl.constexpr = codes_copy_layout(BLOCKS)
     COPY_SCALES: gl.constexpr = copy_layout(4, 1)
     COPY_VALUES: gl.constexpr = copy_layout(8, 16)  # a token's 128 values by 16 threads
     COPY_ROWS: gl.constexpr = gl.SliceLayout(1, copy_layout(1, 1))
@@ -280,16 +296,20 @@ def _fp4_products(
     VALUES_SMEM: gl.constexpr = gl.SwizzledSharedLayout(32, 1, 4, [1, 0])
     PLAIN_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     ROWS_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    codes_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, BLOCK_K // 2], CODES_SMEM)
-    scales_smem = gl.allocate_shared_memory(s_ptr.dtype.element_ty, [STAGES, BLOCK_N, 4], PLAIN_SMEM)
-    values_smem = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES, TOKENS, BLOCK_K], VALUES_SMEM)
-    a_scale_smem = gl.allocate_shared_memory(gl.float32, [STAGES, TOKENS], ROWS_SMEM)
+    # A stage's codes: its blocks' [BLOCK_N, 64] stacked as rows (the swizzle's period of 8 rows
+    # divides BLOCK_N, so each block's view is the one-block layout); the rest a slot a block.
+    codes_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCKS * BLOCK_N, BLOCK_K // 2], CODES_SMEM)
+    scales_smem = gl.allocate_shared_memory(s_ptr.dtype.element_ty, [STAGES * BLOCKS, BLOCK_N, 4], PLAIN_SMEM)
+    values_smem = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES * BLOCKS, TOKENS, BLOCK_K], VALUES_SMEM)
+    a_scale_smem = gl.allocate_shared_memory(gl.float32, [STAGES * BLOCKS, TOKENS], ROWS_SMEM)
 
-    # Offsets of the first step, in the copies' layouts.
-    first_block = k_begin // BLOCK_K  # offsets as multiples of a step's, so the copies stay 16 bytes wide
-    code_rows = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY_CODES))
-    code_bytes = first_block * (BLOCK_K // 2) + gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, COPY_CODES))
-    code_offs = code_rows[:, None] * stride_wn + code_bytes[None, :]
+    # Offsets of the first block, in the copies' layouts.
+    first_block = k_begin // BLOCK_K  # offsets as multiples of a block's, so the copies stay 16 bytes wide
+    code_blocks = gl.arange(0, BLOCKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_CODES)))
+    code_rows = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, COPY_CODES)))
+    code_bytes = gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_CODES)))
+    code_offs = (code_rows[None, :, None] * stride_wn + (first_block + code_blocks[:, None, None]) * (BLOCK_K // 2)
+                 + code_bytes[None, None, :]).reshape([BLOCKS * BLOCK_N, BLOCK_K // 2])
     scale_rows = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY_SCALES))
     scale_groups = first_block * 4 + gl.arange(0, 4, layout=gl.SliceLayout(0, COPY_SCALES))
     scale_offs = scale_rows[:, None] * stride_sn + scale_groups[None, :]
@@ -300,24 +320,25 @@ def _fp4_products(
     a_scale_ok = gl.convert_layout(row_ok, COPY_ROWS)
     a_scale_offs = gl.convert_layout(a_row, COPY_ROWS) * stride_as + first_block
 
-    steps = (k_end - k_begin) // BLOCK_K
+    steps = (k_end - k_begin) // (BLOCKS * BLOCK_K)
     for ahead in gl.static_range(STAGES - 1):
         _issue_step(ahead, codes_smem, scales_smem, values_smem, a_scale_smem, w_ptr, s_ptr, a_ptr, a_scale_ptr,
-                    code_offs, scale_offs, value_offs, value_ok, a_scale_offs, a_scale_ok, ahead, ahead < steps)
+                    code_offs, scale_offs, value_offs, value_ok, a_scale_offs, a_scale_ok, ahead, ahead < steps, BLOCKS)
     acc = gl.zeros([BLOCK_N, TOKENS], gl.float32, MMA)
     for step in range(steps):
         async_copy.wait_group(STAGES - 2)  # this thread's copies of `step` have landed
         barrier()  # everyone's, and everyone is done reading the slot refilled next
         later = step + STAGES - 1
         _issue_step(later % STAGES, codes_smem, scales_smem, values_smem, a_scale_smem, w_ptr, s_ptr, a_ptr, a_scale_ptr,
-                    code_offs, scale_offs, value_offs, value_ok, a_scale_offs, a_scale_ok, later, later < steps)
+                    code_offs, scale_offs, value_offs, value_ok, a_scale_offs, a_scale_ok, later, later < steps, BLOCKS)
         stage = step % STAGES
-        values = values_smem.index(stage).permute([1, 0]).load(values_layout(TOKENS))
-        a_scale = a_scale_smem.index(stage).load(gl.SliceLayout(0, MMA))
-        v0, v1, v2, v3 = _value_groups(values, TOKENS, MMA)
-        codes = codes_smem.index(stage).load(codes_layout(BLOCK_N))
-        scales = scales_smem.index(stage).load(scales_layout(BLOCK_N))
-        acc += _block_product(codes, v0, v1, v2, v3, scales, S_E8M0, BLOCK_N, TOKENS) * a_scale[None, :]
+        for b in gl.static_range(BLOCKS):
+            values = values_smem.index(stage * BLOCKS + b).permute([1, 0]).load(values_layout(TOKENS))
+            a_scale = a_scale_smem.index(stage * BLOCKS + b).load(gl.SliceLayout(0, MMA))
+            v0, v1, v2, v3 = _value_groups(values, TOKENS, MMA)
+            codes = codes_smem.index(stage).slice(b * BLOCK_N, BLOCK_N).load(codes_layout(BLOCK_N))
+            scales = scales_smem.index(stage * BLOCKS + b).load(scales_layout(BLOCK_N))
+            acc += _block_product(codes, v0, v1, v2, v3, scales, S_E8M0, BLOCK_N, TOKENS) * a_scale[None, :]
     async_copy.wait_group(0)  # no copy outlives the program's use of its shared memory
     barrier()
     return acc
@@ -339,7 +360,7 @@ def _mma_gate_up_kernel(
     split_stride, dim, inter, swiglu_limit,
     stride_w1e, stride_s1e, stride_w3e, stride_s3e, stride_wn, stride_sn,
     PICKS: gl.constexpr, PAIRS_PER_TOKEN: gl.constexpr, HAS_LIMIT: gl.constexpr, POW2: gl.constexpr,
-    S_E8M0: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+    S_E8M0: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, BLOCKS: gl.constexpr,
 ):
     """A program: one of w1 (even parts) or w3, PART_N of the tile's 128 columns, one K split
     (grid axis 1: split * UP_PARTS + part). Its partials go to the scratch [SPLIT, pairs, 2,
@@ -361,7 +382,7 @@ def _mma_gate_up_kernel(
         else:
             w_ptr = w3_ptr + at * stride_w3e
             s_ptr = s3_ptr + at * stride_s3e
-        per_split = gl.cdiv(dim // BLOCK_K, SPLIT) * BLOCK_K
+        per_split = gl.cdiv(dim // (BLOCKS * BLOCK_K), SPLIT) * (BLOCKS * BLOCK_K)
         k_begin = split * per_split
         k_end = gl.minimum(k_begin + per_split, dim)
         col0 = tile_n * GATE_UP_BLOCK_N + (part // 2) * PART_N
@@ -372,7 +393,7 @@ def _mma_gate_up_kernel(
             pair, row_ok = _chunk_pairs(sorted_pair_ptr, segment, first, rows, gl.SliceLayout(1, PARTIAL))
             acc = _fp4_products(
                 xq_ptr, xs_ptr, pair // PAIRS_PER_TOKEN, row_ok, dim, dim // BLOCK_K,
-                w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end, S_E8M0, PART_N, TOKENS, STAGES,
+                w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end, S_E8M0, PART_N, TOKENS, STAGES, BLOCKS,
             )
             acc = gl.convert_layout(acc.permute(1, 0), PARTIAL)
             partial_at = partial_rows(partial_ptr, pair, part_cols, split, split_stride, inter, part % 2)  # w1: gate, w3: up
@@ -395,7 +416,7 @@ def _mma_gate_up_kernel(
 def _mma_down_kernel(
     hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
     dim, inter, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-    S_E8M0: gl.constexpr, STAGES: gl.constexpr,
+    S_E8M0: gl.constexpr, STAGES: gl.constexpr, BLOCKS: gl.constexpr,
 ):
     pid = gl.program_id(0)
     tiles_n = dim // DOWN_BLOCK_N
@@ -414,7 +435,7 @@ def _mma_down_kernel(
             pair, row_ok = _chunk_pairs(sorted_pair_ptr, segment, first, rows, gl.SliceLayout(1, EPILOGUE))
             acc = _fp4_products(
                 hq_ptr, hs_ptr, pair, row_ok, inter, inter // BLOCK_K,
-                w2_ptr, s2_ptr, col0, stride_wn, stride_sn, 0, inter, S_E8M0, DOWN_BLOCK_N, TOKENS, STAGES,
+                w2_ptr, s2_ptr, col0, stride_wn, stride_sn, 0, inter, S_E8M0, DOWN_BLOCK_N, TOKENS, STAGES, BLOCKS,
             )
             y = gl.convert_layout(acc.permute(1, 0), EPILOGUE)
             y_ptrs = y_ptr + pair.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -485,6 +506,15 @@ def moe_experts_scaled_mma(
     def launch_products(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
         if tiles.num_stages < 2:
             raise ValueError(f"moe_experts (mma): num_stages must be at least 2 (one step copied ahead), got {tiles.num_stages}")
+        blocks = tiles.blocks_per_stage
+        dim_blocks, inter_blocks = x.shape[1] // STEP, w1.shape[1] // STEP
+        if blocks not in (1, 2) or dim_blocks % (blocks * tiles.up_split) or inter_blocks % blocks:
+            raise ValueError(
+                f"moe_experts (mma): blocks_per_stage must be 1 or 2 and divide each K split's {STEP}-input blocks "
+                f"(dim {x.shape[1]} in {tiles.up_split} splits, inter {w1.shape[1]}), got {blocks}"
+            )
+        # Two blocks a stage unbounded took 136 registers a thread (three programs an SM).
+        registers = {"maxnreg": GATE_UP_REGISTERS} if blocks > 1 else {}
         run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=True,
                              fragment_order=True)
         dim = x.shape[1]
@@ -497,12 +527,12 @@ def moe_experts_scaled_mma(
             run.hq.shape[0] * 2 * inter, dim, inter, float(swiglu_limit),
             w1.stride(0), s1.stride(0), w3.stride(0), s3.stride(0), w1.stride(1), s1.stride(1),
             PICKS=run.picks, PAIRS_PER_TOKEN=run.pairs_per_token, HAS_LIMIT=swiglu_limit > 0, POW2=pow2,
-            S_E8M0=s1.dtype == torch.uint8, SPLIT=run.split, STAGES=tiles.num_stages, num_warps=WARPS,
+            S_E8M0=s1.dtype == torch.uint8, SPLIT=run.split, STAGES=tiles.num_stages, BLOCKS=blocks, num_warps=WARPS, **registers,
         )
         _mma_down_kernel[(segments.num_blocks * (dim // DOWN_N),)](
             run.hq, run.hs, w2, s2, run.y, segments.sorted_pair, segments.block_expert, segments.block_rows,
             dim, inter, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), run.y.stride(0),
-            S_E8M0=s2.dtype == torch.uint8, STAGES=tiles.num_stages, num_warps=WARPS,
+            S_E8M0=s2.dtype == torch.uint8, STAGES=tiles.num_stages, BLOCKS=blocks, num_warps=WARPS, **registers,
         )
         return run
 
