@@ -158,12 +158,18 @@ def copy_layout(vector: int, lanes_per_row: int) -> gl.BlockedLayout:
 
 
 @gluon.constexpr_function
-def codes_copy_layout(blocks: int) -> gl.BlockedLayout:
-    """Copies of a stage's codes [blocks, rows, 64 bytes]: 16 bytes a thread, the `blocks` 64-byte
-    runs of a row on consecutive threads (one 64 * blocks-byte run of the row in memory), warps
-    stacked over the rows."""
-    return gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[blocks, 32 // (4 * blocks), 4],
-                            warps_per_cta=[1, WARPS, 1], order=[2, 0, 1])
+def codes_copy_layout(blocks: int, block_n: int) -> gl.DistributedLinearLayout:
+    """Copies of a stage's codes [blocks * block_n, 64 bytes] (its blocks' rows stacked): 16
+    bytes a thread, the `blocks` 64-byte runs of a weight row on consecutive threads (one run of
+    64 * blocks bytes in memory), then rows across threads, warps and registers."""
+    row_bits = [[1 << i, 0] for i in range(block_n.bit_length() - 1)]
+    lanes = [[0, 16], [0, 32]] + ([[block_n, 0]] if blocks == 2 else [])
+    spare = 5 - len(lanes)
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]] + row_bits[spare + 2:],
+        lane_bases=lanes + row_bits[:spare], warp_bases=row_bits[spare:spare + 2], block_bases=[],
+        shape=[blocks * block_n, STEP // 2],
+    )
 
 
 @gluon.constexpr_function
@@ -285,7 +291,7 @@ def _fp4_products(
     Each step (BLOCKS blocks of 128 inputs) is copied into shared memory STAGES - 1 steps ahead
     of its products."""
     MMA: gl.constexpr = mma_layout()
-    COPY_CODES: gl.constexpr = codes_copy_layout(BLOCKS)
+    COPY_CODES: gl.constexpr = codes_copy_layout(BLOCKS, BLOCK_N)
     COPY_SCALES: gl.constexpr = copy_layout(4, 1)
     COPY_VALUES: gl.constexpr = copy_layout(8, 16)  # a token's 128 values by 16 threads
     COPY_ROWS: gl.constexpr = gl.SliceLayout(1, copy_layout(1, 1))
@@ -305,11 +311,10 @@ def _fp4_products(
 
     # Offsets of the first block, in the copies' layouts.
     first_block = k_begin // BLOCK_K  # offsets as multiples of a block's, so the copies stay 16 bytes wide
-    code_blocks = gl.arange(0, BLOCKS, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_CODES)))
-    code_rows = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, COPY_CODES)))
-    code_bytes = gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_CODES)))
-    code_offs = (code_rows[None, :, None] * stride_wn + (first_block + code_blocks[:, None, None]) * (BLOCK_K // 2)
-                 + code_bytes[None, None, :]).reshape([BLOCKS * BLOCK_N, BLOCK_K // 2])
+    stacked = gl.arange(0, BLOCKS * BLOCK_N, layout=gl.SliceLayout(1, COPY_CODES))  # block * BLOCK_N + row
+    code_bytes = gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, COPY_CODES))
+    code_offs = ((col0 + stacked % BLOCK_N)[:, None] * stride_wn + (first_block + stacked // BLOCK_N)[:, None] * (BLOCK_K // 2)
+                 + code_bytes[None, :])
     scale_rows = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY_SCALES))
     scale_groups = first_block * 4 + gl.arange(0, 4, layout=gl.SliceLayout(0, COPY_SCALES))
     scale_offs = scale_rows[:, None] * stride_sn + scale_groups[None, :]
