@@ -17,7 +17,6 @@ launches then compile nothing where its kernels are the ones they look up (compi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import os
@@ -185,7 +184,7 @@ def extra_calls(batches) -> list[tuple[str, object]]:
 
     from kernels.blockscale.gemv import blockscale_gemv
     from kernels.blockscale.gluon import blockscale_linear_mma
-    from kernels.moe.scaled_gluon import choose_mma_tiles, moe_experts_scaled_mma
+    from kernels.moe.scaled_gluon import moe_experts_scaled_mma, one_block_mma_tiles
 
     ops = op_kernels()
     calls = []
@@ -195,8 +194,8 @@ def extra_calls(batches) -> list[tuple[str, object]]:
         routed = (torch.empty(batch, 4096, dtype=torch.bfloat16), torch.zeros(batch, 6, dtype=torch.long), torch.empty(batch, 6))
         calls.append((f"moe_experts_scaled_mma B={batch}", lambda r=routed: moe_experts_scaled_mma(
             *r, experts[0], experts[1], experts[0], (scales[0], scales[1], scales[0]), 10.0)))
-        wide = dataclasses.replace(choose_mma_tiles(batch * 6, 8, 4096, 2048, SMS), blocks_per_stage=2, num_stages=4)
-        calls.append((f"moe_experts_scaled_mma two blocks a stage B={batch}", lambda r=routed, t=wide: moe_experts_scaled_mma(
+        one_block = one_block_mma_tiles(batch * 6, 8, 4096, 2048, SMS)
+        calls.append((f"moe_experts_scaled_mma one block a stage B={batch}", lambda r=routed, t=one_block: moe_experts_scaled_mma(
             *r, experts[0], experts[1], experts[0], (scales[0], scales[1], scales[0]), 10.0, tiles=t)))
         for n, k in ((1536, 4096), (4096, 8192), (32768, 1024), (4160, 4096)):  # 4160: tiles of 64
             fp8 = (torch.empty(batch, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.float8_e4m3fn),

@@ -369,8 +369,9 @@ def test_mma_product_splits_gate_up_k_in_one_wave():
     each) fit one wave of GATE_UP_PROGRAMS_PER_SM an SM, with the shallow pipeline; programs
     beyond one wave take the deep pipeline and K in two halves where each has enough blocks."""
     from kernels.moe.scaled_gluon import (
-        DEEP_PIPELINE_STAGES, GATE_UP_PARTS, GATE_UP_PROGRAMS_PER_SM, PIPELINE_STAGES, choose_mma_tiles,
+        DEEP_PIPELINE_STAGES, GATE_UP_PARTS, GATE_UP_PROGRAMS_PER_SM, PIPELINE_STAGES,
     )
+    from kernels.moe.scaled_gluon import one_block_mma_tiles as choose_mma_tiles
     from kernels.triton_util import MIN_BLOCKS_PER_SPLIT
 
     assert GATE_UP_PARTS == 4 and GATE_UP_PROGRAMS_PER_SM == 4
@@ -389,6 +390,23 @@ def test_mma_product_splits_gate_up_k_in_one_wave():
             blocks = dim // 128
             assert blocks % split == 0 and (split == 1 or blocks // split >= MIN_BLOCKS_PER_SPLIT)
             assert split == 1 or pairs * 16 * 4 * split <= 4 * 132
+
+
+def test_mma_product_takes_two_blocks_a_stage_where_they_divide_every_k_range():
+    """choose_mma_tiles: one_block_mma_tiles' split, with WIDE_STAGES stages of two blocks where
+    two blocks divide each gate/up split's blocks and the intermediate's; else one_block_mma_tiles'
+    tiles as they are."""
+    from kernels.moe.scaled_gluon import WIDE_STAGES, choose_mma_tiles, one_block_mma_tiles
+
+    for dim, inter in ((4096, 2048), (2816, 2048), (1792, 2048), (4096, 384), (512, 512)):
+        for pairs in (1, 2, 6, 96, 384):
+            one = one_block_mma_tiles(pairs, 256, dim, inter, 132)
+            chosen = choose_mma_tiles(pairs, 256, dim, inter, 132)
+            fits = (dim // 128) % (2 * one.up_split) == 0 and (inter // 128) % 2 == 0
+            wide = dataclasses.replace(one, blocks_per_stage=2, num_stages=WIDE_STAGES)
+            assert chosen == (wide if fits else one), (dim, inter, pairs)
+    assert choose_mma_tiles(6, 256, 4096, 2048, 132).blocks_per_stage == 2  # V4-Flash, batch 1
+    assert choose_mma_tiles(1, 256, 1792, 2048, 132).blocks_per_stage == 1  # 14 blocks in 2 splits of 7
 
 
 @pytest.mark.interpreter
@@ -728,8 +746,9 @@ def test_scaled_mma_product_odd_step_counts(scale_dtype, dim, inter, up_split, s
 def test_scaled_mma_two_blocks_a_stage_give_one_blocks_result(flash_scaled, batch):
     """`ScaledTiles.blocks_per_stage` 2 (each row's codes copied 128 bytes at a time, two blocks
     multiplied a stage) sums the same block products in the same order: bit for bit one block a
-    stage, and the reference within tolerance, over pipelines shallower and deeper than the op's."""
-    from kernels.moe.scaled_gluon import choose_mma_tiles, moe_experts_scaled_mma
+    stage, and the reference within tolerance, over pipelines shallower and deeper than the op's
+    (choose_mma_tiles takes two blocks a stage at these widths)."""
+    from kernels.moe.scaled_gluon import moe_experts_scaled_mma, one_block_mma_tiles
 
     w1, w2, w3, scales = flash_scaled
     if w1.dtype != torch.uint8:
@@ -738,9 +757,9 @@ def test_scaled_mma_two_blocks_a_stage_give_one_blocks_result(flash_scaled, batc
     x, ids, weights = scaled_flash_inputs(batch, 390 + batch, "random")
     for shared_expert in (-1, c["num_experts"] - 1):
         pairs = batch * (c["picks"] + (shared_expert >= 0))
-        tiles = choose_mma_tiles(pairs, c["num_experts"], c["dim"], c["inter"], torch.cuda.get_device_properties(0).multi_processor_count)
+        tiles = one_block_mma_tiles(pairs, c["num_experts"], c["dim"], c["inter"], torch.cuda.get_device_properties(0).multi_processor_count)
         one = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert, tiles=tiles)
-        for stages in (2, 4):
+        for stages in (2, 3, 4):
             two = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert,
                                          tiles=dataclasses.replace(tiles, blocks_per_stage=2, num_stages=stages))
             assert torch.equal(two, one)
@@ -810,6 +829,7 @@ def test_tile_sweep_times_the_chosen_tiles_and_every_variant():
         chosen = choose_mma_tiles(pairs, 256, 4096, 2048, 132)
         variants = candidate_tiles(chosen)
         assert next(iter(variants.values())) == chosen
-        combos = {(t.num_stages, t.up_split) for t in variants.values()}
-        assert combos == {(chosen.num_stages, chosen.up_split)} | {(s, k) for s in STAGES for k in SPLITS}
+        combos = {(t.blocks_per_stage, t.num_stages, t.up_split) for t in variants.values()}
+        assert combos == {(chosen.blocks_per_stage, chosen.num_stages, chosen.up_split)} | {
+            (b, s, k) for b, s in STAGES for k in SPLITS}  # every split divides V4-Flash's 32 blocks in pairs
         assert len(variants) == len(combos) and all(t.num_stages >= 2 for t in variants.values())

@@ -260,7 +260,7 @@ def scaled_table(copy_gbs: float) -> str:
     semantics and the same experts dequantised to bf16 through the dense kernel; GB/s counts the
     bytes each must move: the distinct picked experts' weights (and scales), x, and the fp32 output."""
     from kernels.moe.scaled_gluon import (  # Gluon: imported where a GPU runs it
-        DEEP_PIPELINE_STAGES, PIPELINE_STAGES, moe_experts_scaled_mma,
+        DEEP_PIPELINE_STAGES, PIPELINE_STAGES, moe_experts_scaled_mma, one_block_mma_tiles,
     )
 
     fp4, dense, shared = make_scaled_experts()
@@ -306,13 +306,11 @@ def scaled_table(copy_gbs: float) -> str:
         chosen = op_mma_tiles(ids, w1.shape[0])
         return dataclasses.replace(chosen, up_split=factor * chosen.up_split)
 
-    def other_depth(ids) -> ScaledTiles:  # the op's tiles with the pipeline depth it does not choose here
-        chosen = op_mma_tiles(ids, w1.shape[0])
-        deep = chosen.num_stages == DEEP_PIPELINE_STAGES
-        return dataclasses.replace(chosen, num_stages=PIPELINE_STAGES if deep else DEEP_PIPELINE_STAGES)
+    def one_block(ids) -> ScaledTiles:  # the op's split with one block a stage and its pipeline depth
+        return one_block_mma_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device))
 
     # The products the op does not run by default, each on the op's semantics (kernels/moe/scaled*.py),
-    # and the op's own product with its gate/up K split into more ways or its other pipeline depth.
+    # and the op's own product with its gate/up K split into more ways or one block a pipeline stage.
     candidates = {
         "Triton dot_scaled": lambda x, ids, weights: moe_experts_scaled_triton(
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles(ids, product="dot_scaled")),
@@ -320,8 +318,8 @@ def scaled_table(copy_gbs: float) -> str:
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles(ids, product="codes", num_warps=CODES_WARPS)),
         "Gluon split x2": lambda x, ids, weights: moe_experts_scaled_mma(
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=mma_split(ids, 2)),
-        "Gluon other depth": lambda x, ids, weights: moe_experts_scaled_mma(
-            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=other_depth(ids)),
+        "Gluon one block a stage": lambda x, ids, weights: moe_experts_scaled_mma(
+            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=one_block(ids)),
     }
 
     shared_bytes = sum(t.numel() * t.element_size() for t in shared)
@@ -389,9 +387,10 @@ def scaled_table(copy_gbs: float) -> str:
         "The other products of the same semantics, each with its 'speedup' (the op's time over its own): 'Triton dot_scaled' "
         "(kernels/moe/scaled.py, `tl.dot_scaled` on the packed codes), 'Triton codes decoded' (the codes decoded in the "
         f"Triton kernel, then an fp16 dot, {CODES_WARPS} warps); 'Gluon split x2': the op's Gluon product with "
-        "the gate/up product's K split into twice the ways the op chooses (`ScaledTiles.up_split`); 'Gluon other depth': "
-        f"the op's Gluon product with the pipeline depth it does not choose at that batch ({PIPELINE_STAGES} or "
-        f"{DEEP_PIPELINE_STAGES} stages, `ScaledTiles.num_stages`).\n\n"
+        "the gate/up product's K split into twice the ways the op chooses (`ScaledTiles.up_split`); 'Gluon one block a "
+        "stage': the op's Gluon product with one 128-input block a pipeline stage (`ScaledTiles.blocks_per_stage`: each "
+        f"weight row's codes read 64 bytes at a time, not 128) and {PIPELINE_STAGES} or {DEEP_PIPELINE_STAGES} stages "
+        "as the op chose before two blocks a stage.\n\n"
         f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n\n"
         "### The FP8 shared expert with the routed experts\n\n"
         "'+ FP8 shared (model)': `v4::moe_experts_scaled_shared`, the routed experts with the shared expert in FP8 "

@@ -1,6 +1,6 @@
 """GPU sweep of the FP4 experts' Gluon product tiles (kernels/moe/scaled_gluon.py): pipeline
-stages (`ScaledTiles.num_stages`) against the gate/up K split (`up_split`), at batches 1, 4, 16
-and 64 (256 experts, top-6), beside the tiles `choose_mma_tiles` picks. Every variant is checked
+stages of one or two 128-input blocks (`ScaledTiles.num_stages`, `blocks_per_stage`) against the
+gate/up K split (`up_split`), at batches 1, 4, 16 and 64 (256 experts, top-6), beside the tiles `choose_mma_tiles` picks. Every variant is checked
 against the reference first (one that fails to compile or to match is listed, not timed); times
 as in kernels/bench/moe.py (one CUDA graph per routing set, sets rotated). What the defaults
 should become is read off this table."""
@@ -18,7 +18,9 @@ from kernels.moe import moe_experts
 from kernels.moe.scaled import ScaledTiles
 
 BATCHES = (1, 4, 16, 64)
-STAGES = (4, 6, 8)  # ten take more registers than four programs an SM leave
+# (blocks a stage, stages): one block: ten stages take more registers than four programs an SM
+# leave; two blocks: five take more shared memory than four programs an SM.
+STAGES = ((1, 4), (1, 6), (1, 8), (2, 2), (2, 3), (2, 4))
 SPLITS = (1, 2, 4)
 SHOWN = 3  # best variants listed per batch
 
@@ -53,8 +55,8 @@ def run(copy_gbs: float) -> str:
         f"best {i + 1}: graph us (% copy)" for i in range(SHOWN)]
     text = (
         "## FP4 experts' Gluon product: pipeline stages and gate/up K split swept\n\n"
-        f"256 FP4 experts, top-6, D={DIM}, I={INTER}. Tiles: shared-memory stages of both products, the gate/up K "
-        "split. Bytes as in the routed-experts table; each variant matched the reference first.\n\n"
+        f"256 FP4 experts, top-6, D={DIM}, I={INTER}. Tiles: shared-memory stages of both products (each one or two "
+        "128-input blocks), the gate/up K split. Bytes as in the routed-experts table; each variant matched the reference first.\n\n"
         + markdown_table(header, rows) + "\n"
     )
     if failed:
@@ -63,13 +65,16 @@ def run(copy_gbs: float) -> str:
 
 
 def candidate_tiles(chosen: ScaledTiles) -> dict[str, ScaledTiles]:
-    """The chosen tiles first, then every STAGES x SPLITS variant of them, by name."""
+    """The chosen tiles first, then every STAGES x SPLITS variant of them the widths allow, by name."""
+    from kernels.moe.scaled_gluon import wide_stages_fit
+
     variants = {describe(chosen): chosen}
-    for stages, split in itertools.product(STAGES, SPLITS):
-        tiles = dataclasses.replace(chosen, num_stages=stages, up_split=split)
-        variants.setdefault(describe(tiles), tiles)
+    for (blocks, stages), split in itertools.product(STAGES, SPLITS):
+        if blocks == 1 or wide_stages_fit(DIM, INTER, split):
+            tiles = dataclasses.replace(chosen, blocks_per_stage=blocks, num_stages=stages, up_split=split)
+            variants.setdefault(describe(tiles), tiles)
     return variants
 
 
 def describe(tiles: ScaledTiles) -> str:
-    return f"{tiles.num_stages} stages, split {tiles.up_split}"
+    return f"{tiles.num_stages} stages of {tiles.blocks_per_stage} blocks, split {tiles.up_split}"

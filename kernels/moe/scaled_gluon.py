@@ -77,6 +77,13 @@ GATE_UP_REGISTERS = 65536 // (GATE_UP_PROGRAMS_PER_SM * WARPS * 32)  # a thread'
 # measured slower). Ten stages take more registers than four programs an SM leave.
 PIPELINE_STAGES = 4
 DEEP_PIPELINE_STAGES = 8
+# Two blocks a stage where every K range holds an even count of them (`ScaledTiles.
+# blocks_per_stage`): each weight row's codes are then read 128 contiguous bytes at a time, where
+# 64-byte runs a row left DRAM bandwidth unused (a read-only kernel of the same pattern: 78% of
+# copy bandwidth at 64 bytes, 105% at 128; the product 1.09x, 1.09x, 1.08x faster at batches 1,
+# 16, 64 on an H100). Three such stages measured best at every batch (two to five swept).
+WIDE_BLOCKS = 2
+WIDE_STAGES = 3
 # The instruction's N: pairs of a segment taken at a time (wider tiles would raise every
 # program's registers for the few segments with more pairs).
 TOKENS_PER_STEP = 8
@@ -512,11 +519,10 @@ def moe_experts_scaled_mma(
         if tiles.num_stages < 2:
             raise ValueError(f"moe_experts (mma): num_stages must be at least 2 (one step copied ahead), got {tiles.num_stages}")
         blocks = tiles.blocks_per_stage
-        dim_blocks, inter_blocks = x.shape[1] // STEP, w1.shape[1] // STEP
-        if blocks not in (1, 2) or dim_blocks % (blocks * tiles.up_split) or inter_blocks % blocks:
+        if blocks != 1 and not (blocks == WIDE_BLOCKS and wide_stages_fit(x.shape[1], w1.shape[1], tiles.up_split)):
             raise ValueError(
-                f"moe_experts (mma): blocks_per_stage must be 1 or 2 and divide each K split's {STEP}-input blocks "
-                f"(dim {x.shape[1]} in {tiles.up_split} splits, inter {w1.shape[1]}), got {blocks}"
+                f"moe_experts (mma): blocks_per_stage must be 1, or {WIDE_BLOCKS} where they divide each K split's "
+                f"{STEP}-input blocks (dim {x.shape[1]} in {tiles.up_split} splits, inter {w1.shape[1]}), got {blocks}"
             )
         # Two blocks a stage unbounded took 136 registers a thread (three programs an SM).
         registers = {"maxnreg": GATE_UP_REGISTERS} if blocks > 1 else {}
@@ -545,12 +551,18 @@ def moe_experts_scaled_mma(
                           shared_weights=shared_weights, pow2=pow2, swiglu_limit=swiglu_limit)
 
 
-def choose_mma_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num_sms: int) -> ScaledTiles:
-    """choose_scaled_tiles' down tile. Gate/up programs that fit one wave (GATE_UP_PROGRAMS_PER_SM
-    an SM): K split into the most equal parts that keep them in it, each at least
-    MIN_BLOCKS_PER_SPLIT blocks (a second, part-filled wave measured slower: batch 1, 6 experts:
-    1 way 58.4 us, 2 ways 61.2, 4 ways 60.1), the shallow pipeline. More programs than a wave:
-    the deep pipeline and K split in two where the blocks allow (DEEP_PIPELINE_STAGES)."""
+def wide_stages_fit(dim: int, inter: int, up_split: int) -> bool:
+    """Whether stages of WIDE_BLOCKS blocks divide every K range: the gate/up product's splits of
+    dim and the down product's inter."""
+    return (dim // STEP) % (WIDE_BLOCKS * up_split) == 0 and (inter // STEP) % WIDE_BLOCKS == 0
+
+
+def one_block_mma_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num_sms: int) -> ScaledTiles:
+    """choose_scaled_tiles' down tile, one block a stage. Gate/up programs that fit one wave
+    (GATE_UP_PROGRAMS_PER_SM an SM): K split into the most equal parts that keep them in it, each
+    at least MIN_BLOCKS_PER_SPLIT blocks (a second, part-filled wave measured slower: batch 1, 6
+    experts: 1 way 58.4 us, 2 ways 61.2, 4 ways 60.1), the shallow pipeline. More programs than a
+    wave: the deep pipeline and K split in two where the blocks allow (DEEP_PIPELINE_STAGES)."""
     tiles = choose_scaled_tiles(num_pairs, num_experts, dim, inter, num_sms)
     programs = max(1, min(num_pairs, num_experts)) * max(1, inter // UP_BLOCK_N) * GATE_UP_PARTS
     blocks = dim // STEP
@@ -561,3 +573,12 @@ def choose_mma_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num
     split = max(1, min(wave // programs, blocks // MIN_BLOCKS_PER_SPLIT))
     split = next(s for s in range(split, 0, -1) if blocks % s == 0)
     return dataclasses.replace(tiles, up_split=split, num_stages=PIPELINE_STAGES)
+
+
+def choose_mma_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num_sms: int) -> ScaledTiles:
+    """one_block_mma_tiles' split, with WIDE_STAGES stages of WIDE_BLOCKS blocks where they
+    divide every K range."""
+    tiles = one_block_mma_tiles(num_pairs, num_experts, dim, inter, num_sms)
+    if wide_stages_fit(dim, inter, tiles.up_split):
+        return dataclasses.replace(tiles, blocks_per_stage=WIDE_BLOCKS, num_stages=WIDE_STAGES)
+    return tiles
