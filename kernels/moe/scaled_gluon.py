@@ -7,10 +7,12 @@ epilogue and the combine are scaled.py's.
 At decode a routed expert is a grouped GEMV: the time goes to moving and decoding the codes, so
 both are laid out for the instruction rather than for the dot of a generic tile.
 
-- Every 128-input step's bytes (codes, their scales, the activations and their scales)
-  reach shared memory by cp.async, 16 bytes a thread and whole sectors, STAGES - 1 steps ahead
-  of the one multiplied. Reading the fragments straight from global memory (4 bytes a thread,
-  half of each sector) kept the L1 busy and left nothing in flight while a step computed.
+- Every pipeline stage's bytes (codes, their scales, the activations and their scales: one or
+  two 128-input blocks) reach shared memory by cp.async, 16 bytes a thread and whole sectors,
+  STAGES - 1 stages ahead of the one multiplied. With two blocks a stage a weight row's codes
+  move 128 contiguous bytes at a time, its two 64-byte runs on neighbouring threads (WIDE_BLOCKS).
+  Reading the fragments straight from global memory (4 bytes a thread, half of each sector)
+  kept the L1 busy and left nothing in flight while a step computed.
 - The instruction's K order within a 32-input scale group is free as long as the weights and
   the activations share it. Thread q of a quad takes inputs [8q, 8q + 8) of every group: 4 bytes
   of codes a row (one 32-bit shared-memory read), which its A fragment holds as k-slots
@@ -68,7 +70,7 @@ DOWN_N = 64
 GATE_UP_N = 64
 GATE_UP_PARTS = 2 * UP_BLOCK_N // GATE_UP_N  # programs of a tile and split: w1 and w3, each in parts
 GATE_UP_PROGRAMS_PER_SM = 4  # gate/up programs an SM holds (registers: about 120 a thread)
-GATE_UP_REGISTERS = 65536 // (GATE_UP_PROGRAMS_PER_SM * WARPS * 32)  # a thread's share at that
+THREAD_REGISTERS = 65536 // (GATE_UP_PROGRAMS_PER_SM * WARPS * 32)  # a thread's share of an SM's at that
 # Steps in shared memory at a time (STAGES - 1 copied ahead of the one multiplied),
 # `ScaledTiles.num_stages` of these products: about 5 KB a step, four programs an SM (as their
 # registers allow). Programs in one wave (few experts picked) take the shallow pipeline; where
@@ -525,7 +527,7 @@ def moe_experts_scaled_mma(
                 f"{STEP}-input blocks (dim {x.shape[1]} in {tiles.up_split} splits, inter {w1.shape[1]}), got {blocks}"
             )
         # Two blocks a stage unbounded took 136 registers a thread (three programs an SM).
-        registers = {"maxnreg": GATE_UP_REGISTERS} if blocks > 1 else {}
+        registers = {"maxnreg": THREAD_REGISTERS} if blocks > 1 else {}
         run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=True,
                              fragment_order=True)
         dim = x.shape[1]
