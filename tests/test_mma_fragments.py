@@ -15,6 +15,7 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 
 from kernels.blockscale import gluon as fp8_mma  # noqa: E402
+from kernels.blockscale.act_quant_pass import in_fragment_order  # noqa: E402
 from kernels.moe import scaled_gluon as fp4_mma  # noqa: E402
 
 ROWS, INPUTS, TOKENS = 128, 128, 8
@@ -66,22 +67,12 @@ def fp8_block(codes: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def fragment_order(values: torch.Tensor) -> torch.Tensor:
-    """values [.., 128] -> fp16 in the FP4 product's fragment order (kernels/blockscale/act_quant_pass.py):
-    each 8 inputs 4h + 2n + s at position 4s + 2h + n, written out here independently of its store."""
-    i = torch.arange(8)
-    h, n, s = i >> 2, (i >> 1) & 1, i & 1
-    placed = torch.empty(values.shape, dtype=torch.float16, device=values.device)
-    placed.view(-1, 8)[:, 4 * s + 2 * h + n] = values.reshape(-1, 8).half()
-    return placed
-
-
 def fp4_block(packed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """packed [128, 64] e2m1 codes (low nibble first, every scale 1) and values [8, 128] (e4m3)
     -> the probe's [128, 8] fp32."""
     out = torch.empty(ROWS, TOKENS, dtype=torch.float32, device="cuda")
     ones = torch.full((ROWS, INPUTS // 32), 127, dtype=torch.uint8, device="cuda")  # ue8m0 127 = 1.0
-    _fp4_block_probe[(1,)](packed, ones, fragment_order(values.float()), out, num_warps=fp4_mma.WARPS)
+    _fp4_block_probe[(1,)](packed, ones, in_fragment_order(values.float()), out, num_warps=fp4_mma.WARPS)
     return out
 
 

@@ -56,6 +56,16 @@ def _act_quant_kernel(
                       FRAGMENT_ORDER)
 
 
+def in_fragment_order(values: torch.Tensor) -> torch.Tensor:
+    """Plain-torch reference of the fragment order: values [.., K] (K a multiple of 8) as fp16,
+    each 8 inputs 4h + 2n + s at position 4s + 2h + n."""
+    i = torch.arange(8, device=values.device)
+    h, n, s = i >> 2, (i >> 1) & 1, i & 1
+    placed = torch.empty(values.shape, dtype=torch.float16, device=values.device)
+    placed.view(-1, 8)[:, 4 * s + 2 * h + n] = values.reshape(-1, 8).half()
+    return placed
+
+
 def values_buffer(m: int, k: int, fragment_order: bool, device: torch.device) -> torch.Tensor:
     """Where quantised values [m, k] go: e4m3, or fp16 in fragment order."""
     return torch.empty((m, k), dtype=torch.float16 if fragment_order else torch.float8_e4m3fn, device=device)
