@@ -19,7 +19,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from kernels.bench.tables import markdown_table
-from kernels.bench.timing import graph_time_us, interleaved_graph_times_us, median_time_us
+from kernels.bench.timing import graph_time_us, interleaved_graph_times_us, kernel_times_us, median_time_us
 from kernels.blockscale.op import blockscale_linear
 from kernels.blockscale.ref import FP4_BLOCK, dequantize_fp4_weight, quantize_fp4_weight, quantize_fp8_weight
 from kernels.moe import SharedExpertWeights, moe_experts, swiglu
@@ -323,7 +323,7 @@ def scaled_table(copy_gbs: float) -> str:
     }
 
     shared_bytes = sum(t.numel() * t.element_size() for t in shared)
-    rows, shared_rows, verdicts = [], [], []
+    rows, shared_rows, kernel_rows, verdicts = [], [], [], []
     for batch in SCALED_BATCHES:
         sets = scaled_routing_sets(batch)
         expected = fp4_path(*sets[0], impl="reference")
@@ -364,6 +364,8 @@ def scaled_table(copy_gbs: float) -> str:
             except Exception as error:  # noqa: BLE001
                 row += [f"fails: {type(error).__name__}: {str(error)[:100]}", "-", "-"]
         rows.append(row)
+        kernels = kernel_times_us(fp4_path, sets)
+        kernel_rows.append([batch, f"{sum(kernels.values()):.1f}"] + [f"`{name[:40]}` {us:.1f}" for name, us in kernels.items()])
         print(f"moe scaled B={batch}: FP4 {fp4_us:.1f} us ({fp4_gbs:.0f} GB/s), bf16 {dense_us:.1f} us", flush=True)
         met = "meets" if fp4_gbs >= SCALED_TARGET * copy_gbs else "MISSES"
         verdicts.append(f"B={batch}: FP4 at {100 * fp4_gbs / copy_gbs:.0f}% of copy bandwidth (target {SCALED_TARGET:.0%}: {met})")
@@ -373,6 +375,9 @@ def scaled_table(copy_gbs: float) -> str:
     for name in candidates:
         headers += [f"{name} graph us", f"{name} % copy", f"{name} speedup"]
     table = markdown_table(headers, rows)
+    widest = max(len(row) for row in kernel_rows)  # batches launch different kernels (a K split's, a combine's)
+    kernel_table = markdown_table(["B", "kernels us"] + [f"kernel {i + 1}" for i in range(widest - 2)],
+                                  [row + ["-"] * (widest - len(row)) for row in kernel_rows])
     shared_headers = ["B", "routed alone graph us", "+ FP8 shared (model) graph us", "+ shared % copy",
                       "+ FP8 shared after graph us", "beside speedup"]
     for name in shared_variants:
@@ -402,5 +407,9 @@ def scaled_table(copy_gbs: float) -> str:
         "stream' (CUDA stream priority -1), 'gate/up GEMV' (at one row the 16 MiB gate/up product through the FP8 "
         "GEMV instead of the Triton plan the linear op takes). Every path matched the reference first; the routed "
         "experts alone and these ways were timed in turn, median of 5 rounds.\n\n"
-        f"{markdown_table(shared_headers, shared_rows)}\n"
+        f"{markdown_table(shared_headers, shared_rows)}\n\n"
+        "### Where the FP4 op's time goes\n\n"
+        "Each kernel the op launches and its device time per call (us, the profiler over 20 calls launched one after "
+        "another, not in a graph); 'kernels us': their sum. The op's graph time above adds the gaps between them.\n\n"
+        f"{kernel_table}\n"
     )

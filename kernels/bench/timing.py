@@ -2,6 +2,7 @@
 and graphs (medians, rotating inputs, copy bandwidth) and wall-clock samples with their spread."""
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 from dataclasses import dataclass
@@ -62,6 +63,25 @@ def chained_time_us(fn: Callable[..., object], input_sets: Sequence[tuple], reps
     back as in a decode step (no graph launch per call, each kernel's ramp and tail included)."""
     graph = graphs_of(lambda: [fn(*args) for args in input_sets], [()])[0]
     return median_time_us(graph.replay, [()], warmup=3, reps=reps) / len(input_sets)
+
+
+def kernel_times_us(fn: Callable[..., object], input_sets: Sequence[tuple], calls: int = 20) -> dict[str, float]:
+    """Where a call's device time goes: each kernel fn launches (by name, its launches summed) and
+    its device time per call in microseconds, slowest first, from the profiler over `calls` calls
+    cycling through input_sets after one call of warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*input_sets[0])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fn(*input_sets[i % len(input_sets)])
+        torch.cuda.synchronize()
+    totals: collections.Counter[str] = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += getattr(event, "device_time", None) or event.cuda_time  # torch renamed it
+    return {name: us / calls for name, us in totals.most_common()}
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30, reps: int = 20) -> float:
