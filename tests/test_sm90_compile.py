@@ -4,7 +4,10 @@ without the interpreter). Catches what only a GPU's compile would: a layout Trit
 an API the installed Triton lacks, a program over an SM's shared memory. The kernels compile
 ahead (kernels/precompile.py), as a CUDA start does, and the launches must then compile none.
 About a minute cold on
-2 cores, so it runs when asked for: `python3 -m pytest -m sm90`."""
+2 cores, so it runs when asked for: `python3 -m pytest -m sm90`. Another Triton first on the
+path compiles them with that version instead (a GPU machine's Triton may refuse what the
+installed one accepts): `pip install --no-deps --target DIR triton==3.6.0`, then
+`PYTHONPATH=DIR python3 -m pytest -m sm90`."""
 from __future__ import annotations
 
 import importlib.util
