@@ -359,29 +359,28 @@ def test_scaled_gate_up_splits_only_where_tiles_leave_sms_idle():
 
 
 def test_mma_product_splits_gate_up_k_in_one_wave():
-    """The Gluon product's gate/up K split: the most equal parts (dividing K's blocks, at least
+    """The Gluon product's gate/up K split (one_block_mma_tiles; choose_mma_tiles keeps it): the most equal parts (dividing K's blocks, at least
     MIN_BLOCKS_PER_SPLIT blocks each) whose programs (4 a 128-column tile: w1 and w3, two halves
     each) fit one wave of GATE_UP_PROGRAMS_PER_SM an SM, with the shallow pipeline; programs
     beyond one wave take the deep pipeline and K in two halves where each has enough blocks."""
     from kernels.moe.scaled_gluon import (
-        DEEP_PIPELINE_STAGES, GATE_UP_PARTS, GATE_UP_PROGRAMS_PER_SM, PIPELINE_STAGES,
+        DEEP_PIPELINE_STAGES, GATE_UP_PARTS, GATE_UP_PROGRAMS_PER_SM, PIPELINE_STAGES, one_block_mma_tiles,
     )
-    from kernels.moe.scaled_gluon import one_block_mma_tiles as choose_mma_tiles
     from kernels.triton_util import MIN_BLOCKS_PER_SPLIT
 
     assert GATE_UP_PARTS == 4 and GATE_UP_PROGRAMS_PER_SM == 4
-    assert choose_mma_tiles(6, 256, 4096, 2048, 132).up_split == 1  # 384 programs: one wave of 528
-    assert choose_mma_tiles(1, 256, 4096, 2048, 132).up_split == 8  # 64 programs a split
-    assert choose_mma_tiles(2, 256, 4096, 2048, 132).up_split == 4  # 128: 4 ways fill 512 of 528
+    assert one_block_mma_tiles(6, 256, 4096, 2048, 132).up_split == 1  # 384 programs: one wave of 528
+    assert one_block_mma_tiles(1, 256, 4096, 2048, 132).up_split == 8  # 64 programs a split
+    assert one_block_mma_tiles(2, 256, 4096, 2048, 132).up_split == 4  # 128: 4 ways fill 512 of 528
     for pairs in (1, 2, 6, 8):
-        assert choose_mma_tiles(pairs, 256, 4096, 2048, 132).num_stages == PIPELINE_STAGES
+        assert one_block_mma_tiles(pairs, 256, 4096, 2048, 132).num_stages == PIPELINE_STAGES
     for pairs in (9, 96, 384):  # 576 programs and more: several waves
-        tiles = choose_mma_tiles(pairs, 256, 4096, 2048, 132)
+        tiles = one_block_mma_tiles(pairs, 256, 4096, 2048, 132)
         assert (tiles.up_split, tiles.num_stages) == (2, DEEP_PIPELINE_STAGES)
-    assert choose_mma_tiles(96, 256, 512, 2048, 132).up_split == 1  # 4 blocks: halves too short
+    assert one_block_mma_tiles(96, 256, 512, 2048, 132).up_split == 1  # 4 blocks: halves too short
     for dim in (4096, 2816, 1792, 256):
         for pairs in (1, 2, 3, 6):
-            split = choose_mma_tiles(pairs, 256, dim, 2048, 132).up_split
+            split = one_block_mma_tiles(pairs, 256, dim, 2048, 132).up_split
             blocks = dim // 128
             assert blocks % split == 0 and (split == 1 or blocks // split >= MIN_BLOCKS_PER_SPLIT)
             assert split == 1 or pairs * 16 * 4 * split <= 4 * 132
