@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 from kernels.bench.tables import markdown_table
-from kernels.bench.timing import chained_time_us, graph_time_us, rotation_count
+from kernels.bench.timing import chained_time_us, graph_time_us, kernel_launches, rotation_count
 from kernels.linear import grouped_linear, grouped_linear_reference, linear
 from kernels.linear.triton import linear_triton, takes_gemv
 
@@ -28,12 +27,7 @@ TOLERANCE = 8e-3  # max error relative to the output scale: bf16 output rounding
 
 
 def kernels_per_call(fn, args) -> int:
-    fn(*args)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(*args)
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return len(kernel_launches(fn, [args]))
 
 
 def run(copy_gbs: float) -> str:

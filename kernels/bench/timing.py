@@ -65,10 +65,9 @@ def chained_time_us(fn: Callable[..., object], input_sets: Sequence[tuple], reps
     return median_time_us(graph.replay, [()], warmup=3, reps=reps) / len(input_sets)
 
 
-def kernel_times_us(fn: Callable[..., object], input_sets: Sequence[tuple], calls: int = 20) -> dict[str, float]:
-    """Where a call's device time goes: each kernel fn launches (by name, its launches summed) and
-    its device time per call in microseconds, slowest first, from the profiler over `calls` calls
-    cycling through input_sets after one call of warm-up."""
+def kernel_launches(fn: Callable[..., object], input_sets: Sequence[tuple], calls: int = 1) -> list[tuple[str, float]]:
+    """Every kernel launch of `calls` calls of fn (cycling through input_sets, after one call of
+    warm-up), as (kernel name, device time in microseconds), from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     fn(*input_sets[0])
@@ -77,10 +76,16 @@ def kernel_times_us(fn: Callable[..., object], input_sets: Sequence[tuple], call
         for i in range(calls):
             fn(*input_sets[i % len(input_sets)])
         torch.cuda.synchronize()
+    return [(event.name, getattr(event, "device_time", None) or event.cuda_time)  # torch renamed it
+            for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_times_us(fn: Callable[..., object], input_sets: Sequence[tuple], calls: int = 20) -> dict[str, float]:
+    """Where a call's device time goes: each kernel fn launches (by name, its launches summed) and
+    its device time per call in microseconds, slowest first, over `calls` calls (kernel_launches)."""
     totals: collections.Counter[str] = collections.Counter()
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] += getattr(event, "device_time", None) or event.cuda_time  # torch renamed it
+    for name, us in kernel_launches(fn, input_sets, calls):
+        totals[name] += us
     return {name: us / calls for name, us in totals.most_common()}
 
 
