@@ -760,6 +760,44 @@ def test_scaled_mma_two_blocks_a_stage_give_one_blocks_result(flash_scaled, batc
         assert_scaled_close(two, moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared_expert, scales), torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_scaled_mma_down_kernel_as_a_dependent_launch(flash_scaled, batch):
+    """The down kernel launched as a programmatic dependent of the gate/up (`ScaledTiles.
+    dependent_launch`: its first weight copies before it waits for the gate/up's activations)
+    gives the result of the down kernel launched after the gate/up ends, bit for bit, called
+    and replayed from a captured graph with new inputs."""
+    from kernels.moe.scaled_gluon import choose_mma_tiles, moe_experts_scaled_mma
+    from kernels.triton_util import launches_dependents
+
+    w1, w2, w3, scales = flash_scaled
+    if w1.dtype != torch.uint8:
+        pytest.skip("the mma product takes FP4 experts")
+    if not launches_dependents(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs a Hopper GPU")
+    c = SCALED_FLASH
+    shared_expert = c["num_experts"] - 1
+    pairs = batch * (c["picks"] + 1)
+    tiles = choose_mma_tiles(pairs, c["num_experts"], c["dim"], c["inter"], torch.cuda.get_device_properties(0).multi_processor_count)
+    assert tiles.dependent_launch
+
+    def call(x, ids, weights, dependent):
+        return moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert,
+                                      tiles=dataclasses.replace(tiles, dependent_launch=dependent))
+
+    x, ids, weights = scaled_flash_inputs(batch, 395 + batch, "random")
+    after = call(x, ids, weights, False)
+    assert torch.equal(call(x, ids, weights, True), after)
+    assert_scaled_close(after, moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared_expert, scales), torch.bfloat16)
+    graph, out = capture(lambda: call(x, ids, weights, True))
+    for seed in (396, 397):
+        new = scaled_flash_inputs(batch, seed + batch, "random")
+        for dst, src in zip((x, ids, weights), new):
+            dst.copy_(src)
+        graph.replay()
+        assert torch.equal(out, call(*new, False))
+
+
 def test_scaled_mma_product_refuses_blocks_a_stage_that_do_not_divide_its_splits():
     """Two blocks a stage need an even count of 128-input blocks in every K split of the gate/up
     product and in the intermediate width; other counts of blocks are refused before anything

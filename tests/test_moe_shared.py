@@ -62,6 +62,12 @@ def test_triton_path_matches_reference(batch, dtype, fmt):
     out = moe_experts(x, ids, weights, w1, w2, w3, LIMIT, impl="triton", scales=scales, shared_weights=shared)
     ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, scales=scales, shared_weights=shared)
     assert_scaled_close(out, ref, dtype)
+    if batch == 1:  # the shared expert issued before the routing, as the op did once: the same sum
+        from kernels.moe.scaled import moe_experts_scaled_triton
+
+        before = moe_experts_scaled_triton(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_weights=shared,
+                                           shared_after_routing=False)
+        assert torch.equal(before, out)
 
 
 @pytest.mark.interpreter
@@ -147,6 +153,11 @@ def test_flash_widths_against_reference(flash_experts, batch):
     for _ in range(3):  # the two streams' split-K arrivals must not meet
         torch.testing.assert_close(moe_experts(x, ids, weights, w1, w2, w3, LIMIT, scales=scales, shared_weights=shared),
                                    expected, rtol=0, atol=0)
+    # The side stream forked before the routing kernel (the op forks after it): the same sum.
+    from kernels.moe.scaled_gluon import moe_experts_scaled_mma
+
+    before = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_weights=shared, shared_after_routing=False)
+    torch.testing.assert_close(before, expected, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

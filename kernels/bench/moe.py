@@ -289,9 +289,14 @@ def scaled_table(copy_gbs: float) -> str:
 
         return path
 
-    # The shared expert beside the routed experts as the bench composes it, against each other.
+    def forked_before_routing(x, ids, weights):  # the op with its side stream forked before the routing kernel
+        return moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_weights=shared_weights,
+                                      shared_after_routing=False)
+
+    # The op's side stream forked before its routing, and the shared expert beside the routed experts
+    # as the bench composes it, each against the model.
     shared_variants = {
-        "beside, composed": beside(),
+        "forked before routing": forked_before_routing,
         "beside, high-priority side stream": beside(priority=-1),
         "beside, gate/up GEMV": beside(gate_up_gemv=True),
     }
@@ -320,6 +325,9 @@ def scaled_table(copy_gbs: float) -> str:
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=mma_split(ids, 2)),
         "Gluon one block a stage": lambda x, ids, weights: moe_experts_scaled_mma(
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=one_block(ids)),
+        "Gluon no dependent launch": lambda x, ids, weights: moe_experts_scaled_mma(
+            x, ids, weights, w1, w2, w3, scales, LIMIT,
+            tiles=dataclasses.replace(op_mma_tiles(ids, w1.shape[0]), dependent_launch=False)),
     }
 
     shared_bytes = sum(t.numel() * t.element_size() for t in shared)
@@ -395,15 +403,19 @@ def scaled_table(copy_gbs: float) -> str:
         "the gate/up product's K split into twice the ways the op chooses (`ScaledTiles.up_split`); 'Gluon one block a "
         "stage': the op's Gluon product with one 128-input block a pipeline stage (`ScaledTiles.blocks_per_stage`: each "
         f"weight row's codes read 64 bytes at a time, not 128) and {PIPELINE_STAGES} or {DEEP_PIPELINE_STAGES} stages "
-        "as the op chose before two blocks a stage.\n\n"
+        "as the op chose before two blocks a stage; 'Gluon no dependent launch': the op's Gluon product with its down "
+        "kernel launched after the gate/up kernel ends, not as its programmatic dependent (`ScaledTiles.dependent_launch`: "
+        "the down kernel's launch and first weight copies overlapping the gate/up kernel's last programs).\n\n"
         f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n\n"
         "### The FP8 shared expert with the routed experts\n\n"
         "'+ FP8 shared (model)': `v4::moe_experts_scaled_shared`, the routed experts with the shared expert in FP8 "
         "(two `blockscale_linear` products, w1 and w3 as one, and one SwiGLU kernel) on a side stream beside them and "
         "its output added in their combine, as model/moe.py runs it when the formats differ ('% copy' counts its bytes "
-        "too); '+ FP8 shared after': the routed experts, then the shared expert on the same stream; 'beside speedup': "
-        "after over the model. Then the shared expert beside the routed op composed here (its output added after the "
-        "op's combine, one more kernel), each against the model: 'composed' as the op does it, 'high-priority side "
+        "too; its side stream forks after the routing kernel); '+ FP8 shared after': the routed experts, then the shared "
+        "expert on the same stream; 'beside speedup': after over the model. Then, each against the model: 'forked before "
+        "routing': the op with its side stream forked before the routing kernel (`shared_after_routing=False`: the "
+        "routing's few programs then wait for SMs behind the shared expert's first product); the shared expert beside "
+        "the routed op composed here (its output added after the op's combine, one more kernel): 'high-priority side "
         "stream' (CUDA stream priority -1), 'gate/up GEMV' (at one row the 16 MiB gate/up product through the FP8 "
         "GEMV instead of the Triton plan the linear op takes). Every path matched the reference first; the routed "
         "experts alone and these ways were timed in turn, median of 5 rounds.\n\n"

@@ -92,6 +92,9 @@ class ScaledTiles:
     # The Gluon products' 128-input blocks a pipeline stage: with 2 each weight row's codes are
     # read 128 contiguous bytes at a time (64-byte runs a row leave DRAM bandwidth unused).
     blocks_per_stage: int = 1
+    # The Gluon down product launched as a programmatic dependent of the gate/up (Hopper and
+    # later): its launch and first weight copies overlap the gate/up's last programs.
+    dependent_launch: bool = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -466,15 +469,17 @@ def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow
     )
 
 
-def scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products,
+def scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, prepare, launch_products,
                    choose_tiles=choose_scaled_tiles, shared_weights: SharedExpertWeights | None = None,
-                   pow2: bool = True, swiglu_limit: float = 0.0) -> torch.Tensor:
+                   pow2: bool = True, swiglu_limit: float = 0.0, shared_after_routing: bool = True) -> torch.Tensor:
     """The steps every product path shares around its launches: checks, tiles (the product's
-    `choose_tiles` unless given), the preparation (prepare_launch), `launch_products(run, tiles)`
-    (the gate/up and down kernels, filling run.y), and the combine. With `shared_weights` (a
-    shared expert of its own format) its products run on a side stream beside the launches
-    (kernels/side_stream.py: at small batches the routed experts leave SMs idle) and the
-    combine adds its output last. [B, D] fp32."""
+    `choose_tiles` unless given), `prepare(ids, tiles)` (the routing and quantisation:
+    prepare_launch), `launch_products(run, tiles)` (the gate/up and down kernels, filling run.y),
+    and the combine. With `shared_weights` (a shared expert of its own format) its products run
+    on a side stream beside the launches (kernels/side_stream.py: at small batches the routed
+    experts leave SMs idle) and the combine adds its output last. The side stream forks after
+    the routing (`shared_after_routing`), whose few programs would otherwise wait for SMs behind
+    the shared expert's first product. [B, D] fp32."""
     _check_formats(x, expert_ids, w1, w2, w3, scales)
     check_shared_expert(shared_expert, w1.shape[0])
     batch, dim = x.shape
@@ -486,11 +491,21 @@ def scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, laun
     if tiles is None:
         tiles = choose_tiles(batch * pairs_per_token, w1.shape[0], dim, w1.shape[1], num_sms(x.device))
     ids = expert_ids.contiguous()
+    shared = None
     if shared_weights is None:
-        run, shared = launch_products(ids, tiles), None
+        run = prepare(ids, tiles)
+        launch_products(run, tiles)
+    elif shared_after_routing:
+        run = prepare(ids, tiles)
+        shared, _ = run_beside(lambda: shared_expert_triton(x, shared_weights, swiglu_limit, pow2),
+                               lambda: launch_products(run, tiles), x.device)
     else:
-        shared, run = run_beside(lambda: shared_expert_triton(x, shared_weights, swiglu_limit, pow2),
-                                 lambda: launch_products(ids, tiles), x.device)
+        def routed() -> ScaledLaunch:
+            run = prepare(ids, tiles)
+            launch_products(run, tiles)
+            return run
+
+        shared, run = run_beside(lambda: shared_expert_triton(x, shared_weights, swiglu_limit, pow2), routed, x.device)
     return combine_pairs(run.y, ids, out, w1.shape[0], pairs_per_token, addend=shared)
 
 
@@ -507,16 +522,19 @@ def moe_experts_scaled_triton(
     pow2: bool = True,
     tiles: ScaledTiles | None = None,
     shared_weights: SharedExpertWeights | None = None,
+    shared_after_routing: bool = True,
 ) -> torch.Tensor:
     """Weighted sum of each token's block-scaled experts, [B, D] fp32 (arguments as
     moe_experts_reference with `scales`; shapes checked by check_moe_inputs). Expert ids outside
     [0, E) contribute nothing. `tiles` overrides choose_scaled_tiles (tuning and tests); its
-    product "mma" is kernels/moe/scaled_gluon.py's."""
+    product "mma" is kernels/moe/scaled_gluon.py's. shared_after_routing: scaled_experts'."""
 
-    def launch_products(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
+    def prepare(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
         if tiles.product not in TRITON_PRODUCTS:
             raise ValueError(f"moe_experts (triton): product must be one of {TRITON_PRODUCTS}, got {tiles.product!r}")
-        run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles)
+        return prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles)
+
+    def launch_products(run: ScaledLaunch, tiles: ScaledTiles) -> None:
         num_experts, inter = w1.shape[:2]
         dim = x.shape[1]
         segments = run.segments
@@ -540,7 +558,7 @@ def moe_experts_scaled_triton(
             W_FP4=w2.dtype == torch.uint8, S_E8M0=s2.dtype == torch.uint8, MX=mx, SEGMENT=SEGMENT_ROWS,
             BLOCK_N=tiles.down_block_n, **launch,
         )
-        return run
 
-    return scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products,
-                          shared_weights=shared_weights, pow2=pow2, swiglu_limit=swiglu_limit)
+    return scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, prepare, launch_products,
+                          shared_weights=shared_weights, pow2=pow2, swiglu_limit=swiglu_limit,
+                          shared_after_routing=shared_after_routing)

@@ -50,6 +50,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.arrival import arrives_last
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
@@ -59,7 +60,7 @@ from kernels.moe.scaled import (
     SEGMENT_ROWS, UP_BLOCK_N, ScaledLaunch, ScaledTiles, choose_scaled_tiles, gate_up_epilogue,
     partial_rows, prepare_launch, scaled_experts, summed_partials,
 )
-from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, converts_e4m3
+from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, converts_e4m3, launches_dependents
 
 WARPS = 4
 STEP = FP8_BLOCK  # inputs per step: one activation block, four FP4 scale groups
@@ -270,19 +271,26 @@ def _block_product(codes, v0, v1, v2, v3, scales, S_E8M0: gl.constexpr, BLOCK_N:
 
 
 @gluon.jit
-def _issue_step(stage, codes_smem, scales_smem, values_smem, a_scale_smem, w_ptr, s_ptr, a_ptr, a_scale_ptr,
-                code_offs, scale_offs, value_offs, value_ok, a_scale_offs, a_scale_ok, step, live,
-                BLOCKS: gl.constexpr):
-    """Start the copies of step `step` (BLOCKS 128-input blocks from the program's first) into
-    slot `stage`: the codes (one copy for the blocks: each row's run of 64 * BLOCKS bytes), and a
-    block at a time their scales, the activations and their scales. `live` false (a step past
-    the end) copies nothing and fills the slot with zeros. Offsets in 32 bits (an expert's weight
-    is under 2 GB), added to the pointers here."""
+def _issue_weights(stage, codes_smem, scales_smem, w_ptr, s_ptr, code_offs, scale_offs, step, live, BLOCKS: gl.constexpr):
+    """Start the weight copies of step `step` (BLOCKS 128-input blocks from the program's first)
+    into slot `stage`: the codes (one copy for the blocks: each row's run of 64 * BLOCKS bytes)
+    and a block at a time their scales. `live` false (a step past the end) copies nothing and
+    fills the slot with zeros. Offsets in 32 bits (an expert's weight is under 2 GB), added to
+    the pointers here."""
     first = step * BLOCKS
     async_load(codes_smem.index(stage), w_ptr + (code_offs + first * (BLOCK_K // 2)), mask=live)
     for b in gl.static_range(BLOCKS):
+        async_load(scales_smem.index(stage * BLOCKS + b), s_ptr + (scale_offs + (first + b) * 4), mask=live)
+
+
+@gluon.jit
+def _issue_values(stage, values_smem, a_scale_smem, a_ptr, a_scale_ptr, value_offs, value_ok, a_scale_offs, a_scale_ok,
+                  step, live, BLOCKS: gl.constexpr):
+    """Start the copies of step `step`'s activations and their scales into slot `stage`, then
+    close the step's copy group (with whatever weight copies were started before)."""
+    first = step * BLOCKS
+    for b in gl.static_range(BLOCKS):
         slot = stage * BLOCKS + b
-        async_load(scales_smem.index(slot), s_ptr + (scale_offs + (first + b) * 4), mask=live)
         async_load(values_smem.index(slot), a_ptr + (value_offs + (first + b) * BLOCK_K), mask=value_ok & live)
         async_load(a_scale_smem.index(slot), a_scale_ptr + (a_scale_offs + first + b), mask=a_scale_ok & live)
     async_copy.commit_group()
@@ -293,12 +301,14 @@ def _fp4_products(
     a_ptr, a_scale_ptr, a_row, row_ok, stride_am, stride_as,
     w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end,
     S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr, BLOCKS: gl.constexpr,
+    WAIT_FOR_VALUES: gl.constexpr,
 ):
     """[BLOCK_N, TOKENS] fp32: weight rows col0 + [0, BLOCK_N) (w_ptr, s_ptr at the expert) times
     the quantised activation rows a_row (fp16 in fragment order [rows, K], one scale per 128; row_ok
     masks the padding) over inputs [k_begin, k_end), a multiple of BLOCKS * 128.
     Each step (BLOCKS blocks of 128 inputs) is copied into shared memory STAGES - 1 steps ahead
-    of its products."""
+    of its products. WAIT_FOR_VALUES: launched as a programmatic dependent of the kernel that
+    writes the activations; the first steps' weights are copied before waiting for it."""
     MMA: gl.constexpr = mma_layout()
     COPY_CODES: gl.constexpr = codes_copy_layout(BLOCKS, BLOCK_N)
     COPY_SCALES: gl.constexpr = copy_layout(4, 1)
@@ -335,16 +345,26 @@ def _fp4_products(
     a_scale_offs = gl.convert_layout(a_row, COPY_ROWS) * stride_as + first_block
 
     steps = (k_end - k_begin) // (BLOCKS * BLOCK_K)
+    # The first steps' weights are copied before the activations: where the kernel before this
+    # one writes them (WAIT_FOR_VALUES), the weights are in flight while it finishes.
     for ahead in gl.static_range(STAGES - 1):
-        _issue_step(ahead, codes_smem, scales_smem, values_smem, a_scale_smem, w_ptr, s_ptr, a_ptr, a_scale_ptr,
-                    code_offs, scale_offs, value_offs, value_ok, a_scale_offs, a_scale_ok, ahead, ahead < steps, BLOCKS)
+        _issue_weights(ahead, codes_smem, scales_smem, w_ptr, s_ptr, code_offs, scale_offs, ahead, ahead < steps, BLOCKS)
+        if not WAIT_FOR_VALUES:
+            _issue_values(ahead, values_smem, a_scale_smem, a_ptr, a_scale_ptr, value_offs, value_ok, a_scale_offs,
+                          a_scale_ok, ahead, ahead < steps, BLOCKS)
+    if WAIT_FOR_VALUES:
+        gdc_wait()  # the kernel before this one has finished and its writes are visible
+        for ahead in gl.static_range(STAGES - 1):
+            _issue_values(ahead, values_smem, a_scale_smem, a_ptr, a_scale_ptr, value_offs, value_ok, a_scale_offs,
+                          a_scale_ok, ahead, ahead < steps, BLOCKS)
     acc = gl.zeros([BLOCK_N, TOKENS], gl.float32, MMA)
     for step in range(steps):
         async_copy.wait_group(STAGES - 2)  # this thread's copies of `step` have landed
         barrier()  # everyone's, and everyone is done reading the slot refilled next
         later = step + STAGES - 1
-        _issue_step(later % STAGES, codes_smem, scales_smem, values_smem, a_scale_smem, w_ptr, s_ptr, a_ptr, a_scale_ptr,
-                    code_offs, scale_offs, value_offs, value_ok, a_scale_offs, a_scale_ok, later, later < steps, BLOCKS)
+        _issue_weights(later % STAGES, codes_smem, scales_smem, w_ptr, s_ptr, code_offs, scale_offs, later, later < steps, BLOCKS)
+        _issue_values(later % STAGES, values_smem, a_scale_smem, a_ptr, a_scale_ptr, value_offs, value_ok, a_scale_offs,
+                      a_scale_ok, later, later < steps, BLOCKS)
         stage = step % STAGES
         for b in gl.static_range(BLOCKS):
             values = values_smem.index(stage * BLOCKS + b).permute([1, 0]).load(values_layout(TOKENS))
@@ -375,11 +395,15 @@ def _mma_gate_up_kernel(
     stride_w1e, stride_s1e, stride_w3e, stride_s3e, stride_wn, stride_sn,
     PICKS: gl.constexpr, PAIRS_PER_TOKEN: gl.constexpr, HAS_LIMIT: gl.constexpr, POW2: gl.constexpr,
     S_E8M0: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, BLOCKS: gl.constexpr,
+    LAUNCH_DEPENDENTS: gl.constexpr,
 ):
     """A program: one of w1 (even parts) or w3, PART_N of the tile's 128 columns, one K split
     (grid axis 1: split * UP_PARTS + part). Its partials go to the scratch [SPLIT, pairs, 2,
     inter]; the last of the tile's SPLIT * UP_PARTS programs to arrive sums them in split order
-    and runs the epilogue on the whole activation block."""
+    and runs the epilogue on the whole activation block. LAUNCH_DEPENDENTS: the down kernel, a
+    programmatic dependent, may launch once every program has started."""
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     pid = gl.program_id(0)
     part = gl.program_id(1) % UP_PARTS
     split = gl.program_id(1) // UP_PARTS
@@ -407,7 +431,7 @@ def _mma_gate_up_kernel(
             pair, row_ok = _chunk_pairs(sorted_pair_ptr, segment, first, rows, gl.SliceLayout(1, PARTIAL))
             acc = _fp4_products(
                 xq_ptr, xs_ptr, pair // PAIRS_PER_TOKEN, row_ok, dim, dim // BLOCK_K,
-                w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end, S_E8M0, PART_N, TOKENS, STAGES, BLOCKS,
+                w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end, S_E8M0, PART_N, TOKENS, STAGES, BLOCKS, False,
             )
             acc = gl.convert_layout(acc.permute(1, 0), PARTIAL)
             partial_at = partial_rows(partial_ptr, pair, part_cols, split, split_stride, inter, part % 2)  # w1: gate, w3: up
@@ -430,8 +454,11 @@ def _mma_gate_up_kernel(
 def _mma_down_kernel(
     hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
     dim, inter, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-    S_E8M0: gl.constexpr, STAGES: gl.constexpr, BLOCKS: gl.constexpr,
+    S_E8M0: gl.constexpr, STAGES: gl.constexpr, BLOCKS: gl.constexpr, DEPENDENT: gl.constexpr,
 ):
+    """A program: DOWN_BLOCK_N output columns of a segment's pairs, K whole. DEPENDENT: launched as
+    a programmatic dependent of the gate/up kernel, whose routing inputs (the segments) finished
+    before it started: the first weight steps are copied while the gate/up kernel finishes."""
     pid = gl.program_id(0)
     tiles_n = dim // DOWN_BLOCK_N
     segment = pid // tiles_n
@@ -450,6 +477,7 @@ def _mma_down_kernel(
             acc = _fp4_products(
                 hq_ptr, hs_ptr, pair, row_ok, inter, inter // BLOCK_K,
                 w2_ptr, s2_ptr, col0, stride_wn, stride_sn, 0, inter, S_E8M0, DOWN_BLOCK_N, TOKENS, STAGES, BLOCKS,
+                DEPENDENT,
             )
             y = gl.convert_layout(acc.permute(1, 0), EPILOGUE)
             y_ptrs = y_ptr + pair.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -512,12 +540,14 @@ def moe_experts_scaled_mma(
     pow2: bool = True,
     tiles: ScaledTiles | None = None,
     shared_weights: SharedExpertWeights | None = None,
+    shared_after_routing: bool = True,
 ) -> torch.Tensor:
     """moe_experts_scaled_triton's result (same arguments) with the products of this module: FP4
-    experts on a GPU."""
+    experts on a GPU. The down kernel is a programmatic dependent of the gate/up where the GPU
+    allows (`ScaledTiles.dependent_launch`)."""
     check_mma_inputs(x, w1, w2, w3, scales)
 
-    def launch_products(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
+    def prepare(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
         if tiles.num_stages < 2:
             raise ValueError(f"moe_experts (mma): num_stages must be at least 2 (one step copied ahead), got {tiles.num_stages}")
         blocks = tiles.blocks_per_stage
@@ -526,10 +556,14 @@ def moe_experts_scaled_mma(
                 f"moe_experts (mma): blocks_per_stage must be 1, or {WIDE_BLOCKS} where they divide each K split's "
                 f"{STEP}-input blocks (dim {x.shape[1]} in {tiles.up_split} splits, inter {w1.shape[1]}), got {blocks}"
             )
+        return prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=True,
+                              fragment_order=True)
+
+    def launch_products(run: ScaledLaunch, tiles: ScaledTiles) -> None:
+        blocks = tiles.blocks_per_stage
         # Two blocks a stage unbounded took 136 registers a thread (three programs an SM).
         registers = {"maxnreg": THREAD_REGISTERS} if blocks > 1 else {}
-        run = prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=True,
-                             fragment_order=True)
+        dependent = tiles.dependent_launch and launches_dependents(x.device)
         dim = x.shape[1]
         inter = w1.shape[1]
         segments = run.segments
@@ -540,17 +574,19 @@ def moe_experts_scaled_mma(
             run.hq.shape[0] * 2 * inter, dim, inter, float(swiglu_limit),
             w1.stride(0), s1.stride(0), w3.stride(0), s3.stride(0), w1.stride(1), s1.stride(1),
             PICKS=run.picks, PAIRS_PER_TOKEN=run.pairs_per_token, HAS_LIMIT=swiglu_limit > 0, POW2=pow2,
-            S_E8M0=s1.dtype == torch.uint8, SPLIT=run.split, STAGES=tiles.num_stages, BLOCKS=blocks, num_warps=WARPS, **registers,
+            S_E8M0=s1.dtype == torch.uint8, SPLIT=run.split, STAGES=tiles.num_stages, BLOCKS=blocks,
+            LAUNCH_DEPENDENTS=dependent, num_warps=WARPS, **registers,
         )
         _mma_down_kernel[(segments.num_blocks * (dim // DOWN_N),)](
             run.hq, run.hs, w2, s2, run.y, segments.sorted_pair, segments.block_expert, segments.block_rows,
             dim, inter, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), run.y.stride(0),
-            S_E8M0=s2.dtype == torch.uint8, STAGES=tiles.num_stages, BLOCKS=blocks, num_warps=WARPS, **registers,
+            S_E8M0=s2.dtype == torch.uint8, STAGES=tiles.num_stages, BLOCKS=blocks, DEPENDENT=dependent, num_warps=WARPS,
+            **registers, **({"launch_pdl": True} if dependent else {}),
         )
-        return run
 
-    return scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, launch_products, choose_mma_tiles,
-                          shared_weights=shared_weights, pow2=pow2, swiglu_limit=swiglu_limit)
+    return scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, prepare, launch_products, choose_mma_tiles,
+                          shared_weights=shared_weights, pow2=pow2, swiglu_limit=swiglu_limit,
+                          shared_after_routing=shared_after_routing)
 
 
 def wide_stages_fit(dim: int, inter: int, up_split: int) -> bool:
