@@ -50,7 +50,7 @@ def build_buckets(
     pool = torch.cuda.graph_pool_handle() if use_graphs and model.device.type == "cuda" else None
     buckets: dict[int, Bucket] = {}
     # Dynamo keeps one cache entry per (layer kind, shape) on a shared code object.
-    with _recompile_limit(8 * (len(sizes) + 1)), decode_mode(), stats.counting_compiles():
+    with _compile_settings(8 * (len(sizes) + 1)), decode_mode(), stats.counting_compiles():
         for size in sorted(sizes, reverse=True):
             start = time.perf_counter()
             buckets[size] = _build_bucket(size, step, model, use_graphs, pool, stats, eager, first_call)
@@ -119,7 +119,11 @@ def _replay(graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> Callable[[], t
     return replay
 
 
-def _recompile_limit(limit: int):
+def _compile_settings(limit: int):
+    """Dynamo's settings while the buckets compile: room for `limit` recompiles, and the model's
+    float constants (softmax scales, epsilons) kept as constants: left to Dynamo, a float that
+    differs between two compiles of one frame (a second decoder of other widths in the process)
+    becomes symbolic, which the custom ops' float arguments refuse."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    return config.patch({name: max(getattr(config, name), limit)})
+    return config.patch({name: max(getattr(config, name), limit), "specialize_float": True})
