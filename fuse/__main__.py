@@ -133,7 +133,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     bench.add_argument("--batches", type=_ints, default=(1, 16, 32, 64), help="batch sizes (comma list)")
     bench.add_argument("--variants", type=_variants, default=None,
                        help="comma list of eager, eager-graphs, reduce-overhead, fuse, fuse-static, fuse-nested, "
-                       "fuse-regional (default: the first four)")
+                       "fuse-regional, fuse-batch1-shared, fuse-no-pdl, fuse-combo, fuse-dequantised (fuse/bench.py's "
+                       "docstring says what each is; default: the first four)")
     bench.add_argument("--steps", type=_positive, default=10, help="steps per variant, shape and round")
     bench.add_argument("--eager-steps", type=_positive, default=4, help="steps of the (slow) eager variant")
     bench.add_argument("--repeats", type=_positive, default=5, help="interleaved rounds; the median is reported")

@@ -21,6 +21,11 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
   fuse-combo       `fuse` with Inductor's combo kernels (`combo_kernels`): independent small
                    kernels of a graph (cache writes, state updates) launched as one (not run by
                    default).
+  fuse-dequantised `fuse` on a copy of the decoder whose FP8 and FP4 weights are dequantised to
+                   the model dtype (as loading a checkpoint into a dense config does; its
+                   activations are not quantised), from the same caches, with its own floor:
+                   what the checkpoint-native weights save (presets in checkpoint formats, one
+                   process, where the copy fits beside the decoder; not run by default).
 Caches are filled with random rows as if every sequence were `context` tokens in (decode cost
 depends on the positions, not on the values). The floor is the bytes a step must read (weights
 it touches, attended KV rows, the indexer cache; fuse/floor.py) over a copy bandwidth measured in
@@ -61,8 +66,9 @@ from model.parallel import ParallelError
 
 VARIANTS = (
     "eager", "eager-graphs", "reduce-overhead", "fuse", "fuse-static", "fuse-nested", "fuse-regional",
-    "fuse-batch1-shared", "fuse-no-pdl", "fuse-combo",
+    "fuse-batch1-shared", "fuse-no-pdl", "fuse-combo", "fuse-dequantised",
 )
+DEQUANTISED = "fuse-dequantised"  # compile_decode on a dequantised copy of the decoder (dequantised_copy)
 # The compile_decode variants and the CompileOptions each asks for (the module docstring says what each is).
 COMPILE_DECODE_VARIANTS = {
     "fuse": {}, "fuse-static": {"dynamic_batch": False},
@@ -150,6 +156,22 @@ class Variant:
     captures: int = 0
     graph_memory_gib: float = 0.0
     note: str = ""
+    decoder: Decoder | None = None  # a decoder of its own (DEQUANTISED); None: the bench's decoder
+
+
+def dequantised_copy(decoder: Decoder) -> Decoder:
+    """A decoder of the same widths and shapes whose FP8 / FP4 weights are `decoder`'s dequantised
+    to its dtype (its own official tensors loaded into the dense config), in `decoder`'s state."""
+    if not decoder.config.weight_formats:
+        raise ValueError(f"{DEQUANTISED}: the decoder's weights are dense already; it takes a preset in checkpoint formats")
+    if decoder.parallel.world_size > 1:
+        raise ValueError(f"{DEQUANTISED}: one process only (a rank holds part of each tensor)")
+    dense = decoder.config.replace(dtype="bf16", expert_dtype=None)
+    copy = Decoder(dense, max_batch=decoder.max_batch, max_seq_len=decoder.max_seq_len, dtype=decoder.dtype,
+                   device=decoder.device, check_device_values=decoder.check_device_values)
+    copy.load_official(decoder.state_dict())
+    copy_state(decoder, copy)
+    return copy
 
 
 def graph_pool_gib() -> float:
@@ -197,6 +219,11 @@ def build_variant(
             runner = compile_decode(decoder, buckets=batches, progress=False, inductor_options=patches or None, **options)
             run = runner.run_checked
             note = runner.describe().replace("\n", "; ")
+        elif name == DEQUANTISED:
+            own = dequantised_copy(decoder)
+            runner = compile_decode(own, buckets=batches, progress=False, inductor_options=dict(inductor_options) or None)
+            run = runner.run_checked
+            note = runner.describe().replace("\n", "; ")
         elif name == "reduce-overhead":
             step = reduce_overhead_step(decoder, batches, warm_inputs)
             run = lambda *inputs: step(*inputs).clone()  # cudagraph trees overwrite the output next replay
@@ -211,6 +238,7 @@ def build_variant(
     return Variant(
         name, run, start_seconds=seconds, compiles=compiles1 - compiles0, captures=counter["captures"],
         graph_memory_gib=max(0.0, graph_pool_gib() - memory0) if name != "eager" else 0.0, note=note,
+        decoder=own if name == DEQUANTISED else None,
     )
 
 
@@ -262,6 +290,10 @@ def check_against_eager(
         if name == "eager":
             continue
         restore()
+        if variant.decoder is not None:  # its own weights: from the same caches, against eager only
+            copy_state(decoder, variant.decoder)
+            checks[name] = accuracy(variant.run(*inputs).float(), expected)
+            continue
         if reference is None:
             actual = variant.run(*inputs).float()
             if not torch.isfinite(actual).all():
@@ -310,6 +342,9 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
     if not device.startswith("cuda") and cuda_only & set(settings.variants):
         settings = dataclasses.replace(settings, variants=tuple(v for v in settings.variants if v not in cuda_only))
         log(f"on {settings.device}: no CUDA graphs, running {list(settings.variants)} only")
+    if DEQUANTISED in settings.variants and (parallel.world_size > 1 or not settings.config().weight_formats):
+        settings = dataclasses.replace(settings, variants=tuple(v for v in settings.variants if v != DEQUANTISED))
+        log(f"{DEQUANTISED} takes one process and a preset in checkpoint formats: running {list(settings.variants)} only")
     result = {
         "settings": {**{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()},
                      "dtype": str(settings.dtype).removeprefix("torch.")},
@@ -337,7 +372,15 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
     # the process's compile cache (new processes with an empty one: --start-times).
     for name in sorted(settings.variants, key=lambda v: (v not in COMPILE_DECODE_VARIANTS, VARIANTS.index(v))):
         log(f"building {name} ...")
-        variants[name] = build_variant(name, decoder, batches, warm, settings.inductor_options)
+        try:
+            variants[name] = build_variant(name, decoder, batches, warm, settings.inductor_options)
+        except torch.OutOfMemoryError:
+            if name != DEQUANTISED:
+                raise
+            gc.collect()
+            torch.cuda.empty_cache()
+            log(f"  {name}: the dequantised copy does not fit beside the decoder; not run")
+            continue
         v = variants[name]
         log(f"  {name}: ready in {v.start_seconds:.1f} s, {v.compiles} compiles, {v.captures} graph captures, "
             f"{v.graph_memory_gib:.2f} GiB in graph pools {v.note}")
@@ -363,6 +406,8 @@ def run_bench(settings: BenchSettings, log: Callable[[str], None] = print) -> di
                     "ms": ms, "latency_ms": statistics.median(times["latency"]), "tokens_per_s": batch / ms * 1e3,
                     "samples": len(times["step"]),
                 }
+                if variants[name].decoder is not None:  # the bytes its own weights make the step read
+                    row[name]["floor_bytes"], row[name]["floor_ms"] = step_floor(variants[name].decoder, batch, context, result["copy_gbs"])
             if parallel.world_size > 1:
                 profiled = variants[ours].run if ours else None
                 add_ranks(row, gather_to_first(parallel, rank_row(parallel.rank, row, profiled, inputs, ours)))
@@ -543,6 +588,7 @@ def to_markdown(result: dict) -> str:
         cells += [f"{row[ours]['latency_ms'] / row['floor_ms']:.2f}x" if ours in row else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ranks_markdown(result, names, ours)
+    lines += dequantised_markdown(result, ours)
     lines += ["", "### Start-up, for the batch sizes above", "",
               "| variant | start s | compiles | graph captures | GiB in graph pools | note |", "|---|---|---|---|---|---|"]
     for name in names:
@@ -560,6 +606,29 @@ def to_markdown(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += fp32_markdown(result, [n for n in names if n != "eager"])
     return "\n".join(lines) + "\n"
+
+
+def dequantised_markdown(result: dict, ours: str) -> list[str]:
+    """The checkpoint-native step against the dequantised copy's, each with its own floor (none
+    where the dequantised variant did not run)."""
+    rows = [row for row in result["rows"] if DEQUANTISED in row and ours in row]
+    if not rows:
+        return []
+    lines = [
+        "", "### Checkpoint-native weights against the same weights dequantised", "",
+        f"'{DEQUANTISED}': `compile_decode` on a copy of the decoder with its FP8 and FP4 weights dequantised to "
+        f"{result['settings']['dtype']} (its activations not quantised), from the same caches, timed in the same "
+        "rounds; each floor counts the bytes its own weights make the step read.", "",
+        f"| context | batch | {ours} ms | floor ms | {DEQUANTISED} ms | its floor ms | {ours} speedup | {DEQUANTISED} / its floor |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        native, dense = row[ours], row[DEQUANTISED]
+        lines.append(
+            f"| {row['context']} | {row['batch']} | {native['ms']:.2f} | {row['floor_ms']:.2f} | {dense['ms']:.2f} | "
+            f"{dense['floor_ms']:.2f} | {dense['ms'] / native['ms']:.2f}x | {dense['ms'] / dense['floor_ms']:.2f}x |"
+        )
+    return lines
 
 
 def ms_cell(times: dict) -> str:

@@ -197,3 +197,51 @@ def test_graph_memory_counts_private_pools_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
     assert bench.graph_pool_gib() == pytest.approx(0.75)
+
+
+def test_dequantised_copy_holds_every_quantised_weight_dequantised():
+    """`dequantised_copy`: each FP8 / FP4 tensor of the checkpoint-native decoder, dequantised with
+    its scales (dequantize_weight, independent of the loader), in the dense copy's dtype; every
+    other tensor and buffer as it is. A dense decoder has nothing to dequantise and is refused."""
+    from kernels.blockscale.ref import dequantize_weight
+
+    native = Decoder(ModelConfig.preset("tiny-fp8", layers=4), max_batch=3, max_seq_len=40, dtype=torch.float32).init_random(3)
+    bench.synthesize_context(native, 4)
+    copy = bench.dequantised_copy(native)
+    assert not copy.config.weight_formats and copy.config.replace(dtype="fp8", expert_dtype="fp4") == native.config
+    theirs, ours = native.state_dict(), copy.state_dict()
+    scales = [k for k in theirs if k.endswith(".scale") and k not in ours]
+    assert len(scales) > 10  # FP8 linears and FP4 experts of every layer
+    for key in scales:
+        weight = key[: -len("scale")] + "weight"
+        torch.testing.assert_close(ours[weight], dequantize_weight(theirs[weight], theirs[key]).to(ours[weight].dtype), rtol=0, atol=0)
+    for key, value in ours.items():
+        if key[: -len("weight")] + "scale" not in scales:
+            assert torch.equal(value, theirs[key]), key
+    with pytest.raises(ValueError, match="dense already"):
+        bench.dequantised_copy(Decoder(ModelConfig.preset("tiny", layers=2), max_batch=2, max_seq_len=16, dtype=torch.float32))
+
+
+def test_cpu_run_with_the_dequantised_variant(tmp_path):
+    """The dequantised copy timed beside the native decoder from the same caches: its own floor
+    (more bytes: dense weights), its logits against the native eager step's (apart by the skipped
+    activation quantisation, not by a bug: the top token agrees), and its table."""
+    settings = bench.BenchSettings(
+        preset="tiny-fp8", layers=2, contexts=(40,), batches=(2,), variants=("eager", "fuse", bench.DEQUANTISED), steps=1,
+        eager_steps=1, repeats=1, device="cpu", out_dir=str(tmp_path),
+    )
+    result = bench.run_bench(settings, log=lambda line: None)
+    (row,) = result["rows"]
+    dense = row[bench.DEQUANTISED]
+    assert dense["ms"] > 0 and dense["floor_bytes"]["total"] > row["floor_bytes"]["total"]
+    check = row["checks"][bench.DEQUANTISED]
+    assert 0 < check["max_relative_error"] < 0.5 and check["top1_agreement"] == 1.0
+    assert row["checks"]["fuse"]["max_relative_error"] < check["max_relative_error"]
+    markdown = bench.to_markdown(result)
+    assert (f"| 40 | 2 | {row['fuse']['ms']:.2f} | {row['floor_ms']:.2f} | {dense['ms']:.2f} | {dense['floor_ms']:.2f} | "
+            f"{dense['ms'] / row['fuse']['ms']:.2f}x |") in markdown
+    # A dense preset has nothing to dequantise: the variant is left out, the others run.
+    dense_preset = dataclasses.replace(settings, preset="tiny", variants=("fuse", bench.DEQUANTISED))
+    said = []
+    assert bench.run_bench(dense_preset, log=said.append)["settings"]["variants"] == ["fuse"]
+    assert any(bench.DEQUANTISED in line for line in said)
