@@ -126,4 +126,5 @@ def _compile_settings(limit: int):
     becomes symbolic, which the custom ops' float arguments refuse."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    return config.patch({name: max(getattr(config, name), limit), "specialize_float": True})
+    constants = {"specialize_float": True} if hasattr(config, "specialize_float") else {}
+    return config.patch({name: max(getattr(config, name), limit), **constants})
