@@ -25,7 +25,8 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
                    the model dtype (as loading a checkpoint into a dense config does; its
                    activations are not quantised), from the same caches, with its own floor:
                    what the checkpoint-native weights save (presets in checkpoint formats, one
-                   process, where the copy fits beside the decoder; not run by default).
+                   process, where the copy fits beside the decoder; its start counts making the
+                   copy; not run by default).
 Caches are filled with random rows as if every sequence were `context` tokens in (decode cost
 depends on the positions, not on the values). The floor is the bytes a step must read (weights
 it touches, attended KV rows, the indexer cache; fuse/floor.py) over a copy bandwidth measured in
