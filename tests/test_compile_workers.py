@@ -17,6 +17,14 @@ from model import Decoder, ModelConfig
 SHAPE = dict(max_batch=4, max_seq_len=64)
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """The workers trace in new processes; this one must trace as they do. Dynamo remembers, per
+    frame, sizes that differed between earlier compiles in the process (decoders of other widths
+    in earlier tests) and would trace them symbolic here."""
+    torch._dynamo.reset()
+
+
 def tiny(layers: int, seed: int = 0, dtype=torch.float32, device: str = "cpu") -> Decoder:
     return Decoder(ModelConfig.preset("tiny", layers=layers), dtype=dtype, device=device, **SHAPE).init_random(seed)
 
