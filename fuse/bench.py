@@ -676,7 +676,8 @@ def fp32_markdown(result: dict, names: list[str]) -> list[str]:
         f"Worst row / median row relative error against an fp32 eager run of the same weights, and the yardstick's "
         f"verdict (fuse/numerics.py: within {NOISE_FACTOR:g}x the eager {dtype} step's own error and the dtype's floor). "
         f"'{FP32_COMPILED}': the compile_decode variant compiled in fp32, against eager fp32, both with QAT off (a "
-        f"rounding flip is not a bug; fuse/numerics.py).", "",
+        f"rounding flip is not a bug; fuse/numerics.py); with FP8/FP4 weights the products' activation quantisation "
+        f"can still flip one fp32 row, so there the median row must be exact and the worst is held to the bfloat16 floor.", "",
         f"| context | batch | eager {dtype} | " + " | ".join(columns) + " |", "|---|---|---|" + "---|" * len(columns),
     ]
     for row in rows:

@@ -3,13 +3,14 @@ error planted in the compiled model, passes the clean run, and tells QAT roundin
 from a bug."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from fuse.numerics import (
-    MIN_ROWS, QAT_FLIP_BOUND, WORST_FLOOR, Check, RoundingFlips, check_step, copy_state, fp32_reference, judge,
-    sharing_weights,
-    without_qat,
+    ACT_QUANT_WORST_FLOOR, MIN_ROWS, QAT_FLIP_BOUND, WORST_FLOOR, Check, RoundingFlips, check_step, copy_state,
+    fp32_reference, judge, quantises_activations, sharing_weights, without_qat,
 )
 from decoders import TINY_SHAPE
 from model import Decoder, ModelConfig
@@ -108,6 +109,33 @@ def test_criterion_widens_for_rare_qat_flips_only_and_needs_rows_for_the_median(
     assert not verdict.passed and "median row" in verdict.reason
     # below MIN_ROWS rows the median is not judged
     assert judge([Check(error=noise[:2] * 3, noise=noise[:2], top1_agree=2)], torch.bfloat16).typical_bound is None
+
+
+def test_quantised_activations_widen_the_fp32_worst_row_but_not_the_median():
+    """With FP8/FP4 weights an activation's e4m3 rounding can flip in fp32 too: one row off by a
+    routing flip's size passes, every row off by a little fails, and a dense fp32 model keeps
+    its exact bound."""
+    rows = MIN_ROWS
+    exact = torch.full((rows,), 3e-7)
+    one_flip = exact.clone()
+    one_flip[5] = 1.4e-2
+    quiet = torch.zeros(rows)
+    native = Check(error=one_flip, noise=quiet, top1_agree=rows, quantised_activations=True)
+    verdict = judge([native], torch.float32)
+    assert verdict.passed and verdict.bound == ACT_QUANT_WORST_FLOOR
+    assert not judge([Check(error=one_flip, noise=quiet, top1_agree=rows)], torch.float32).passed
+    everywhere = Check(error=torch.full((rows,), 1e-3), noise=quiet, top1_agree=rows, quantised_activations=True)
+    verdict = judge([everywhere], torch.float32)
+    assert not verdict.passed and "median row" in verdict.reason
+    # bf16 bounds are the dtype's own either way
+    assert judge([dataclasses.replace(native, error=one_flip * 30)], torch.bfloat16).bound == WORST_FLOOR[torch.bfloat16]
+
+
+def test_check_step_marks_models_that_quantise_activations():
+    dense, native = ModelConfig.preset("tiny"), ModelConfig.preset("tiny-fp8")
+    assert not quantises_activations(dense) and quantises_activations(native)
+    assert quantises_activations(native.replace(dtype="bf16")) and quantises_activations(native.replace(expert_dtype=None))
+    assert not quantises_activations(native.replace(dtype="bf16", expert_dtype=None))
 
 
 def test_the_median_rows_noise_can_come_from_a_series_of_checks():
