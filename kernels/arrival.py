@@ -33,9 +33,9 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 @triton.jit
-def arrives_last(counter, parts):
+def arrives_last(counter, PARTS: tl.constexpr):
     """Count this program's arrival once its part is written: whether it is the last of the
-    `parts` (which then combines them, reading the others' writes with .cg, and sets the counter
-    back to zero with tl.atomic_xchg). `parts` may differ from tile to tile (stream-K)."""
+    PARTS (which then combines them, reading the others' writes with .cg, and sets the counter
+    back to zero with tl.atomic_xchg)."""
     tl.debug_barrier()  # every thread's part is written before the arrival is counted
-    return tl.atomic_add(counter, 1, sem="acq_rel") == parts - 1
+    return tl.atomic_add(counter, 1, sem="acq_rel") == PARTS - 1

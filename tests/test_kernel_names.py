@@ -21,8 +21,7 @@ LAUNCHED = {
     # act_quant pre-pass, where not launched with the routing, is the block-scaled linear's.
     "v4::moe_experts": {
         "_route_pairs_kernel", "_route_and_quant_kernel", "_gate_up_kernel", "_down_kernel", "_moe_combine_kernel",
-        "_scaled_gate_up_kernel", "_scaled_down_kernel", "_mma_gate_up_kernel", "_mma_gate_up_stream_kernel", "_mma_down_kernel",
-        "_shared_swiglu_kernel",
+        "_scaled_gate_up_kernel", "_scaled_down_kernel", "_mma_gate_up_kernel", "_mma_down_kernel", "_shared_swiglu_kernel",
     },
     "v4::hc_split_sinkhorn": {"_hc_split_sinkhorn_kernel"},
     "v4::hc_post_pre_norm": {"_hc_mix_slices_kernel", "_hc_mix_finish_kernel"},

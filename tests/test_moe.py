@@ -9,7 +9,6 @@ widths). GPU tests run them compiled at V4-Flash widths in bf16, replayed in a C
 new routing, under the sync debug mode, inside torch.compile, and through opcheck."""
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 import pytest
@@ -359,52 +358,32 @@ def test_scaled_gate_up_splits_only_where_tiles_leave_sms_idle():
     assert choose_scaled_tiles(7, 256, 256, 2048, 132).up_split == 1  # two blocks of K: nothing to split
 
 
-def test_mma_product_shares_gate_up_k_steps_in_one_wave():
-    """The Gluon product's gate/up programs (one_block_mma_tiles; choose_mma_tiles keeps them):
-    where the tile parts (4 a 128-column tile: w1 and w3, two halves each) fill less than one wave
-    of GATE_UP_PROGRAMS_PER_SM an SM, a wave of programs shares their K steps (stream-K), the
-    shallow pipeline; exactly a wave, one program a part; beyond one wave, the deep pipeline and
-    K in two halves where each has enough blocks."""
+def test_mma_product_splits_gate_up_k_in_one_wave():
+    """The Gluon product's gate/up K split (one_block_mma_tiles; choose_mma_tiles keeps it): the most equal parts (dividing K's blocks, at least
+    MIN_BLOCKS_PER_SPLIT blocks each) whose programs (4 a 128-column tile: w1 and w3, two halves
+    each) fit one wave of GATE_UP_PROGRAMS_PER_SM an SM, with the shallow pipeline; programs
+    beyond one wave take the deep pipeline and K in two halves where each has enough blocks."""
     from kernels.moe.scaled_gluon import (
         DEEP_PIPELINE_STAGES, GATE_UP_PARTS, GATE_UP_PROGRAMS_PER_SM, PIPELINE_STAGES, one_block_mma_tiles,
     )
+    from kernels.triton_util import MIN_BLOCKS_PER_SPLIT
 
     assert GATE_UP_PARTS == 4 and GATE_UP_PROGRAMS_PER_SM == 4
-    for pairs in (1, 2, 6, 8):  # 64 to 512 parts: less than a wave of 528
+    assert one_block_mma_tiles(6, 256, 4096, 2048, 132).up_split == 1  # 384 programs: one wave of 528
+    assert one_block_mma_tiles(1, 256, 4096, 2048, 132).up_split == 8  # 64 programs a split
+    assert one_block_mma_tiles(2, 256, 4096, 2048, 132).up_split == 4  # 128: 4 ways fill 512 of 528
+    for pairs in (1, 2, 6, 8):
+        assert one_block_mma_tiles(pairs, 256, 4096, 2048, 132).num_stages == PIPELINE_STAGES
+    for pairs in (9, 96, 384):  # 576 programs and more: several waves
         tiles = one_block_mma_tiles(pairs, 256, 4096, 2048, 132)
-        assert (tiles.stream_k_programs, tiles.up_split, tiles.num_stages) == (528, 1, PIPELINE_STAGES)
-    assert one_block_mma_tiles(6, 256, 4096, 2048, 96).stream_k_programs == 0  # 384 parts: a wave of 96 SMs
-    for pairs in (9, 96, 384):  # 576 parts and more: several waves
-        tiles = one_block_mma_tiles(pairs, 256, 4096, 2048, 132)
-        assert (tiles.stream_k_programs, tiles.up_split, tiles.num_stages) == (0, 2, DEEP_PIPELINE_STAGES)
+        assert (tiles.up_split, tiles.num_stages) == (2, DEEP_PIPELINE_STAGES)
     assert one_block_mma_tiles(96, 256, 512, 2048, 132).up_split == 1  # 4 blocks: halves too short
-
-
-@pytest.mark.parametrize("parts, steps, programs", [(384, 16, 528), (384, 32, 528), (64, 16, 528), (24, 16, 384),
-                                                     (1, 16, 16), (700, 16, 528), (5, 3, 7), (4, 1, 4)])
-def test_stream_k_partition_covers_every_unit_once_within_its_slots(parts, steps, programs):
-    """stream_k_pieces (the kernel's partition, on the host): every (part, step) in exactly one
-    piece; each program's share contiguous and within one unit of every other's; a part's pieces
-    in program order take slots 0, 1, ... below stream_k_slots."""
-    from kernels.moe.scaled_gluon import stream_k_pieces, stream_k_slots
-
-    pieces = stream_k_pieces(parts, steps, programs)
-    covered = sorted((part, step) for _, part, lo, hi, _ in pieces for step in range(lo, hi))
-    assert covered == [(part, step) for part in range(parts) for step in range(steps)]
-    shares = collections.Counter()
-    for program, _, lo, hi, _ in pieces:
-        assert lo < hi
-        shares[program] += hi - lo
-    assert len(shares) == programs and max(shares.values()) - min(shares.values()) <= 1
-    by_part = collections.defaultdict(list)
-    for program, part, lo, _, slot in pieces:
-        by_part[part].append((program, lo, slot))
-    slots = stream_k_slots(parts, steps, programs)
-    for held in by_part.values():
-        assert [slot for _, _, slot in sorted(held)] == list(range(len(held))) and len(held) <= slots
-        assert [lo for _, lo, _ in sorted(held)] == sorted(lo for _, lo, _ in held)
-    with pytest.raises(ValueError, match="stream-K needs between 1 and"):
-        stream_k_pieces(parts, steps, parts * steps + 1)
+    for dim in (4096, 2816, 1792, 256):
+        for pairs in (1, 2, 3, 6):
+            split = one_block_mma_tiles(pairs, 256, dim, 2048, 132).up_split
+            blocks = dim // 128
+            assert blocks % split == 0 and (split == 1 or blocks // split >= MIN_BLOCKS_PER_SPLIT)
+            assert split == 1 or pairs * 16 * 4 * split <= 4 * 132
 
 
 def test_mma_product_takes_two_blocks_a_stage_where_they_divide_every_k_range():
@@ -421,7 +400,7 @@ def test_mma_product_takes_two_blocks_a_stage_where_they_divide_every_k_range():
             wide = dataclasses.replace(one, blocks_per_stage=2, num_stages=WIDE_STAGES)
             assert chosen == (wide if fits else one), (dim, inter, pairs)
     assert choose_mma_tiles(6, 256, 4096, 2048, 132).blocks_per_stage == 2  # V4-Flash, batch 1
-    assert choose_mma_tiles(1, 256, 4096, 384, 132).blocks_per_stage == 1  # the down product: 3 blocks of inter
+    assert choose_mma_tiles(1, 256, 1792, 2048, 132).blocks_per_stage == 1  # 14 blocks in 2 splits of 7
 
 
 @pytest.mark.interpreter
@@ -772,9 +751,7 @@ def test_scaled_mma_two_blocks_a_stage_give_one_blocks_result(flash_scaled, batc
     x, ids, weights = scaled_flash_inputs(batch, 390 + batch, "random")
     for shared_expert in (-1, c["num_experts"] - 1):
         pairs = batch * (c["picks"] + (shared_expert >= 0))
-        # One program a part: stream-K's pieces follow the steps, which differ with the blocks a stage.
-        tiles = dataclasses.replace(one_block_mma_tiles(pairs, c["num_experts"], c["dim"], c["inter"], torch.cuda.get_device_properties(0).multi_processor_count),
-                                    stream_k_programs=0)
+        tiles = one_block_mma_tiles(pairs, c["num_experts"], c["dim"], c["inter"], torch.cuda.get_device_properties(0).multi_processor_count)
         one = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert, tiles=tiles)
         for stages in (2, 3, 4):
             two = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert,
@@ -876,8 +853,7 @@ def test_scaled_mma_product_refuses_other_formats():
 
 def test_tile_sweep_times_the_chosen_tiles_and_every_variant():
     """kernels.bench moe_tiles: the tiles choose_mma_tiles picks first, then every stages x split
-    variant once with one program a part (the chosen one not twice) and, where the op takes
-    stream-K, every stages variant of that too, all deep enough for the Gluon pipeline."""
+    variant once (the chosen one not twice), all deep enough for the Gluon pipeline."""
     from kernels.bench.moe_tiles import SPLITS, STAGES, candidate_tiles
     from kernels.moe.scaled_gluon import choose_mma_tiles
 
@@ -885,9 +861,7 @@ def test_tile_sweep_times_the_chosen_tiles_and_every_variant():
         chosen = choose_mma_tiles(pairs, 256, 4096, 2048, 132)
         variants = candidate_tiles(chosen)
         assert next(iter(variants.values())) == chosen
-        combos = {(t.blocks_per_stage, t.num_stages, t.up_split, t.stream_k_programs) for t in variants.values()}
-        streamed = {(b, s, 1, chosen.stream_k_programs) for b, s in STAGES} if chosen.stream_k_programs else set()
-        assert combos == {(chosen.blocks_per_stage, chosen.num_stages, chosen.up_split, chosen.stream_k_programs)} | {
-            (b, s, k, 0) for b, s in STAGES for k in SPLITS} | streamed  # every split divides V4-Flash's 32 blocks in pairs
-        assert bool(streamed) == (pairs == 6)
+        combos = {(t.blocks_per_stage, t.num_stages, t.up_split) for t in variants.values()}
+        assert combos == {(chosen.blocks_per_stage, chosen.num_stages, chosen.up_split)} | {
+            (b, s, k) for b, s in STAGES for k in SPLITS}  # every split divides V4-Flash's 32 blocks in pairs
         assert len(variants) == len(combos) and all(t.num_stages >= 2 for t in variants.values())

@@ -307,9 +307,9 @@ def scaled_table(copy_gbs: float) -> str:
     def tiles(ids, **changes):
         return dataclasses.replace(choose_scaled_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device)), **changes)
 
-    def mma_split(ids, factor: int) -> ScaledTiles:  # the op's tiles, one program a part and `factor` times its K split
+    def mma_split(ids, factor: int) -> ScaledTiles:  # the op's tiles, its gate/up K split `factor` times the ways
         chosen = op_mma_tiles(ids, w1.shape[0])
-        return dataclasses.replace(chosen, up_split=factor * chosen.up_split, stream_k_programs=0)
+        return dataclasses.replace(chosen, up_split=factor * chosen.up_split)
 
     def one_block(ids) -> ScaledTiles:  # the op's split with one block a stage and its pipeline depth
         return one_block_mma_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device))
@@ -321,8 +321,6 @@ def scaled_table(copy_gbs: float) -> str:
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles(ids, product="dot_scaled")),
         "Triton codes decoded": lambda x, ids, weights: moe_experts_scaled_triton(
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles(ids, product="codes", num_warps=CODES_WARPS)),
-        "Gluon one program a part": lambda x, ids, weights: moe_experts_scaled_mma(
-            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=mma_split(ids, 1)),
         "Gluon split x2": lambda x, ids, weights: moe_experts_scaled_mma(
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=mma_split(ids, 2)),
         "Gluon one block a stage": lambda x, ids, weights: moe_experts_scaled_mma(
@@ -401,11 +399,8 @@ def scaled_table(copy_gbs: float) -> str:
         "tensor-core instruction's registers). 'bf16 dequantised': the same experts dequantised to bf16 through the dense Triton kernel. "
         "The other products of the same semantics, each with its 'speedup' (the op's time over its own): 'Triton dot_scaled' "
         "(kernels/moe/scaled.py, `tl.dot_scaled` on the packed codes), 'Triton codes decoded' (the codes decoded in the "
-        f"Triton kernel, then an fp16 dot, {CODES_WARPS} warps); 'Gluon one program a part': the op's Gluon product "
-        "with one gate/up program a tile part and K split, where the op shares the parts' K steps evenly among a wave of "
-        "programs (stream-K, `ScaledTiles.stream_k_programs`: where the parts fill less than a wave; elsewhere the "
-        "two are the same); 'Gluon split x2': one program a part, the gate/up product's K split into twice the ways "
-        "the op chooses (`ScaledTiles.up_split`); 'Gluon one block a "
+        f"Triton kernel, then an fp16 dot, {CODES_WARPS} warps); 'Gluon split x2': the op's Gluon product with "
+        "the gate/up product's K split into twice the ways the op chooses (`ScaledTiles.up_split`); 'Gluon one block a "
         "stage': the op's Gluon product with one 128-input block a pipeline stage (`ScaledTiles.blocks_per_stage`: each "
         f"weight row's codes read 64 bytes at a time, not 128) and {PIPELINE_STAGES} or {DEEP_PIPELINE_STAGES} stages "
         "as the op chose before two blocks a stage; 'Gluon no dependent launch': the op's Gluon product with its down "

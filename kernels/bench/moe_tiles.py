@@ -1,7 +1,6 @@
 """GPU sweep of the FP4 experts' Gluon product tiles (kernels/moe/scaled_gluon.py): pipeline
 stages of one or two 128-input blocks (`ScaledTiles.num_stages`, `blocks_per_stage`) against the
-gate/up K split (`up_split`) or its stream-K share where the op takes it (`stream_k_programs`), at
-batches 1, 4, 16 and 64 (256 experts, top-6), beside the tiles `choose_mma_tiles` picks. Every variant is checked
+gate/up K split (`up_split`), at batches 1, 4, 16 and 64 (256 experts, top-6), beside the tiles `choose_mma_tiles` picks. Every variant is checked
 against the reference first (one that fails to compile or to match is listed, not timed); times
 as in kernels/bench/moe.py (one CUDA graph per routing set, sets rotated). What the defaults
 should become is read off this table."""
@@ -72,14 +71,10 @@ def candidate_tiles(chosen: ScaledTiles) -> dict[str, ScaledTiles]:
     variants = {describe(chosen): chosen}
     for (blocks, stages), split in itertools.product(STAGES, SPLITS):
         if blocks == 1 or wide_stages_fit(DIM, INTER, split):
-            tiles = dataclasses.replace(chosen, blocks_per_stage=blocks, num_stages=stages, up_split=split, stream_k_programs=0)
+            tiles = dataclasses.replace(chosen, blocks_per_stage=blocks, num_stages=stages, up_split=split)
             variants.setdefault(describe(tiles), tiles)
-            if chosen.stream_k_programs and split == 1:
-                streamed = dataclasses.replace(tiles, stream_k_programs=chosen.stream_k_programs)
-                variants.setdefault(describe(streamed), streamed)
     return variants
 
 
 def describe(tiles: ScaledTiles) -> str:
-    shares = f"stream-K over {tiles.stream_k_programs} programs" if tiles.stream_k_programs else f"split {tiles.up_split}"
-    return f"{tiles.num_stages} stages of {tiles.blocks_per_stage} blocks, {shares}"
+    return f"{tiles.num_stages} stages of {tiles.blocks_per_stage} blocks, split {tiles.up_split}"

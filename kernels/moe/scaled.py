@@ -95,10 +95,6 @@ class ScaledTiles:
     # The Gluon down product launched as a programmatic dependent of the gate/up (Hopper and
     # later): its launch and first weight copies overlap the gate/up's last programs.
     dependent_launch: bool = True
-    # Gluon gate/up programs sharing the (tile part, K step) units evenly (stream-K), 0: one
-    # program a tile part and K split (up_split). Where the parts fill less than a wave, this
-    # many programs keep every SM at its full count of programs to the end.
-    stream_k_programs: int = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -444,10 +440,9 @@ def route_and_quantise(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: i
 
 
 def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=False,
-                   fragment_order=False, partial_slots: int | None = None) -> ScaledLaunch:
+                   fragment_order=False) -> ScaledLaunch:
     """The routing, the activations' quantisation and the buffers of one call (batch > 0);
     partial_tiles: the gate/up scratch and arrival counters even without a K split;
-    partial_slots: the scratch's slots a pair's partial rows take (default: the K split's parts);
     fragment_order: xq and hq as fp16 in fragment order (kernels/blockscale/act_quant_pass.py),
     as the Gluon product reads them, else e4m3."""
     batch, dim = x.shape
@@ -459,8 +454,6 @@ def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow
     k_blocks = dim // FP8_BLOCK
     per_split = triton.cdiv(k_blocks, min(max(1, tiles.up_split), k_blocks))
     split = triton.cdiv(k_blocks, per_split)  # no split left without blocks
-    if partial_slots is not None:
-        split = partial_slots
     hq = values_buffer(num_pairs, inter, fragment_order, x.device)
     partials, counters = hq, hq  # unused without a split or partial_tiles
     if split > 1 or partial_tiles:
