@@ -120,11 +120,13 @@ def _replay(graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> Callable[[], t
 
 
 def _compile_settings(limit: int):
-    """Dynamo's settings while the buckets compile: room for `limit` recompiles, and the model's
-    float constants (softmax scales, epsilons) kept as constants: left to Dynamo, a float that
-    differs between two compiles of one frame (a second decoder of other widths in the process)
-    becomes symbolic, which the custom ops' float arguments refuse."""
+    """Dynamo's settings while the buckets compile: room for `limit` recompiles, and what the
+    process compiled before left out of the trace. Left to Dynamo, a size or a float that differs
+    between two compiles of one frame (a second decoder of other widths in the process) becomes
+    symbolic: the custom ops' float arguments refuse a symbolic float (softmax scales, epsilons),
+    and a width traced symbolic gives other graphs than a fresh process traces (the compile
+    workers': their graphs then miss the cache here). The batch is marked dynamic explicitly."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     constants = {"specialize_float": True} if hasattr(config, "specialize_float") else {}
-    return config.patch({name: max(getattr(config, name), limit), **constants})
+    return config.patch({name: max(getattr(config, name), limit), "automatic_dynamic_shapes": False, **constants})

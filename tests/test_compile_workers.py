@@ -17,14 +17,6 @@ from model import Decoder, ModelConfig
 SHAPE = dict(max_batch=4, max_seq_len=64)
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """The workers trace in new processes; this one must trace as they do. Dynamo remembers, per
-    frame, sizes that differed between earlier compiles in the process (decoders of other widths
-    in earlier tests) and would trace them symbolic here."""
-    torch._dynamo.reset()
-
-
 def tiny(layers: int, seed: int = 0, dtype=torch.float32, device: str = "cpu") -> Decoder:
     return Decoder(ModelConfig.preset("tiny", layers=layers), dtype=dtype, device=device, **SHAPE).init_random(seed)
 
@@ -94,12 +86,23 @@ def test_a_worker_decoder_maps_the_weights_of_its_layers_and_copies_their_buffer
         compile_workers.adopt_tensors(Decoder(model.config, dtype=torch.float32, device="meta", layer_ids=(1,), **SHAPE), outside)
 
 
-def test_the_start_loads_every_graph_the_workers_compiled(tmp_path, caplog):
+def with_rope_table_layer(config: ModelConfig) -> ModelConfig:
+    return config.replace(compress_ratios=(4,) + config.compress_ratios[1:])  # the kind with the rope table
+
+
+@pytest.mark.parametrize("other_widths_first", [False, True])
+def test_the_start_loads_every_graph_the_workers_compiled(tmp_path, caplog, other_widths_first):
     """A worker per batch shape of a layer kind that takes the rope table the step hands its
     blocks: its graphs must be traced alike in the batch-1 worker, which traces its block before
-    any head, and here, where the head is traced at the larger bucket first."""
-    config = ModelConfig.preset("tiny", layers=1)
-    config = config.replace(compress_ratios=(4,) + config.compress_ratios[1:])  # the kind with the rope table
+    any head, and here, where the head is traced at the larger bucket first. Also where this
+    process compiled a decoder of other widths first: Dynamo remembers per frame the sizes earlier
+    compiles saw, which must not make this process trace them otherwise than a fresh worker."""
+    config = with_rope_table_layer(ModelConfig.preset("tiny", layers=1))
+    if other_widths_first:
+        widths = with_rope_table_layer(ModelConfig.preset("tiny-fp8", layers=1).replace(dtype="bf16", expert_dtype=None))
+        assert widths.head_dim != config.head_dim
+        other = Decoder(widths, dtype=torch.float32, **SHAPE).init_random(4)
+        fuse.compile_decode(other, buckets=(1, 4), compilation="regional")
     eager = Decoder(config, dtype=torch.float32, **SHAPE).init_random(5)
     model = Decoder(config, dtype=torch.float32, **SHAPE)
     model.load_state_dict(eager.state_dict())
