@@ -29,8 +29,8 @@ e4m3 in blocks of 128 (the official `linear()`), which QAT's switch does not tou
 decision downstream and move that row like a bf16 flip. So in fp32 a model with quantised
 activations gets bf16's worst-row floor (ACT_QUANT_WORST_FLOOR), while its median row must
 still be exact to fp32's TYPICAL_FLOOR: a flip hits a row now and then, a wrong kernel every row.
-With fewer than MIN_ROWS rows only the worst row is judged, so such checks are worth judging
-together (`judge` over several checks)."""
+With fewer than MIN_ROWS rows only the worst row is judged: a check of one such row is held to
+bf16's floor alone."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
