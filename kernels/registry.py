@@ -15,6 +15,7 @@ import pkgutil
 # the op named here.
 OPS = {
     "blockscale": "v4::blockscale_linear",
+    "gate": "v4::moe_gate",
     "hc_mix": "v4::hc_post_pre_norm",
     "hc_sinkhorn": "v4::hc_split_sinkhorn",
     "indexer": "v4::indexer_topk",

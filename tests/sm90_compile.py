@@ -173,10 +173,11 @@ def op_kernels() -> dict:
 
 
 def extra_calls(batches) -> list[tuple[str, object]]:
-    """Launches the decode step does not make in one process: the split + Sinkhorn kernel on its
+    """Launches the decode step does not make in one process: the MoE gate in one kernel, the split + Sinkhorn kernel on its
     own (the model fuses it into the boundary op), the indexer's halves (index heads split two
     ways), the Gluon products of the FP4 experts and the FP8 linear, the FP8 one-row GEMV, and every sparse MLA
     variant, with and without a workspace, at the index counts of the window-only, ratio-128 and ratio-4 layers."""
+    from kernels.gate.triton import moe_gate_triton
     from kernels.hc_sinkhorn import hc_split_sinkhorn
     from kernels.indexer import indexer_scores, indexer_select
     from kernels.sparse_mla import sparse_mla_decode, sparse_mla_workspace
@@ -203,6 +204,10 @@ def extra_calls(batches) -> list[tuple[str, object]]:
             calls.append((f"blockscale_linear_mma B={batch} {n}x{k}", lambda f=fp8: blockscale_linear_mma(*f)))
             if batch == 1:
                 calls.append((f"blockscale_gemv {n}x{k}", lambda f=fp8: blockscale_gemv(*f)))
+        gate = (torch.empty(batch, 4096, dtype=torch.bfloat16), torch.empty(256, 4096, dtype=torch.bfloat16))
+        calls.append((f"moe_gate B={batch}", lambda g=gate: moe_gate_triton(*g, torch.empty(256), None, 6, 2.5)))
+        calls.append((f"moe_gate hashed B={batch}", lambda g=gate, b=batch: moe_gate_triton(
+            *g, None, torch.zeros(b, 6, dtype=torch.int32), 6, 2.5)))
         mixes = torch.empty(batch, 24)
         calls.append((f"hc_split_sinkhorn B={batch}",
                       lambda m=mixes: hc_split_sinkhorn(m, torch.empty(3), torch.empty(24), 4, 20, 1e-6, impl="triton")))

@@ -24,6 +24,7 @@ LAUNCHED = {
         "_scaled_gate_up_kernel", "_scaled_down_kernel", "_mma_gate_up_kernel", "_mma_down_kernel", "_shared_swiglu_kernel",
     },
     "v4::hc_split_sinkhorn": {"_hc_split_sinkhorn_kernel"},
+    "v4::moe_gate": {"_moe_gate_kernel"},
     "v4::hc_post_pre_norm": {"_hc_mix_slices_kernel", "_hc_mix_finish_kernel"},
     "v4::grouped_linear": {"_linear_kernel", "_gemv_kernel"},
     "v4::blockscale_linear": {"_act_quant_kernel", "_blockscale_linear_kernel", "_mma_linear_kernel", "_blockscale_gemv_kernel"},

@@ -25,7 +25,8 @@ def op_calls() -> dict[str, tuple]:
     """One call (op, args, kwargs) of each v4 op, as a decode step of the bench widths makes it
     (three layers: window, window, ratio 4 with the indexer; bf16 on CUDA, where the boundary and
     projection kernels take the tensors; bf16 weights, then FP8 linears and FP4 experts), at a position with compressed entries to select from;
-    v4::hc_split_sinkhorn, which that step leaves to the boundary kernel, called on its own."""
+    v4::hc_split_sinkhorn, which that step leaves to the boundary kernel, and v4::moe_gate, which
+    the model's gate does not call, each called on its own."""
     calls: dict[str, tuple] = {}
 
     class Recorder(TorchDispatchMode):
@@ -49,6 +50,8 @@ def op_calls() -> dict[str, tuple]:
     mixes = torch.randn(4, (2 + hc) * hc, device="cuda")
     scale, base = torch.rand(3, device="cuda"), torch.randn((2 + hc) * hc, device="cuda")
     calls.setdefault("v4::hc_split_sinkhorn", (torch.ops.v4.hc_split_sinkhorn.default, (mixes, scale, base, hc, 20, 1e-6), {}))
+    x, gate_weight = torch.randn(4, bench.dim, device="cuda").bfloat16(), torch.randn(256, bench.dim, device="cuda").bfloat16()
+    calls.setdefault("v4::moe_gate", (torch.ops.v4.moe_gate.default, (x, gate_weight, torch.randn(256, device="cuda"), None, 6, 2.5), {}))
     return calls
 
 

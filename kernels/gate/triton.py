@@ -1,0 +1,112 @@
+"""Triton MoE gate (semantics: kernels/gate/ref.py): one launch from the hidden rows to the
+routing weights and expert ids.
+
+Unfused, a decode step's gate is a GEMV of the 256 x 4096 weight, then the scores, the top-k
+rounds and the renormalisation in one or two generated kernels, each a launch with a ramp and a
+tail for a few microseconds of work. Here program p loads BLOCK_E experts' whole rows of the
+weight at once (one round trip to memory; upcast to fp32 as read), multiplies every row of x by
+them on CUDA cores, in fp32, and writes those logits to a scratch; the last program to arrive (kernels/arrival.py) reads them back and,
+a few rows at a time, forms the scores, picks the top k by k rounds of argmax (ties to the lower
+index; a hash layer reads its ids instead) and writes the renormalised weights and the ids.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.arrival import arrives_last, split_counters
+
+BLOCK_E = 2  # experts a program: 128 programs over V4-Flash's 256, 16 KB of weight each
+BLOCK_M = 2  # rows of x a program multiplies at a time
+PICK_ROWS = 4  # rows the last program ranks at a time
+WARPS = 8
+MAX_DIM = 8192  # a program holds its experts' whole rows of the weight in registers
+
+
+@triton.jit
+def _sqrt_softplus(x):
+    """sqrt(softplus(x)) as torch's softplus (beta 1, threshold 20): log1p(exp(x)) to a few ulp,
+    log(1 + e) corrected by how 1 + e rounded (Goldberg), x itself above 20."""
+    e = tl.exp(x)
+    u = 1.0 + e
+    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+    return tl.sqrt(tl.where(x > 20.0, x, log1p))
+
+
+@triton.jit
+def _moe_gate_kernel(
+    x_ptr, w_ptr, bias_ptr, hashed_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr,
+    rows, experts, dim, route_scale, stride_xm, stride_wn, stride_hm,
+    TOPK: tl.constexpr, HASHED: tl.constexpr, EXPERTS_P2: tl.constexpr, TOPK_P2: tl.constexpr, DIM_P2: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, PICK_ROWS: tl.constexpr,
+):
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = e < experts
+    ks = tl.arange(0, DIM_P2)
+    k_ok = ks < dim
+    # The program's rows of the weight, whole: one round trip to memory, then every row of x from L2.
+    w = tl.load(w_ptr + e.to(tl.int64)[:, None] * stride_wn + ks[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+    w = w.to(tl.float32)
+    for m0 in range(0, rows, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = m < rows
+        x = tl.load(x_ptr + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        logits = tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        tl.store(logits_ptr + m[:, None] * experts + e[None, :], logits, mask=m_ok[:, None] & e_ok[None, :])
+    if arrives_last(counter_ptr, tl.num_programs(0)):
+        columns = tl.arange(0, EXPERTS_P2)
+        slots = tl.arange(0, TOPK_P2)
+        for m0 in range(0, rows, PICK_ROWS):
+            m = m0 + tl.arange(0, PICK_ROWS)
+            m_ok = m < rows
+            picked = tl.zeros([PICK_ROWS, TOPK_P2], tl.float32)
+            chosen = tl.zeros([PICK_ROWS, TOPK_P2], tl.int64)
+            if HASHED:
+                chosen = tl.load(hashed_ptr + m[:, None] * stride_hm + slots[None, :],
+                                 mask=m_ok[:, None] & (slots < TOPK)[None, :], other=0).to(tl.int64)
+                # .cg: other programs wrote the scratch; read it from L2
+                logit = tl.load(logits_ptr + m[:, None] * experts + chosen, mask=m_ok[:, None] & (slots < TOPK)[None, :],
+                                other=0.0, cache_modifier=".cg")
+                picked = tl.where((slots < TOPK)[None, :], _sqrt_softplus(logit), 0.0)
+            else:
+                ok = m_ok[:, None] & (columns < experts)[None, :]
+                scores = _sqrt_softplus(tl.load(logits_ptr + m[:, None] * experts + columns[None, :], mask=ok, other=0.0,
+                                                cache_modifier=".cg"))
+                bias = tl.load(bias_ptr + columns, mask=columns < experts, other=0.0)
+                keys = tl.where(ok, scores + bias[None, :], float("-inf"))
+                for r in tl.static_range(TOPK):
+                    best = tl.argmax(keys, axis=1, tie_break_left=True)
+                    hit = columns[None, :] == best[:, None]
+                    value = tl.sum(tl.where(hit, scores, 0.0), axis=1)  # exact: one nonzero term
+                    picked = tl.where(slots[None, :] == r, value[:, None], picked)
+                    chosen = tl.where(slots[None, :] == r, best.to(tl.int64)[:, None], chosen)
+                    keys = tl.where(hit, float("-inf"), keys)
+            total = tl.sum(picked, axis=1)
+            out = m_ok[:, None] & (slots < TOPK)[None, :]
+            tl.store(weights_ptr + m[:, None] * TOPK + slots[None, :], picked / total[:, None] * route_scale, mask=out)
+            tl.store(ids_ptr + m[:, None] * TOPK + slots[None, :], chosen, mask=out)
+        tl.atomic_xchg(counter_ptr, 0)
+
+
+def moe_gate_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, hashed_ids: torch.Tensor | None,
+                    topk: int, route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_gate_reference's result in one launch (inputs checked by the caller; at most MAX_DIM
+    features)."""
+    rows, dim = x.shape
+    if dim > MAX_DIM:
+        raise ValueError(f"moe_gate (triton): at most {MAX_DIM} features, got {dim}")
+    experts = weight.shape[0]
+    x, weight = x.contiguous(), weight.contiguous()
+    logits = torch.empty((rows, experts), dtype=torch.float32, device=x.device)
+    weights = torch.empty((rows, topk), dtype=torch.float32, device=x.device)
+    ids = torch.empty((rows, topk), dtype=torch.int64, device=x.device)
+    hashed = hashed_ids.contiguous() if hashed_ids is not None else ids  # unread without a hash layer
+    _moe_gate_kernel[(triton.cdiv(experts, BLOCK_E),)](
+        x, weight, bias if bias is not None else logits, hashed, logits, split_counters(x.device, 1), weights, ids,
+        rows, experts, dim, float(route_scale), x.stride(0), weight.stride(0), hashed.stride(0),
+        TOPK=topk, HASHED=hashed_ids is not None, EXPERTS_P2=triton.next_power_of_2(experts),
+        TOPK_P2=triton.next_power_of_2(topk), DIM_P2=triton.next_power_of_2(dim), BLOCK_E=BLOCK_E, BLOCK_M=BLOCK_M,
+        PICK_ROWS=PICK_ROWS, num_warps=WARPS,
+    )
+    return weights, ids
