@@ -58,11 +58,13 @@ def test_reference_matches_fp64(hashed):
 @pytest.mark.parametrize(
     "batch, experts, dim, topk, hashed, dtype",
     [(1, 256, 1024, 6, False, torch.float16), (3, 20, 300, 4, False, torch.float32), (9, 64, 640, 6, False, torch.float16),
-     (5, 16, 256, 3, True, torch.float16), (1, 7, 96, 7, False, torch.float32)],
+     (5, 16, 256, 3, True, torch.float16), (1, 7, 96, 7, False, torch.float32), (19, 24, 128, 5, True, torch.float16),
+     (17, 33, 64, 6, False, torch.float32)],
 )
 def test_triton_matches_reference(batch, experts, dim, topk, hashed, dtype):
-    """Widths that are not whole blocks (300, 96 inputs; 20, 7 experts), more rows than a pick
-    step ranks, every expert picked (7 of 7), a hash layer's ids."""
+    """Widths that are not whole blocks (300, 96 inputs; 20, 7, 33 experts), more rows than a pick
+    step ranks and than a row block holds (each ranked by its own block's last program), every
+    expert picked (7 of 7), a hash layer's ids."""
     x, weight, bias, hashed_ids = gate_inputs(batch, experts, dim, topk, hashed, dtype, seed=batch + experts)
     expected_weights, expected_ids = moe_gate_reference(x, weight, bias, hashed_ids, topk, 2.5)
     weights, ids = moe_gate(x, weight, bias, hashed_ids, topk, 2.5, impl="triton")
