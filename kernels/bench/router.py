@@ -48,7 +48,7 @@ def run(copy_gbs: float) -> str:
     )
 
 
-GATE_BATCHES = (1, 2, 4, 8)
+GATE_BATCHES = (1, 4, 16, 64)
 TOPK, ROUTE_SCALE = 6, 2.5
 
 
