@@ -29,10 +29,12 @@ MAX_DIM = 8192  # a program holds its experts' whole rows of the weight in regis
 @triton.jit
 def _sqrt_softplus(x):
     """sqrt(softplus(x)) as torch's softplus (beta 1, threshold 20): log1p(exp(x)) to a few ulp,
-    log(1 + e) corrected by how 1 + e rounded (Goldberg), x itself above 20."""
-    e = tl.exp(x)
+    log(1 + e) corrected by how 1 + e rounded (Goldberg), x itself above 20 (e capped there, so
+    that no branch left unused overflows or divides by zero)."""
+    e = tl.exp(tl.minimum(x, 20.0))
     u = 1.0 + e
-    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+    rounded = u - 1.0  # exact; 0 where e is below half an ulp of 1
+    log1p = tl.where(rounded == 0.0, e, tl.log(u) * (e / tl.where(rounded == 0.0, 1.0, rounded)))
     return tl.sqrt(tl.where(x > 20.0, x, log1p))
 
 
@@ -88,7 +90,7 @@ def _moe_gate_kernel(
                     picked = tl.where(slots[None, :] == r, value[:, None], picked)
                     chosen = tl.where(slots[None, :] == r, best.to(tl.int64)[:, None], chosen)
                     keys = tl.where(hit, float("-inf"), keys)
-            total = tl.sum(picked, axis=1)
+            total = tl.where(m_ok, tl.sum(picked, axis=1), 1.0)  # rows past the batch: nothing to divide
             out = m_ok[:, None] & (slots < TOPK)[None, :]
             tl.store(weights_ptr + m[:, None] * TOPK + slots[None, :], picked / total[:, None] * route_scale, mask=out)
             tl.store(ids_ptr + m[:, None] * TOPK + slots[None, :], chosen, mask=out)
