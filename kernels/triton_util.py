@@ -1,6 +1,8 @@
 """Launch facts shared by the Triton paths."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import torch
@@ -52,9 +54,27 @@ def converts_e4m3(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+# Cleared inside `plain_launches()`; read where a kernel is launched (or captured into a graph).
+_DEPENDENT_LAUNCHES = contextvars.ContextVar("dependent_launches", default=True)
+
+
+@contextlib.contextmanager
+def plain_launches():
+    """Within it, the kernels launched here (and captured into CUDA graphs) are plain launches,
+    not programmatic dependents: what dependent launch saves, measured side by side
+    (`fuse bench --variants fuse,fuse-no-pdl`)."""
+    token = _DEPENDENT_LAUNCHES.set(False)
+    try:
+        yield
+    finally:
+        _DEPENDENT_LAUNCHES.reset(token)
+
+
 def launches_dependents(device: torch.device) -> bool:
-    """Whether kernels on `device` can use programmatic dependent launch: a Hopper-or-later GPU
-    (not the interpreter) and a Triton with the grid-dependency primitives."""
+    """Whether kernels on `device` launch as programmatic dependents: a Hopper-or-later GPU (not
+    the interpreter), a Triton with the grid-dependency primitives, outside `plain_launches()`."""
+    if not _DEPENDENT_LAUNCHES.get():
+        return False
     if device.type != "cuda" or interpreting() or torch.cuda.get_device_capability(device)[0] < 9:
         return False
     import triton.language as tl

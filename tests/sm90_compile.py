@@ -115,6 +115,7 @@ def stand_in_for_sm90() -> None:
     torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
     torch.cuda.is_current_stream_capturing = lambda: False
 
+    import kernels.dependent_launch  # noqa: F401  (its launches_dependents patched below)
     import kernels.hc_mix.op as hc_mix
     import kernels.linear.op as linear
     import kernels.sparse_mla.gluon as gluon

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from kernels.blockscale.device import act_quant_rows
 from kernels.blockscale.ref import FP8_BLOCK
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 
 BLOCKS_PER_PROGRAM = 8  # 128-blocks a program quantises (a row of V4-Flash's 4096 in four programs)
 
@@ -51,7 +52,9 @@ def _act_quant_kernel(
     x_ptr, values_ptr, scales_ptr,
     K_BLOCKS, stride_xm,
     POW2: tl.constexpr, BLOCKS: tl.constexpr, FRAGMENT_ORDER: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     act_quant_program(x_ptr, values_ptr, scales_ptr, tl.program_id(0), tl.program_id(1), K_BLOCKS, stride_xm, POW2, BLOCKS,
                       FRAGMENT_ORDER)
 
@@ -90,5 +93,6 @@ def act_quant_triton(rows: torch.Tensor, pow2: bool = True, fragment_order: bool
     rows, values, scales, chunks = act_quant_launch(rows, fragment_order)
     if rows.shape[0]:
         _act_quant_kernel[(rows.shape[0], chunks)](rows, values, scales, scales.shape[1], rows.stride(0), POW2=pow2,
-                                                   BLOCKS=BLOCKS_PER_PROGRAM, FRAGMENT_ORDER=fragment_order)
+                                                   BLOCKS=BLOCKS_PER_PROGRAM, FRAGMENT_ORDER=fragment_order,
+                                                   **dependent_options(rows.device))
     return values, scales

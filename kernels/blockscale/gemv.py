@@ -14,7 +14,9 @@ the GPU and the sum ends in the registers of the program that made it:
   With ue8m0 scales every factor is a power of two and every product exact up to fp32 rounding
   of the sums: the reference's arithmetic in another summation order.
 - The next BLOCK_K inputs' codes are loaded before this step's multiply-adds (Triton pipelines
-  only loads that feed a dot).
+  only loads that feed a dot). The first step's codes are loaded before the kernel waits for
+  its predecessor (a programmatic dependent: kernels/dependent_launch.py), so their latency
+  passes while that kernel drains.
 
 FP8 weights, one row, K a multiple of 128. The interpreter runs it (tests on a CPU). The op
 (kernels/blockscale/op.py) runs it at one row for weights of up to OP_MAX_WEIGHT_BYTES
@@ -27,6 +29,7 @@ import triton.language as tl
 
 from kernels.blockscale.device import act_quant_rows, weight_scale_to_fp32
 from kernels.blockscale.ref import FP8_BLOCK, SCALE_DTYPES
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 from kernels.triton_util import interpreting
 
 BLOCK_N = 4  # output columns a program: V4-Flash's narrowest FP8 product (1536) in 384 programs
@@ -41,6 +44,7 @@ def _blockscale_gemv_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr,
     N, K, stride_wn, stride_sn, stride_sk,
     SCALE_E8M0: tl.constexpr, POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
     col0 = tl.program_id(0) * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)
@@ -51,6 +55,7 @@ def _blockscale_gemv_kernel(
     s_row = s_ptr + (col0 // 128) * stride_sn  # the columns' one row of weight scales
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     w = tl.load(w_tile, mask=col_ok[:, None], other=0.0)
+    wait_for_predecessor(DEPENDENT)  # x and out from here; the weight is a parameter
     for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
         w_next = tl.load(w_tile + k0, mask=col_ok[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
         k = k0 - BLOCK_K
@@ -107,5 +112,6 @@ def blockscale_gemv(
     _blockscale_gemv_kernel[(triton.cdiv(n, block_n),)](
         row, weight, scale.view(torch.uint8) if e8m0 else scale, out, n, k, weight.stride(0), scale.stride(0), scale.stride(1),
         SCALE_E8M0=e8m0, POW2=pow2, BLOCK_N=block_n, BLOCK_K=step, **({} if interpreting() else {"num_warps": warps}),
+        **dependent_options(x.device),
     )
     return out.view(*x.shape[:-1], n)

@@ -41,6 +41,7 @@ from kernels.blockscale.ref import FP8_BLOCK
 from kernels.blockscale.triton import (
     IN_KERNEL_QUANT_MAX_ROWS, Plan, launch_rows, prepare_launch, split_where_idle, write_tile,
 )
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 from kernels.triton_util import interpreting, num_sms
 
 WARPS = 4
@@ -164,8 +165,9 @@ def _mma_linear_kernel(
     M, N, K_BLOCKS, BLOCKS_PER_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_sk, stride_om,
     SCALE_E8M0: gl.constexpr, POW2: gl.constexpr, X_QUANTIZED: gl.constexpr, SPLIT: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCKS_PER_STEP: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCKS_PER_STEP: gl.constexpr, DEPENDENT: gl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
     pid_k = gl.program_id(2)
@@ -259,5 +261,6 @@ def blockscale_linear_mma(
         rows.stride(0), weight.stride(0), scale.stride(0), scale.stride(1), out.stride(0),
         SCALE_E8M0=run.scale_e8m0, POW2=pow2, X_QUANTIZED=plan.x_quantized, SPLIT=plan.split,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCKS_PER_STEP=plan.blocks_per_step, num_warps=WARPS,
+        **dependent_options(x.device),
     )
     return out.view(*x.shape[:-1], n)

@@ -44,6 +44,7 @@ from kernels.blockscale.device import act_scale, quantize_e4m3, unpack_e2m1, wei
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.arrival import arrives_last, split_counters
 from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, converts_e4m3, interpreting, num_sms
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 
 
 @triton.jit
@@ -79,7 +80,9 @@ def _blockscale_linear_kernel(
     FP4: tl.constexpr, SCALE_E8M0: tl.constexpr, POW2: tl.constexpr, X_QUANTIZED: tl.constexpr,
     SUB_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRODUCT: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -276,6 +279,6 @@ def blockscale_linear_triton(
         rows.stride(0), weight.stride(0), scale.stride(0), scale.stride(1), out.stride(0),
         FP4=fp4, SCALE_E8M0=run.scale_e8m0, POW2=pow2, X_QUANTIZED=plan.x_quantized,
         SUB_K=FP4_BLOCK if fp4 else FP8_BLOCK, SCALE_ROWS=1 if fp4 else FP8_BLOCK, SPLIT=plan.split,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, PRODUCT=PRODUCTS[plan.product], **launch,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, PRODUCT=PRODUCTS[plan.product], **launch, **dependent_options(x.device),
     )
     return out.view(*x.shape[:-1], n)

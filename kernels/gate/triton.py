@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.arrival import arrives_last, split_counters
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 
 BLOCK_E = 2  # experts a program: 128 programs over V4-Flash's 256, 16 KB of weight each
 BLOCK_M = 2  # rows of x a program multiplies at a time
@@ -44,6 +45,7 @@ def _moe_gate_kernel(
     rows, experts, dim, route_scale, stride_xm, stride_wn, stride_hm,
     TOPK: tl.constexpr, HASHED: tl.constexpr, EXPERTS_P2: tl.constexpr, TOPK_P2: tl.constexpr, DIM_P2: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, ROW_BLOCK: tl.constexpr, PICK_ROWS: tl.constexpr,
+    WEIGHT_COPIED: tl.constexpr, DEPENDENT: tl.constexpr = False,
 ):
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < experts
@@ -52,9 +54,14 @@ def _moe_gate_kernel(
     ks = tl.arange(0, DIM_P2)
     k_ok = ks < dim
     # The program's rows of the weight, whole: one round trip to memory (L2 for the later row
-    # blocks), then its block of x's rows from L2.
+    # blocks), then its block of x's rows from L2. The weight is a parameter, loaded while the
+    # kernel before drains, unless it is a copy that kernel made (WEIGHT_COPIED).
+    if WEIGHT_COPIED:
+        wait_for_predecessor(DEPENDENT)
     w = tl.load(w_ptr + e.to(tl.int64)[:, None] * stride_wn + ks[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
     w = w.to(tl.float32)
+    if not WEIGHT_COPIED:
+        wait_for_predecessor(DEPENDENT)
     for m0 in range(first_row, last_row, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
         m_ok = m < last_row
@@ -105,7 +112,10 @@ def moe_gate_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if dim > MAX_DIM:
         raise ValueError(f"moe_gate (triton): at most {MAX_DIM} features, got {dim}")
     experts = weight.shape[0]
-    x, weight = x.contiguous(), weight.contiguous()
+    weight_copied = weight.stride(-1) != 1
+    if weight_copied:
+        weight = weight.contiguous()
+    x = x.contiguous()
     logits = torch.empty((rows, experts), dtype=torch.float32, device=x.device)
     weights = torch.empty((rows, topk), dtype=torch.float32, device=x.device)
     ids = torch.empty((rows, topk), dtype=torch.int64, device=x.device)
@@ -116,6 +126,7 @@ def moe_gate_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         rows, experts, dim, float(route_scale), x.stride(0), weight.stride(0), hashed.stride(0),
         TOPK=topk, HASHED=hashed_ids is not None, EXPERTS_P2=triton.next_power_of_2(experts),
         TOPK_P2=triton.next_power_of_2(topk), DIM_P2=triton.next_power_of_2(dim), BLOCK_E=BLOCK_E, BLOCK_M=BLOCK_M,
-        ROW_BLOCK=ROW_BLOCK, PICK_ROWS=PICK_ROWS, num_warps=WARPS,
+        ROW_BLOCK=ROW_BLOCK, PICK_ROWS=PICK_ROWS, WEIGHT_COPIED=weight_copied, num_warps=WARPS,
+        **dependent_options(x.device),
     )
     return weights, ids

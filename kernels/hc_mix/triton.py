@@ -27,6 +27,7 @@ import triton.language as tl
 from kernels.arrival import arrives_last, split_counters
 from kernels.hc_mix.ref import KERNEL_HC as HC, SLICE, tiles
 from kernels.hc_sinkhorn.triton import _div, _sigmoid
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 
 WIDTH = (2 + HC) * HC  # mixes per token: pre, post, comb
 PARTS = 32  # partial sums per token and slice: the 24 mixes, the sum of squares, padding
@@ -145,6 +146,7 @@ def _hc_mix_slices_kernel(
     stride_cb, stride_ch, stride_scale, stride_base, hc_eps, hc_norm_eps, norm_eps,
     D: tl.constexpr, WRITE_BACK: tl.constexpr, FINISH: tl.constexpr, ITERS: tl.constexpr,
     HC: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr, SLICE: tl.constexpr, TOKENS: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
     s = tl.program_id(0)
     k = s * SLICE + tl.arange(0, SLICE)  # flattened [hc * D] index
@@ -152,6 +154,7 @@ def _hc_mix_slices_kernel(
     d = k - h * D
     rows = tl.arange(0, PARTS)
     fn = tl.load(fn_ptr + rows[:, None] * stride_fn + k[None, :], mask=(rows < WIDTH)[:, None], other=0.0).to(tl.float32)
+    wait_for_predecessor(DEPENDENT)  # fn is a parameter, loaded while the kernel before drains
     SLICES: tl.constexpr = HC * D // SLICE
     for i in tl.static_range(TOKENS):
         token = tl.program_id(1) * TOKENS + i
@@ -192,7 +195,9 @@ def _hc_mix_finish_kernel(
     hc_eps, hc_norm_eps, norm_eps,
     D: tl.constexpr, SLICES: tl.constexpr, ITERS: tl.constexpr,
     HC: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     _finish_token(
         tl.program_id(0).to(tl.int64), part_ptr, mixes_ptr, copies_ptr, scale_ptr, base_ptr, weight_ptr,
         x_ptr, post_ptr, comb_ptr, stride_cb, stride_ch, stride_scale, stride_base, hc_eps, hc_norm_eps, norm_eps,
@@ -292,10 +297,11 @@ def hc_mix_triton(
         batch, streams.stride(0), streams.stride(1), out.stride(0) if write_back else 0, fn.stride(0),
         split_counters(device, batch) if one_launch else part, mixes, *finish_rest,
         D=dim, WRITE_BACK=write_back, FINISH=one_launch, ITERS=iters, HC=HC, WIDTH=WIDTH, PARTS=PARTS, SLICE=SLICE,
-        TOKENS=tokens, num_warps=4,
+        TOKENS=tokens, num_warps=4, **dependent_options(device),
     )
     if not one_launch:
         _hc_mix_finish_kernel[(batch,)](
             part, mixes, copies, *finish_rest, D=dim, SLICES=slices, ITERS=iters, HC=HC, WIDTH=WIDTH, PARTS=PARTS, num_warps=FINISH_WARPS,
+            **dependent_options(device),
         )
     return new, x, post_out, comb_out

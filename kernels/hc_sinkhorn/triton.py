@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.hc_sinkhorn.ref import check_hc_inputs
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 
 # 256 matrix cells per program (16 tokens at hc=4) over 2 warps: a few cells per thread, so each
 # of the 2 * ITERS sums is a short in-register add plus warp shuffles, and B=128 fills 8 programs.
@@ -45,7 +46,9 @@ def _hc_split_sinkhorn_kernel(
     batch, eps,
     stride_mb, stride_mc, stride_scale, stride_base,
     HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_B: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     tokens = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     token_ok = tokens < batch
     tokens = tokens.to(tl.int64)
@@ -110,6 +113,6 @@ def hc_split_sinkhorn_triton(
         batch, eps,
         mixes.stride(0), mixes.stride(1), scale.stride(0), base.stride(0),
         HC=hc, ITERS=iters, BLOCK_B=block_b,
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, **dependent_options(mixes.device),
     )
     return pre, post, comb

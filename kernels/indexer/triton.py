@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_util import dot_precision, num_sms
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 
 SCORE_BLOCK_T = 64
 SELECT_BLOCK = 2048
@@ -72,7 +73,9 @@ def _indexer_score_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr, AS_KEYS: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     b = tl.program_id(0)
     worker = tl.program_id(1)
     num_workers = tl.num_programs(1)
@@ -117,7 +120,9 @@ def _indexer_select_kernel(
     keys_ptr, visible_ptr, out_ptr,
     rows, stride_kb, stride_ob,
     TOPK: tl.constexpr, BLOCK: tl.constexpr, FROM_SCORES: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     b = tl.program_id(0)
     vis = _visible_count(visible_ptr, b, rows)
     key_row = keys_ptr + b.to(tl.int64) * stride_kb
@@ -216,7 +221,7 @@ def _select(keys: torch.Tensor, visible: torch.Tensor, topk: int, from_scores: b
         keys, visible, out,
         rows, keys.stride(0), out.stride(0),
         TOPK=topk, BLOCK=SELECT_BLOCK, FROM_SCORES=from_scores,
-        num_warps=8,
+        num_warps=8, **dependent_options(out.device),
     )
     return out
 
@@ -245,7 +250,7 @@ def _score(q, weights, index_cache, slots, visible, out: torch.Tensor, as_keys: 
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_T=SCORE_BLOCK_T,
         DOT_PRECISION=dot_precision(q.dtype), AS_KEYS=as_keys,
-        num_warps=4,
+        num_warps=4, **dependent_options(q.device),
         num_stages=3,
     )
 

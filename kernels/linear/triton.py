@@ -31,6 +31,7 @@ import triton.testing
 
 from kernels.linear.ref import MAX_ROWS, upcasts_weight
 from kernels.triton_util import dot_precision, interpreting, num_sms
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 
 
 @triton.jit
@@ -39,7 +40,9 @@ def _linear_kernel(
     rows, N, K,
     stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     group = tl.program_id(1).to(tl.int64)
     x_ptr += group * stride_xg
     w_ptr += group * stride_wg
@@ -67,7 +70,9 @@ def _gemv_kernel(
     N, K,
     stride_xg, stride_wg, stride_wn, stride_og,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     group = tl.program_id(1).to(tl.int64)
     x_ptr += group * stride_xg
     w_ptr += group * stride_wg
@@ -161,7 +166,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, one_row_gemv: bool | No
         grid = (triton.cdiv(n, _INTERPRETER_CONFIG["BLOCK_N"]), groups)
         _linear_kernel[grid](*args, **meta, **_INTERPRETER_CONFIG)
     else:
-        _linear_autotuned[lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), groups)](*args, **meta)
+        _linear_autotuned[lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), groups)](*args, **meta, **dependent_options(x.device))
     return out
 
 
@@ -172,4 +177,4 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> No
     if interpreting():
         _gemv_kernel[(triton.cdiv(n, _INTERPRETER_GEMV_CONFIG["BLOCK_N"]), groups)](*args, **_INTERPRETER_GEMV_CONFIG)
     else:
-        _gemv_autotuned[lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), groups)](*args)
+        _gemv_autotuned[lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), groups)](*args, **dependent_options(x.device))

@@ -57,6 +57,7 @@ from kernels.moe.triton import (
 )
 from kernels.side_stream import run_beside
 from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, num_sms
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 
 # Rows of a routing segment: every expert with at most this many pairs is one segment.
 SEGMENT_ROWS = 64
@@ -286,7 +287,9 @@ def _scaled_gate_up_kernel(
     stride_w3e, stride_w3n, stride_w3k, stride_s3e, stride_s3n, stride_s3k,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr, POW2: tl.constexpr,
     W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr, SEGMENT: tl.constexpr, SPLIT: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     tiles_n = inter // ACT_BLOCK
@@ -332,7 +335,9 @@ def _scaled_down_kernel(
     dim, inter,
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ym,
     W_FP4: tl.constexpr, S_E8M0: tl.constexpr, MX: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_N: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     pid = tl.program_id(0)
     tiles_n = dim // BLOCK_N
     segment = pid // tiles_n
@@ -409,9 +414,11 @@ def _route_and_quant_kernel(
     BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, POW2: tl.constexpr, BLOCKS: tl.constexpr,
     FRAGMENT_ORDER: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
     """Program 0 routes the pairs (_route_pairs_kernel); program 1 + r * CHUNKS + c quantises
     chunk c of x's row r (act_quant_program): two independent steps, one launch."""
+    wait_for_predecessor(DEPENDENT)
     pid = tl.program_id(0)
     if pid == 0:
         _route_pairs_kernel(ids_ptr, shift_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
@@ -435,6 +442,7 @@ def route_and_quantise(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: i
     _route_and_quant_kernel[(1 + x.shape[0] * chunks,)](
         *route_args, x, values, scales, scales.shape[1], x.stride(0), chunks,
         **route_meta, POW2=pow2, BLOCKS=BLOCKS_PER_PROGRAM, FRAGMENT_ORDER=fragment_order, num_warps=4,
+        **dependent_options(x.device),
     )
     return blocks, values, scales
 
@@ -539,7 +547,7 @@ def moe_experts_scaled_triton(
         dim = x.shape[1]
         segments = run.segments
         s1, s2, s3 = run.scales
-        launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, **dependent_options(x.device))
         mx = tiles.product == "dot_scaled"
         _scaled_gate_up_kernel[(segments.num_blocks * (inter // UP_BLOCK_N), run.split)](
             x, run.xq, run.xs, w1, s1, w3, s3, run.route_w, run.hq, run.hs,

@@ -11,6 +11,7 @@ import triton.language as tl
 from kernels.blockscale.op import blockscale_linear
 from kernels.moe.ref import SharedExpertWeights
 from kernels.moe.triton import clamped_swiglu
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 
 SWIGLU_BLOCK = 1024  # intermediate columns per program
 
@@ -19,7 +20,9 @@ SWIGLU_BLOCK = 1024  # intermediate columns per program
 def _shared_swiglu_kernel(
     gate_up_ptr, h_ptr, inter, stride_gm, stride_hm, swiglu_limit,
     HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < inter
@@ -37,7 +40,7 @@ def swiglu_rows(gate_up: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
         block = min(SWIGLU_BLOCK, triton.next_power_of_2(inter))
         _shared_swiglu_kernel[(rows, triton.cdiv(inter, block))](
             gate_up, h, inter, gate_up.stride(0), h.stride(0), float(swiglu_limit),
-            HAS_LIMIT=swiglu_limit > 0, BLOCK=block, num_warps=4,
+            HAS_LIMIT=swiglu_limit > 0, BLOCK=block, num_warps=4, **dependent_options(h.device),
         )
     return h
 

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from kernels.moe.ref import check_shared_expert, with_shared_ids
 from kernels.triton_util import SM90_SHARED_MEMORY_PER_BLOCK, dot_precision, num_sms, shared_memory_per_block
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 
 # Largest B*k routed by the single-program kernel (it holds every pair in registers).
 MAX_PAIRS_ONE_PROGRAM = 4096
@@ -147,9 +148,11 @@ def _route_pairs_kernel(
     num_pairs, num_experts, num_blocks, shared_expert,
     BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
     """The whole routing in one program (route_pairs' "kernel" method); also called as the first
     program of kernels/moe/scaled.py's routing-and-quantisation launch."""
+    wait_for_predecessor(DEPENDENT)
     pair = tl.arange(0, PAIRS)
     expert = _pair_expert(ids_ptr, pair, pair < num_pairs, shared_expert, PICKS, PAIRS_PER_TOKEN)
     valid = (pair < num_pairs) & (expert >= 0) & (expert < num_experts)
@@ -240,7 +243,7 @@ def route_pairs(
     if not routes_in_one_program(expert_ids, shared_expert):
         raise ValueError(f"route_pairs: the kernel takes at most {MAX_PAIRS_ONE_PROGRAM} pairs, got {num_pairs}")
     blocks, args, meta = routing_launch(expert_ids, num_experts, block_m, shared_expert)
-    _route_pairs_kernel[(1,)](*args, **meta, num_warps=4)
+    _route_pairs_kernel[(1,)](*args, **meta, num_warps=4, **dependent_options(expert_ids.device))
     return blocks
 
 
@@ -323,7 +326,9 @@ def _gate_up_kernel(
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(inter, BLOCK_N)
     block = pid // tiles_n
@@ -374,7 +379,9 @@ def _down_kernel(
     stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(dim, BLOCK_N)
     block = pid // tiles_n
@@ -412,7 +419,9 @@ def _moe_combine_kernel(
     dim, num_experts,
     stride_ym, stride_ob, stride_ab,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ADDEND: tl.constexpr,
+    DEPENDENT: tl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < dim
@@ -475,7 +484,7 @@ def moe_experts_triton(
     h = torch.empty((blocks.num_blocks * tiles.block_m, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((num_pairs, dim), dtype=x.dtype, device=x.device)
     precision = dot_precision(x.dtype)
-    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages, **dependent_options(x.device))
 
     _gate_up_kernel[(blocks.num_blocks * triton.cdiv(inter, tiles.up_block_n),)](
         x, w1, w3, route_w, h,
@@ -519,6 +528,6 @@ def combine_pairs(
         dim, num_experts,
         y.stride(0), out.stride(0), 0 if addend is None else addend.stride(0),
         PICKS=expert_ids.shape[1], PAIRS_PER_TOKEN=pairs_per_token, BLOCK_N=combine_n, HAS_ADDEND=addend is not None,
-        num_warps=4,
+        num_warps=4, **dependent_options(out.device),
     )
     return out

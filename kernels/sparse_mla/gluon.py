@@ -45,8 +45,9 @@ from kernels.sparse_mla.common import (
 from kernels.sparse_mla.plan import (
     MAX_SPLITS, WGMMA_BLOCK_N, WGMMA_HEAD_DIMS, WGMMA_STAGES, blocks_per_split, wgmma_splits,
 )
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 from kernels.gluon_compat import async_load, barrier
-from kernels.triton_util import num_sms
+from kernels.triton_util import launches_dependents, num_sms
 
 BLOCK_H = 64  # one wgmma M tile: a warpgroup of four 16-row warps
 NUM_WARPS = 4  # the scores warpgroup, the default partition
@@ -207,8 +208,9 @@ def _sparse_mla_wgmma_kernel(
     D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     Q_SMEM: gl.constexpr, KV_SMEM: gl.constexpr, P_SMEM: gl.constexpr,
     FLAT_ROWS: gl.constexpr, SPLIT: gl.constexpr,
-    SECOND_HALF_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    SECOND_HALF_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DEPENDENT: gl.constexpr = False,
 ):
+    wait_for_predecessor(DEPENDENT)
     HEADS: gl.constexpr = 64
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     hb = gl.program_id(0)
@@ -322,7 +324,7 @@ def launch_wgmma(
         sink.stride(0), out.stride(0), out.stride(1), lse.stride(0),
         **kernel_constants(head_dim, block_n, stages, gl_dtype),
         FLAT_ROWS=_flat_rows(kv_cache), SPLIT=split,
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, **dependent_options(q.device),
     )
 
 
@@ -349,5 +351,5 @@ def sparse_mla_decode_wgmma(
         return out, lse
     part_out, part_lse = _split_scratch(workspace, batch, heads, head_dim, num_splits, q.device)
     launch_wgmma(q, kv_cache, indices, sink, scale, num_splits, out, lse, part_out, part_lse, block_n, stages)
-    launch_combine(part_out, part_lse, sink, out, lse, num_splits)
+    launch_combine(part_out, part_lse, sink, out, lse, num_splits, pdl=launches_dependents(q.device))
     return out, lse

@@ -292,7 +292,8 @@ def sparse_mla_decode_head_batched(q, kv_cache, indices, sink, scale, tiles: Til
     if batch == 0:
         return out, lse
     n_blocks = triton.cdiv(indices.shape[1], tiles.block_k)
-    _launch_head_batched(q, kv_cache, indices, sink, scale, tiles, 1, max(n_blocks, 1), out, lse, None, None)
+    _launch_head_batched(q, kv_cache, indices, sink, scale, tiles, 1, max(n_blocks, 1), out, lse, None, None,
+                         wait_for_predecessor=launches_dependents(q.device))
     return out, lse
 
 
