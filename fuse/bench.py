@@ -15,9 +15,10 @@ Variants, all on one decoder (same weights, same caches), timed interleaved in o
                    compiled on their own (not run by default).
   fuse-batch1-shared `fuse.compile_decode(batch_one_shared=True)`: batch 1 in the symbolic
                    batch's graph, one compile per layer kind (not run by default).
-  fuse-no-pdl      `fuse` without Inductor's programmatic dependent launch (`triton.enable_pdl`,
-                   on by default on CUDA: on Hopper and later each generated kernel starts while
-                   the one before it ends; not run by default).
+  fuse-no-pdl      `fuse` without programmatic dependent launch, neither Inductor's
+                   (`triton.enable_pdl`) nor the custom ops' (`dependent_launches`), both on by
+                   default on CUDA: on Hopper and later each kernel starts while the one before
+                   it ends (not run by default).
   fuse-combo       `fuse` with Inductor's combo kernels (`combo_kernels`): independent small
                    kernels of a graph (cache writes, state updates) launched as one (not run by
                    default).
@@ -75,7 +76,7 @@ COMPILE_DECODE_VARIANTS = {
     "fuse": {}, "fuse-static": {"dynamic_batch": False},
     "fuse-nested": {"compilation": "nested"}, "fuse-regional": {"compilation": "regional"},
     "fuse-batch1-shared": {"batch_one_shared": True},
-    "fuse-no-pdl": {"inductor_options": {"triton.enable_pdl": False}},
+    "fuse-no-pdl": {"inductor_options": {"triton.enable_pdl": False}, "dependent_launches": False},
     "fuse-combo": {"inductor_options": {"combo_kernels": True}},
 }
 DEFAULT_VARIANTS = VARIANTS[:4]

@@ -71,6 +71,9 @@ class CompileOptions:
     # The step's graphs compiled first in this many worker processes, one layer kind and batch shape each
     # where there are enough (fuse/compile_workers.py; None: as many as fit, on CUDA; 0: none).
     compile_workers: int | None = 0
+    # The custom ops' kernels launched as programmatic dependents where the GPU has them (Hopper and
+    # later: kernels/dependent_launch.py); False: plain launches (what they save, `fuse bench --variants fuse,fuse-no-pdl`).
+    dependent_launches: bool = True
     progress: bool = True  # one log line per bucket with its warm-up time (and per compile worker as it ends)
     requested_compilation: str = field(default="auto", init=False, repr=False, compare=False)  # before resolving
 

@@ -31,6 +31,7 @@ from fuse.options import CompileOptions
 from fuse.padding import fill_padded
 from fuse.stats import RunnerStats, dynamo_totals
 from fuse.step import DecodeModel, build_step, check_decode_model, decode_mode, split_ranks
+from kernels.triton_util import plain_launches
 
 
 log = logging.getLogger("fuse")
@@ -75,7 +76,7 @@ class DecodeRunner:
         # kernels' loading would start, would only take CPU time from it.
         one_thread = torch._inductor.config.patch(compile_threads=1) if loaded else contextlib.nullcontext()
         watching = watching_compile_caches(fresh_record=saving) if options.compile else contextlib.nullcontext(CompileCacheWatch())
-        with one_thread, watching as watch:
+        with one_thread, watching as watch, self._launches():
             self.frames = self._frames() if frames_apply(decoder, options) else None
             dump = CodeDump(options.dump_dir, model=decoder) if options.dump_dir else None
             if options.compile and self.device.type == "cuda":
@@ -203,7 +204,7 @@ class DecodeRunner:
     def _run(self, tokens, positions, slots) -> torch.Tensor:
         n = tokens.shape[0]
         bucket = self._buckets[self.bucket_for(n)]
-        with decode_mode():
+        with decode_mode(), self._launches():
             fill_padded(self.decoder, bucket.inputs, (tokens, positions, slots))
             with self._recompile_guard():
                 output = bucket.run()
@@ -214,10 +215,15 @@ class DecodeRunner:
         inputs, at most the largest bucket): a profiler then sees which op launched each kernel."""
         n = tokens.shape[0]
         bucket = self._buckets[self.bucket_for(n)]
-        with decode_mode():
+        with decode_mode(), self._launches():
             fill_padded(self.decoder, bucket.inputs, (tokens, positions, slots))
             with self._recompile_guard():
                 return self.step.run(*bucket.inputs)[:n].clone()
+
+    def _launches(self):
+        """Where the step's kernels launch (warm-up, capture, calls without a graph): plain launches
+        unless options.dependent_launches."""
+        return contextlib.nullcontext() if self.options.dependent_launches else plain_launches()
 
     @contextlib.contextmanager
     def _recompile_guard(self):
