@@ -43,8 +43,8 @@ from kernels.blockscale.act_quant_pass import act_quant_triton
 from kernels.blockscale.device import act_scale, quantize_e4m3, unpack_e2m1, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
 from kernels.arrival import arrives_last, split_counters
-from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, converts_e4m3, interpreting, num_sms
 from kernels.dependent_launch import dependent_options, wait_for_predecessor
+from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, converts_e4m3, interpreting, num_sms
 
 
 @triton.jit

@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from kernels.arrival import arrives_last, split_counters
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 from kernels.hc_mix.ref import KERNEL_HC as HC, SLICE, tiles
 from kernels.hc_sinkhorn.triton import _div, _sigmoid
-from kernels.dependent_launch import dependent_options, wait_for_predecessor
 
 WIDTH = (2 + HC) * HC  # mixes per token: pre, post, comb
 PARTS = 32  # partial sums per token and slice: the 24 mixes, the sum of squares, padding

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.hc_sinkhorn.ref import check_hc_inputs
 from kernels.dependent_launch import dependent_options, wait_for_predecessor
+from kernels.hc_sinkhorn.ref import check_hc_inputs
 
 # 256 matrix cells per program (16 tokens at hc=4) over 2 warps: a few cells per thread, so each
 # of the 2 * ITERS sums is a short in-register add plus warp shuffles, and B=128 fills 8 programs.

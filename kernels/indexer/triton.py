@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_util import dot_precision, num_sms
 from kernels.dependent_launch import dependent_options, wait_for_predecessor
+from kernels.triton_util import dot_precision, num_sms
 
 SCORE_BLOCK_T = 64
 SELECT_BLOCK = 2048

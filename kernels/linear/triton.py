@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 from kernels.linear.ref import MAX_ROWS, upcasts_weight
 from kernels.triton_util import dot_precision, interpreting, num_sms
-from kernels.dependent_launch import dependent_options, wait_for_predecessor
 
 
 @triton.jit

@@ -49,6 +49,7 @@ from kernels.blockscale.act_quant_pass import (
 )
 from kernels.blockscale.device import act_quant_rows, e2m1_pairs_to_fp16, weight_scale_to_fp32
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 from kernels.moe.ref import SharedExpertWeights, check_shared_expert
 from kernels.moe.shared import shared_expert_triton
 from kernels.moe.triton import (
@@ -57,7 +58,6 @@ from kernels.moe.triton import (
 )
 from kernels.side_stream import run_beside
 from kernels.triton_util import MIN_BLOCKS_PER_SPLIT, num_sms
-from kernels.dependent_launch import dependent_options, wait_for_predecessor
 
 # Rows of a routing segment: every expert with at most this many pairs is one segment.
 SEGMENT_ROWS = 64

@@ -9,9 +9,9 @@ import triton
 import triton.language as tl
 
 from kernels.blockscale.op import blockscale_linear
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 from kernels.moe.ref import SharedExpertWeights
 from kernels.moe.triton import clamped_swiglu
-from kernels.dependent_launch import dependent_options, wait_for_predecessor
 
 SWIGLU_BLOCK = 1024  # intermediate columns per program
 

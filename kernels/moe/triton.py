@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 from kernels.moe.ref import check_shared_expert, with_shared_ids
 from kernels.triton_util import SM90_SHARED_MEMORY_PER_BLOCK, dot_precision, num_sms, shared_memory_per_block
-from kernels.dependent_launch import dependent_options, wait_for_predecessor
 
 # Largest B*k routed by the single-program kernel (it holds every pair in registers).
 MAX_PAIRS_ONE_PROGRAM = 4096

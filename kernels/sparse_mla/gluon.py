@@ -30,6 +30,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 # _load_indices and _offsets_of are Triton functions: Gluon kernels call them as they are.
+from kernels.dependent_launch import dependent_options, wait_for_predecessor
 from kernels.sparse_mla.common import (
     LN2_C,
     LOG2E,
@@ -45,7 +46,6 @@ from kernels.sparse_mla.common import (
 from kernels.sparse_mla.plan import (
     MAX_SPLITS, WGMMA_BLOCK_N, WGMMA_HEAD_DIMS, WGMMA_STAGES, blocks_per_split, wgmma_splits,
 )
-from kernels.dependent_launch import dependent_options, wait_for_predecessor
 from kernels.gluon_compat import async_load, barrier
 from kernels.triton_util import launches_dependents, num_sms
 
