@@ -133,9 +133,21 @@ def _flat(outputs) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def step_calls():
+    """The step's op calls, and the calls of the ops a step makes through another: the indexer's
+    halves (from its whole) and the FP4 experts without the FP8 shared expert beside them."""
     from op_calls import record_step_op_calls
 
-    return record_step_op_calls()
+    calls = record_step_op_calls()
+    if "v4::indexer_topk" in calls:
+        _, args, _ = calls["v4::indexer_topk"]
+        scores = torch.ops.v4.indexer_scores.default(*args[:5])
+        calls.setdefault("v4::indexer_scores", (torch.ops.v4.indexer_scores.default, tuple(args[:5]), {}))
+        calls.setdefault("v4::indexer_select", (torch.ops.v4.indexer_select.default, (scores, args[4], args[5]), {}))
+    if "v4::moe_experts_scaled_shared" in calls:
+        _, args, _ = calls["v4::moe_experts_scaled_shared"]
+        *routed, swiglu_limit, pow2 = (*args[:9], *args[-2:])
+        calls.setdefault("v4::moe_experts_scaled", (torch.ops.v4.moe_experts_scaled.default, (*routed, swiglu_limit, -1, pow2), {}))
+    return calls
 
 
 @pytest.fixture(scope="module")
