@@ -1,7 +1,7 @@
 """Arrival of split work: the programs that each write a part of a tile (a split of K, a slice
 of a token's reduction) count their arrival on a counter, and the last to arrive combines the
-parts. The counters live in one zeroed buffer per device and stream role; every last arrival sets
-its counter back to zero, so no launch needs a memset."""
+parts. The counters live in one zeroed buffer per device and role (side work or not); every
+last arrival sets its counter back to zero, so no launch needs a memset."""
 from __future__ import annotations
 
 import torch
@@ -10,15 +10,15 @@ import triton.language as tl
 
 from kernels.side_stream import on_side_stream
 
-COUNTER_SLOTS = 4096  # arrival counters per device and stream role (split_counters)
+COUNTER_SLOTS = 4096  # arrival counters per device and role (split_counters)
 
 _COUNTERS: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Arrival counters of split tiles, zero between launches (the last program of a tile resets
-    its own). One buffer per device and per stream role (the current stream, or a side stream
-    of kernels/side_stream.py, whose work runs beside it), made outside any CUDA-graph capture so
+    its own). One buffer per device and per role (the side work of kernels/side_stream.py's
+    run_beside, which runs beside the rest, or the rest), made outside any CUDA-graph capture so
     that captured calls share it too; calls that split K must therefore not run concurrently on
     two other streams of one device. A capture that finds no buffer (or a call with more tiles
     than it holds) gets a zeroed buffer of its own, whose memset the graph then records."""

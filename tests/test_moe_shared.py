@@ -184,14 +184,43 @@ def test_flash_cuda_graph_replay_and_compile(flash_experts):
 
 @pytest.mark.gpu
 def test_side_stream_splits_k_with_counters_of_its_own():
-    """Split-K arrival counters are per stream role: the shared expert's FP8 product (split K at
-    one row) and the routed experts' gate/up (arrival counters) run at once on two streams."""
+    """Split-K arrival counters are per role (side work or not): the shared expert's FP8 product
+    (split K at one row) and the routed experts' gate/up (arrival counters) run at once on two
+    streams."""
     from kernels.side_stream import run_beside
     from kernels.arrival import split_counters
 
     device = torch.device("cuda")
     side, main = run_beside(lambda: split_counters(device, 4), lambda: split_counters(device, 4), device)
     assert side.data_ptr() != main.data_ptr() and main.data_ptr() == split_counters(device, 4).data_ptr()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 16])
+def test_split_k_beside_split_k_from_a_stream_the_pool_came_round_to(flash_experts, batch):
+    """The routed experts (split-K gate/up) issued from the stream that is the side stream (torch's
+    stream pool hands it out again, as to a capture's warm-up), the shared expert's split-K
+    products beside them on another side stream: each must count on counters of its own, call
+    after call with nothing between, and leave them zero."""
+    from kernels.arrival import split_counters
+    from kernels.moe.shared import shared_expert_triton
+    from kernels.side_stream import run_beside, side_stream
+
+    (w1, w2, w3, scales), shared = flash_experts
+    x, ids, weights = flash_inputs(batch, 470 + batch)
+    device = x.device
+    expected = moe_experts(x, ids, weights, w1, w2, w3, LIMIT, scales=scales) + shared_expert_triton(x, shared, LIMIT, True).float()
+    outs = []
+    with torch.cuda.stream(side_stream(device.index or 0)):
+        for _ in range(20):
+            side, routed = run_beside(lambda: shared_expert_triton(x, shared, LIMIT, True),
+                                      lambda: moe_experts(x, ids, weights, w1, w2, w3, LIMIT, scales=scales), device, priority=-1)
+            outs.append(routed + side.float())
+    torch.cuda.synchronize()
+    for out in outs:
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    side_counters, _ = run_beside(lambda: split_counters(device, 1), lambda: None, device)
+    assert not side_counters.any() and not split_counters(device, 1).any()
 
 
 @pytest.mark.interpreter
