@@ -211,7 +211,9 @@ def test_split_k_beside_split_k_from_a_stream_the_pool_came_round_to(flash_exper
     device = x.device
     expected = moe_experts(x, ids, weights, w1, w2, w3, LIMIT, scales=scales) + shared_expert_triton(x, shared, LIMIT, True).float()
     outs = []
-    with torch.cuda.stream(side_stream(device.index or 0)):
+    caller = side_stream(device.index or 0)
+    caller.wait_stream(torch.cuda.current_stream())  # the inputs and `expected`, made on this stream
+    with torch.cuda.stream(caller):
         for _ in range(20):
             side, routed = run_beside(lambda: shared_expert_triton(x, shared, LIMIT, True),
                                       lambda: moe_experts(x, ids, weights, w1, w2, w3, LIMIT, scales=scales), device, priority=-1)
