@@ -50,7 +50,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from kernels.arrival import arrives_last
 from kernels.blockscale.ref import FP4_BLOCK, FP8_BLOCK
@@ -396,17 +396,15 @@ def _mma_gate_up_kernel(
     stride_w1e, stride_s1e, stride_w3e, stride_s3e, stride_wn, stride_sn,
     PICKS: gl.constexpr, PAIRS_PER_TOKEN: gl.constexpr, HAS_LIMIT: gl.constexpr, POW2: gl.constexpr,
     S_E8M0: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, BLOCKS: gl.constexpr,
-    LAUNCH_DEPENDENTS: gl.constexpr, DEPENDENT: gl.constexpr = False,
+    DEPENDENT: gl.constexpr = False,
 ):
     """A program: one of w1 (even parts) or w3, PART_N of the tile's 128 columns, one K split
     (grid axis 1: split * UP_PARTS + part). Its partials go to the scratch [SPLIT, pairs, 2,
     inter]; the last of the tile's SPLIT * UP_PARTS programs to arrive sums them in split order
-    and runs the epilogue on the whole activation block. LAUNCH_DEPENDENTS: the down kernel, a
-    programmatic dependent, may launch once every program has started (and, DEPENDENT, has
-    waited for the routing: the down kernel reads the segments before it waits)."""
+    and runs the epilogue on the whole activation block. DEPENDENT: a programmatic dependent that
+    waits for the routing, then lets the down kernel launch (which reads the segments before it
+    waits)."""
     wait_for_predecessor(DEPENDENT)
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
     pid = gl.program_id(0)
     part = gl.program_id(1) % UP_PARTS
     split = gl.program_id(1) // UP_PARTS
@@ -578,7 +576,7 @@ def moe_experts_scaled_mma(
             w1.stride(0), s1.stride(0), w3.stride(0), s3.stride(0), w1.stride(1), s1.stride(1),
             PICKS=run.picks, PAIRS_PER_TOKEN=run.pairs_per_token, HAS_LIMIT=swiglu_limit > 0, POW2=pow2,
             S_E8M0=s1.dtype == torch.uint8, SPLIT=run.split, STAGES=tiles.num_stages, BLOCKS=blocks,
-            LAUNCH_DEPENDENTS=dependent, num_warps=WARPS, **registers, **dependent_options(x.device),
+            num_warps=WARPS, **registers, **dependent_options(x.device),
         )
         _mma_down_kernel[(segments.num_blocks * (dim // DOWN_N),)](
             run.hq, run.hs, w2, s2, run.y, segments.sorted_pair, segments.block_expert, segments.block_rows,
