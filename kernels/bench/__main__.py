@@ -5,13 +5,16 @@
         [--results docs/results.md] [--sparse-mla-parts main,split,tiles,plan,overlap,stages]
 
 Each section is a module `kernels.bench.<name>` with `run(copy_gbs) -> str` returning markdown;
-`--results` writes each into its own section of docs/results.md (kernels/bench/results.py)."""
+`--results` writes each into its own section of docs/results.md (kernels/bench/results.py). A
+section that fails (a variant off its reference, say) is reported and leaves its results section
+as it was; the sections after it still run, and the command then exits naming the failures."""
 from __future__ import annotations
 
 import argparse
 import datetime
 import importlib
 import sys
+import traceback
 
 import torch
 
@@ -43,13 +46,18 @@ def main(argv: list[str] | None = None) -> None:
         f"{props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}, "
         f"{datetime.date.today()}. Measured copy bandwidth (read + write): {copy_gbs:.0f} GB/s.\n"
     )
-    parts = [head]
+    parts, failed = [head], []
     for name in args.only.split(","):
         section = importlib.import_module(f"kernels.bench.{name}")
-        if name == "sparse_mla":
-            parts.append(section.run(copy_gbs, tuple(args.sparse_mla_parts.split(","))))
-        else:
-            parts.append(section.run(copy_gbs))
+        try:
+            if name == "sparse_mla":
+                parts.append(section.run(copy_gbs, tuple(args.sparse_mla_parts.split(","))))
+            else:
+                parts.append(section.run(copy_gbs))
+        except Exception:  # noqa: BLE001 - reported, and the exit status says so
+            traceback.print_exc()
+            failed.append(name)
+            continue
         print(parts[-1], flush=True)
         if args.results:
             command = f"python -m kernels.bench --only {name}" + (
@@ -59,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n\n".join(parts) + "\n")
+    if failed:
+        sys.exit(f"kernels.bench: failed: {', '.join(failed)} (their results sections left as they were)")
 
 
 if __name__ == "__main__":
