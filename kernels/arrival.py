@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.side_stream import on_side_stream
+from kernels.side_stream import in_side_work
 
 COUNTER_SLOTS = 4096  # arrival counters per device and role (split_counters)
 
@@ -22,7 +22,7 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     that captured calls share it too; calls that split K must therefore not run concurrently on
     two other streams of one device. A capture that finds no buffer (or a call with more tiles
     than it holds) gets a zeroed buffer of its own, whose memset the graph then records."""
-    key = (device, on_side_stream(device))
+    key = (device, in_side_work(device))
     counters = _COUNTERS.get(key)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if counters is None and not capturing:

@@ -37,7 +37,7 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def on_side_stream(device: torch.device) -> bool:
+def in_side_work(device: torch.device) -> bool:
     """Whether work issued now on `device` is run_beside's side work (it runs beside the current
     stream's work, so the two must not share scratch such as split-K counters)."""
     return device.type == "cuda" and _index(device) in _ISSUING_SIDE_WORK.get()
@@ -50,7 +50,7 @@ def run_beside(side_work: Callable[[], S], main_work: Callable[[], T], device: t
     sees both results (side_work returns a tensor or a list of them). Elsewhere, and inside
     another run_beside's side work (one side stream a device: its scratch is per role), the two
     run one after the other."""
-    if device.type != "cuda" or on_side_stream(device):
+    if device.type != "cuda" or in_side_work(device):
         return side_work(), main_work()
     index = _index(device)
     main = torch.cuda.current_stream(device)

@@ -13,7 +13,7 @@ import torch
 
 import kernels.side_stream as side_stream_module
 from kernels.arrival import split_counters
-from kernels.side_stream import on_side_stream, run_beside, side_stream
+from kernels.side_stream import in_side_work, run_beside, side_stream
 
 CUDA = torch.device("cuda")
 
@@ -63,7 +63,7 @@ def pooled_streams(monkeypatch):
 
     def work(name):
         def run():
-            log.append((name, current[0], on_side_stream(CUDA)))
+            log.append((name, current[0], in_side_work(CUDA)))
             return []
         return run
 
@@ -77,9 +77,9 @@ def test_side_work_is_flagged_by_the_call_from_every_stream_of_the_pool(pooled_s
         with stream(caller):
             run_beside(work("side"), work("main"), CUDA)
         (_, side_on, side_flag), (_, main_on, main_flag) = log[-2:]
-        assert side_flag and not main_flag and not on_side_stream(CUDA)
+        assert side_flag and not main_flag and not in_side_work(CUDA)
         assert main_on == caller and side_on != caller
-    assert not on_side_stream(torch.device("cpu"))
+    assert not in_side_work(torch.device("cpu"))
 
 
 def test_side_stream_other_than_the_callers(pooled_streams):
@@ -107,7 +107,7 @@ def test_side_work_flag_restored_when_it_raises(pooled_streams):
 
     with pytest.raises(RuntimeError, match="side work failed"):
         run_beside(failing, lambda: None, CUDA)
-    assert not on_side_stream(CUDA)
+    assert not in_side_work(CUDA)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def test_side_work_flag_restored_when_it_raises(pooled_streams):
 def issued_beside():
     """run_beside from the current stream: each half's stream, side-work flag and counters."""
     def seen():
-        return torch.cuda.current_stream(), on_side_stream(CUDA), split_counters(CUDA, 4)
+        return torch.cuda.current_stream(), in_side_work(CUDA), split_counters(CUDA, 4)
 
     side, main = {}, {}
 
@@ -143,7 +143,7 @@ def test_side_work_follows_the_calls_not_the_stream(caller):
     with torch.cuda.stream(stream):
         side, main = issued_beside()
     assert side["stream"] != main["stream"] and main["stream"] == stream
-    assert side["flag"] and not main["flag"] and not on_side_stream(CUDA)
+    assert side["flag"] and not main["flag"] and not in_side_work(CUDA)
     assert side["counters"].data_ptr() != main["counters"].data_ptr()
     assert main["counters"].data_ptr() == split_counters(CUDA, 4).data_ptr()
 
@@ -163,7 +163,7 @@ def test_pool_streams_coming_round_never_share_the_side_stream():
 def test_run_beside_inside_side_work_runs_inline():
     def side_work():
         outer = torch.cuda.current_stream()
-        inner_side, inner_main = run_beside(lambda: torch.zeros(1, device=CUDA) + on_side_stream(CUDA),
+        inner_side, inner_main = run_beside(lambda: torch.zeros(1, device=CUDA) + in_side_work(CUDA),
                                             lambda: torch.cuda.current_stream(), CUDA)
         assert inner_main == outer and bool(inner_side.item())
         return inner_side
