@@ -19,9 +19,10 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Arrival counters of split tiles, zero between launches (the last program of a tile resets
     its own). One buffer per device and per role (the side work of kernels/side_stream.py's
     run_beside, which runs beside the rest, or the rest), made outside any CUDA-graph capture so
-    that captured calls share it too; calls that split K must therefore not run concurrently on
-    two other streams of one device. A capture that finds no buffer (or a call with more tiles
-    than it holds) gets a zeroed buffer of its own, whose memset the graph then records."""
+    that captured calls share it too; split-K calls of one role must therefore not run
+    concurrently (run_beside never runs side work beside side work). A capture that finds no
+    buffer (or a call with more tiles than it holds) gets a zeroed buffer of its own, whose memset
+    the graph then records."""
     key = (device, in_side_work(device))
     counters = _COUNTERS.get(key)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
