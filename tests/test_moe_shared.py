@@ -183,19 +183,6 @@ def test_flash_cuda_graph_replay_and_compile(flash_experts):
 
 
 @pytest.mark.gpu
-def test_side_stream_splits_k_with_counters_of_its_own():
-    """Split-K arrival counters are per role (side work or not): the shared expert's FP8 product
-    (split K at one row) and the routed experts' gate/up (arrival counters) run at once on two
-    streams."""
-    from kernels.side_stream import run_beside
-    from kernels.arrival import split_counters
-
-    device = torch.device("cuda")
-    side, main = run_beside(lambda: split_counters(device, 4), lambda: split_counters(device, 4), device)
-    assert side.data_ptr() != main.data_ptr() and main.data_ptr() == split_counters(device, 4).data_ptr()
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 16])
 def test_split_k_beside_split_k_from_a_stream_the_pool_came_round_to(flash_experts, batch):
     """The routed experts (split-K gate/up) issued from the stream that is the side stream (torch's
