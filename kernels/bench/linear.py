@@ -2,7 +2,8 @@
 bench preset's shapes that cuBLAS splits over K: the fused x projection (1600 x 4096), `wo_b`
 (4096 x 8192) and the shared expert's w1/w3 (4096 x 4096), and the grouped output projection
 `wo_a` (8 groups of 1024 x 4096; cuBLAS: einsum's batched GEMM plus the copy to the [B, G * N]
-layout `wo_b` reads), bf16, for every batch bucket.
+layout `wo_b` reads), bf16, for every batch bucket; and V4's exact LM head (129280 x 4096, fp32
+weight and rows), which the op leaves to cuBLAS, with the GEMV beside it at one row.
 
 Both run one CUDA graph per rotating weight set (sets together > 4x L2), so the time is device
 time with the weights read from memory, plus one graph launch per call; "chained" times one graph
@@ -20,8 +21,12 @@ from kernels.bench.timing import chained_time_us, graph_time_us, kernel_launches
 from kernels.linear import grouped_linear, grouped_linear_reference, linear
 from kernels.linear.triton import linear_triton, takes_gemv
 
-# name: (groups, N, K); one group is a plain projection
-SHAPES = {"x projection": (1, 1600, 4096), "wo_b": (1, 4096, 8192), "shared w1/w3": (1, 4096, 4096), "wo_a (grouped)": (8, 1024, 4096)}
+# name: (groups, N, K, dtype); one group is a plain projection
+SHAPES = {
+    "x projection": (1, 1600, 4096, torch.bfloat16), "wo_b": (1, 4096, 8192, torch.bfloat16),
+    "shared w1/w3": (1, 4096, 4096, torch.bfloat16), "wo_a (grouped)": (8, 1024, 4096, torch.bfloat16),
+    "LM head (fp32)": (1, 129280, 4096, torch.float32),
+}
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 TOLERANCE = 8e-3  # max error relative to the output scale: bf16 output rounding, fp32 sums
 
@@ -33,10 +38,10 @@ def kernels_per_call(fn, args) -> int:
 def run(copy_gbs: float) -> str:
     rows_out = []
     worst = {}
-    for label, (groups, n, k) in SHAPES.items():
-        weight_bytes = groups * n * k * 2
+    for label, (groups, n, k, dtype) in SHAPES.items():
+        weight_bytes = groups * n * k * dtype.itemsize
         weights = [
-            (torch.randn(groups, n, k, device="cuda") * k**-0.5).to(torch.bfloat16).squeeze(0)
+            (torch.randn(groups, n, k, device="cuda") * k**-0.5).to(dtype).squeeze(0)
             for _ in range(rotation_count(weight_bytes))
         ]
         if groups == 1:
@@ -46,7 +51,7 @@ def run(copy_gbs: float) -> str:
             cublas_fn = lambda x, w: grouped_linear_reference(x, w).flatten(1)  # noqa: E731
         for batch in BATCHES:
             shape = (batch, k) if groups == 1 else (batch, groups, k)
-            sets = [(torch.randn(shape, device="cuda").to(torch.bfloat16), w) for w in weights]
+            sets = [(torch.randn(shape, device="cuda").to(dtype), w) for w in weights]
             x, w = sets[0]
             expected = cublas_fn(x.double(), w.double()).float()
             for name, fn in (("triton", ours_fn), ("cublas", cublas_fn)):
@@ -75,7 +80,7 @@ def run(copy_gbs: float) -> str:
     ]
     verdict = ", ".join(f"{label}: worst {ratio:.2f}x cuBLAS's time" for label, ratio in worst.items())
     return (
-        "## Decode projections (`v4::grouped_linear` vs cuBLAS, bf16)\n\n"
+        "## Decode projections (`v4::grouped_linear` vs cuBLAS; bf16, the LM head fp32)\n\n"
         "One CUDA graph per rotating weight set ('ours', 'cuBLAS': each replay carries a graph launch); "
         "'chained': one graph calling every set in turn, time per call, as calls run in a step. At B=1 "
         "the one-row kernel the routing did not pick (GEMV or dot kernel), chained. Every case matched "
