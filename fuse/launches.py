@@ -23,7 +23,7 @@ import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -159,6 +159,8 @@ class LaunchReport:
     # time per call between the counted kernels, from the first one's start to the last one's end
     # (idle_between): on CUDA the device waiting for launches, on the CPU the host between ops
     idle_us: float | None = None
+    # idle_us split by the kernel that ended each wait (idle_before): per name, time per call
+    idle_before_us: dict[str, float] = field(default_factory=dict)
     # kernel time per call that ran beside other kernels (a side stream): the categories' times
     # sum it twice, so their total exceeds the span the kernels cover by this much (overlapped)
     overlap_us: float | None = None
@@ -213,7 +215,7 @@ class LaunchReport:
             "glue_time_share": self.glue_time_share(), "kernels": self.kernels,
             "kernel_time_us": self.kernel_time_us, "origins": self.origins,
             "collectives": self.collectives(), "collective_time_us": self.collective_time_us(),
-            "idle_us": self.idle_us, "overlap_us": self.overlap_us,
+            "idle_us": self.idle_us, "idle_before_us": self.idle_before_us, "overlap_us": self.overlap_us,
         }
 
     def top_kernels_markdown(self, count: int = 15) -> str:
@@ -225,6 +227,20 @@ class LaunchReport:
         lines = [f"| kernel | category | per call | {unit} us per call | share |", "|---|---|---|---|---|"]
         ranked = sorted(self.kernel_time_us.items(), key=lambda kv: -kv[1])[:count]
         for name, us in ranked:
+            category = classify_kernel(name, custom) if self.device == "cuda" else classify_op(name)
+            short = name if len(name) <= 90 else name[:87] + "..."
+            share = f"{100 * us / total:.1f}%" if total else ""
+            lines.append(f"| `{short}` | {category} | {self.kernels.get(name, 0):g} | {us:.1f} | {share} |")
+        return "\n".join(lines)
+
+    def waits_markdown(self, count: int = 10) -> str:
+        """The `count` kernels the most idle time comes before (the call waiting for their
+        launch: on CUDA the device, on the CPU the host between ops): name, category, launches
+        per call, idle time before them per call and its share of all idle time."""
+        total = sum(self.idle_before_us.values())
+        custom = _custom_kernel_names() if self.device == "cuda" else ()
+        lines = ["| kernel | category | per call | idle us before it per call | share of idle |", "|---|---|---|---|---|"]
+        for name, us in sorted(self.idle_before_us.items(), key=lambda kv: -kv[1])[:count]:
             category = classify_kernel(name, custom) if self.device == "cuda" else classify_op(name)
             short = name if len(name) <= 90 else name[:87] + "..."
             share = f"{100 * us / total:.1f}%" if total else ""
@@ -353,6 +369,7 @@ def count_launches(
     time_us: Counter[str] = Counter()
     origins: dict[str, str] = {}
     spans: list[tuple[float, float]] = []
+    span_names: list[str] = []
     if on_cuda:
         origins = _device_kernel_origins(prof.events())
         custom = _custom_kernel_names()
@@ -364,6 +381,7 @@ def count_launches(
                 name_us[e.name] += us
                 time_us[classify_kernel(e.name, custom)] += us
                 spans.append((e.time_range.start, e.time_range.end))
+                span_names.append(e.name)
         counts = Counter()
         for name, n in names.items():
             counts[classify_kernel(name, custom)] += n
@@ -374,6 +392,7 @@ def count_launches(
             time_us[classify_op(e.name)] += e.cpu_time_total
             origins[e.name] = e.name if "::" in e.name else ""
             spans.append((e.time_range.start, e.time_range.end))
+            span_names.append(e.name)
         counts = Counter()
         for name, n in names.items():
             counts[classify_op(name)] += n
@@ -388,6 +407,7 @@ def count_launches(
         kernel_time_us={k: v / calls for k, v in sorted(name_us.items(), key=lambda kv: -kv[1])},
         origins={k: origins[k] for k in names if k in origins},
         idle_us=idle_between(spans) / calls,
+        idle_before_us={name: us / calls for name, us in idle_before(spans, span_names).items()},
         overlap_us=overlapped(spans) / calls,
     )
 
@@ -395,12 +415,21 @@ def count_launches(
 def idle_between(spans: Iterable[tuple[float, float]]) -> float:
     """The time from the first span's start to the last one's end that no span covers
     (overlapping spans, as kernels on two streams, count once)."""
-    idle, reach = 0.0, None
-    for start, end in sorted(spans):
+    spans = list(spans)
+    return sum(idle_before(spans, [""] * len(spans)).values())
+
+
+def idle_before(spans: Sequence[tuple[float, float]], names: Sequence[str]) -> dict[str, float]:
+    """idle_between split by what ended each gap: per name, the idle time just before its spans
+    start (a span that starts while another runs waited for nothing). The values sum to
+    idle_between(spans)."""
+    waits: Counter[str] = Counter()
+    reach = None
+    for (start, end), name in sorted(zip(spans, names)):
         if reach is not None and start > reach:
-            idle += start - reach
+            waits[name] += start - reach
         reach = end if reach is None else max(reach, end)
-    return idle
+    return dict(waits)
 
 
 def overlapped(spans: Iterable[tuple[float, float]]) -> float:

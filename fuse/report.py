@@ -287,6 +287,14 @@ def summary_markdown(result: dict, eager: LaunchReport, compiled: LaunchReport) 
         "## Compiled step: the kernels that take the most time",
         "",
         compiled.top_kernels_markdown(),
+        "",
+        "## Compiled step: the kernels the step waits for",
+        "",
+        ("The device's idle time between kernels, split by the kernel whose start ended each gap (in a "
+         "CUDA graph: how long its launch took after the work before it ended)." if compiled.device == "cuda" else
+         "The host time between ops and kernels, by the op or kernel that came after each gap."),
+        "",
+        compiled.waits_markdown(),
     ]
     return "\n".join(lines) + "\n"
 

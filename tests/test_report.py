@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import pytest
@@ -140,6 +141,25 @@ def test_idle_between_counts_the_gaps_once_where_spans_overlap():
     assert idle_between([(3, 8)]) == 0 and idle_between([]) == 0
 
 
+def test_idle_before_splits_the_gaps_by_the_span_that_ends_each():
+    """Against a count of unit time steps: every uncovered step between the first start and the
+    last end belongs to the span that starts next; the parts sum to idle_between."""
+    from fuse.launches import idle_before, idle_between
+
+    rng = random.Random(7)
+    for _ in range(50):
+        starts = rng.sample(range(200), 12)  # distinct starts: "the span that starts next" is one
+        spans = [(s, s + rng.randint(1, 15)) for s in starts]
+        names = [rng.choice("abcd") for _ in spans]
+        expected = {}
+        for t in range(min(starts), max(end for _, end in spans)):
+            if not any(s <= t < e for s, e in spans):
+                name = min((s, n) for (s, _), n in zip(spans, names) if s > t)[1]
+                expected[name] = expected.get(name, 0) + 1
+        assert idle_before(spans, names) == expected
+        assert sum(expected.values()) == idle_between(spans)
+
+
 def test_overlapped_counts_the_time_spans_share():
     """Kernels on two streams: the time a span ran beside another, which category sums count twice."""
     from fuse.launches import overlapped
@@ -163,13 +183,29 @@ def test_the_time_table_says_the_time_between_kernels(report):
     assert data["eager"]["idle_us"] > 0
 
 
+def test_the_waits_table_lists_the_longest_waits_from_the_json(report):
+    """report.md's waits table: the kernels with the most idle time before them, descending, as
+    report.json has them; their idle times sum to the time between kernels."""
+    folder, _ = report
+    compiled = json.loads((folder / "report.json").read_text())["compiled"]
+    waits = compiled["idle_before_us"]
+    assert waits and abs(sum(waits.values()) - compiled["idle_us"]) < 1e-6 * max(1.0, compiled["idle_us"])
+    md = (folder / "report.md").read_text().split("## Compiled step: the kernels the step waits for")[1].split("\n## ")[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines() if line.startswith("| `")]
+    ranked = sorted(waits.items(), key=lambda kv: -kv[1])[:len(rows)]
+    assert len(rows) == min(10, len(waits))
+    for row, (name, us) in zip(rows, ranked):
+        assert row[0] == f"`{name if len(name) <= 90 else name[:87] + '...'}`"
+        assert abs(float(row[3]) - us) < 0.06
+
+
 def test_per_kernel_counts_add_up_and_the_top_table_lists_the_slowest(report):
     folder, _ = report
     data = json.loads((folder / "report.json").read_text())
     compiled = data["compiled"]
     assert sum(compiled["kernels"].values()) == compiled["total"]
     assert set(compiled["kernel_time_us"]) == set(compiled["kernels"])
-    md = (folder / "report.md").read_text().split("## Compiled step: the kernels that take the most time")[1]
+    md = (folder / "report.md").read_text().split("## Compiled step: the kernels that take the most time")[1].split("\n## ")[0]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines() if line.startswith("| `")]
     slowest = sorted(compiled["kernel_time_us"].items(), key=lambda kv: -kv[1])[: len(rows)]
     assert len(rows) == min(15, len(compiled["kernels"])) > 0
