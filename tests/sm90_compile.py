@@ -11,7 +11,8 @@ checkpoint formats and bf16, batches 1, 16 and 64), plus each sparse MLA variant
 would reject at compile time fails here: an unsupported layout or type, a Triton API the
 installed version lacks, a program over the shared memory an SM has. OUT.json: per kernel the
 compiled variants with their shared memory, registers and local memory (ptxas's spills and
-stack: what a variant costs an SM, read without one); the calls that failed, with their errors.
+stack: what a variant costs an SM, read without one) and their innermost tensor-core loops'
+instruction counts (mma_loops); the calls that failed, with their errors.
 With --ahead, kernels/precompile.py's compile_ahead compiles every kernel first, WORKERS at a time; the
 launches then compile nothing where its kernels are the ones they look up (compiled_in_launches)."""
 from __future__ import annotations
@@ -70,18 +71,45 @@ _USAGE: dict[int, dict] = {}
 
 def resource_usage(kernel) -> dict:
     """Registers a thread and bytes of local memory (spilled registers and stack) of a compiled
-    kernel, as ptxas reports them in its cubin (cuobjdump -res-usage, shipped with Triton)."""
+    kernel, as ptxas reports them in its cubin, and its tensor-core loops (mma_loops), from the
+    cubin's SASS (cuobjdump, shipped with Triton)."""
     key = id(kernel.asm["cubin"])
     if key not in _USAGE:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
             cubin.write(kernel.asm["cubin"])
             cubin.flush()
             report = subprocess.run([str(CUOBJDUMP), "-res-usage", cubin.name], capture_output=True, text=True).stdout
+            sass = subprocess.run([str(CUOBJDUMP), "-sass", cubin.name], capture_output=True, text=True).stdout
         regs, stack = re.search(r"REG:(\d+)", report), re.search(r"STACK:(\d+)", report)
         local = re.search(r"LOCAL:(\d+)", report)
         _USAGE[key] = {"registers": int(regs.group(1)) if regs else None,
-                       "local_bytes": int(stack.group(1)) + (int(local.group(1)) if local else 0) if stack else None}
+                       "local_bytes": int(stack.group(1)) + (int(local.group(1)) if local else 0) if stack else None,
+                       "mma_loops": mma_loops(sass)}
     return _USAGE[key]
+
+
+# Tensor-core instructions in sm_90 SASS: mma.sync (HMMA, IMMA) and wgmma (HGMMA, IGMMA, QGMMA).
+_TENSOR_CORE = re.compile(r"^(?:@!?U?P\w+\s+)?(HMMA|IMMA|HGMMA|IGMMA|QGMMA)\b")
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+
+
+def mma_loops(sass: str) -> list[dict]:
+    """The innermost loops of a kernel's SASS that issue tensor-core instructions: per loop its
+    instructions and, of them, tensor-core ones. A loop is the span from a backward branch's
+    target to the branch. Where a product is bound by issuing instructions (decoding weights in
+    registers), instructions per tensor-core instruction is what a change to its loop moves."""
+    code = [(int(a, 16), text.strip()) for a, text in _SASS_LINE.findall(sass)]
+    at = {address: i for i, (address, _) in enumerate(code)}
+    spans = []
+    for i, (address, text) in enumerate(code):
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address and int(target.group(1), 16) in at:
+            body = [t for _, t in code[at[int(target.group(1), 16)]:i + 1]]
+            mma = sum(bool(_TENSOR_CORE.match(t)) for t in body)
+            if mma:
+                spans.append((at[int(target.group(1), 16)], i, {"instructions": len(body), "mma": mma}))
+    return [loop for first, last, loop in spans
+            if not any((f, l) != (first, last) and first <= f and l <= last for f, l, _ in spans)]
 
 
 def recording_compiles():
@@ -264,7 +292,7 @@ def main() -> int:
                 failures.append({"call": label, "error": f"{type(error).__name__}: {str(error)[:2000]}"})
     kernels_compiled: dict[str, list] = {}
     for launch in compiled:
-        variant = {k: launch[k] for k in ("shared", "num_warps", "num_stages", "registers", "local_bytes")}
+        variant = {k: launch[k] for k in ("shared", "num_warps", "num_stages", "registers", "local_bytes", "mma_loops")}
         if variant not in kernels_compiled.setdefault(launch["kernel"], []):
             kernels_compiled[launch["kernel"]].append(variant)
     args.out.write_text(json.dumps({
