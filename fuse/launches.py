@@ -221,26 +221,22 @@ class LaunchReport:
     def top_kernels_markdown(self, count: int = 15) -> str:
         """The `count` kernels that take the most time per call: name, category, launches per
         call, time per call and share of the total, as a markdown table."""
-        total = sum(self.kernel_time_us.values())
         unit = "device" if self.device == "cuda" else "CPU"
-        custom = _custom_kernel_names() if self.device == "cuda" else ()
-        lines = [f"| kernel | category | per call | {unit} us per call | share |", "|---|---|---|---|---|"]
-        ranked = sorted(self.kernel_time_us.items(), key=lambda kv: -kv[1])[:count]
-        for name, us in ranked:
-            category = classify_kernel(name, custom) if self.device == "cuda" else classify_op(name)
-            short = name if len(name) <= 90 else name[:87] + "..."
-            share = f"{100 * us / total:.1f}%" if total else ""
-            lines.append(f"| `{short}` | {category} | {self.kernels.get(name, 0):g} | {us:.1f} | {share} |")
-        return "\n".join(lines)
+        return self._ranked_markdown(self.kernel_time_us, f"{unit} us per call", "share", count)
 
     def waits_markdown(self, count: int = 10) -> str:
         """The `count` kernels the most idle time comes before (the call waiting for their
         launch: on CUDA the device, on the CPU the host between ops): name, category, launches
         per call, idle time before them per call and its share of all idle time."""
-        total = sum(self.idle_before_us.values())
+        return self._ranked_markdown(self.idle_before_us, "idle us before it per call", "share of idle", count)
+
+    def _ranked_markdown(self, us_by_name: dict[str, float], column: str, share_column: str, count: int) -> str:
+        """The `count` names with the most us in `us_by_name`, as rows of name, category,
+        launches per call, their us and its share of the sum."""
+        total = sum(us_by_name.values())
         custom = _custom_kernel_names() if self.device == "cuda" else ()
-        lines = ["| kernel | category | per call | idle us before it per call | share of idle |", "|---|---|---|---|---|"]
-        for name, us in sorted(self.idle_before_us.items(), key=lambda kv: -kv[1])[:count]:
+        lines = [f"| kernel | category | per call | {column} | {share_column} |", "|---|---|---|---|---|"]
+        for name, us in sorted(us_by_name.items(), key=lambda kv: -kv[1])[:count]:
             category = classify_kernel(name, custom) if self.device == "cuda" else classify_op(name)
             short = name if len(name) <= 90 else name[:87] + "..."
             share = f"{100 * us / total:.1f}%" if total else ""

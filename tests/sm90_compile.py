@@ -102,12 +102,13 @@ def mma_loops(sass: str) -> list[dict]:
     at = {address: i for i, (address, _) in enumerate(code)}
     spans = []
     for i, (address, text) in enumerate(code):
-        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < address and int(target.group(1), 16) in at:
-            body = [t for _, t in code[at[int(target.group(1), 16)]:i + 1]]
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        first = at.get(int(branch.group(1), 16)) if branch else None
+        if first is not None and first < i:
+            body = [t for _, t in code[first:i + 1]]
             mma = sum(bool(_TENSOR_CORE.match(t)) for t in body)
             if mma:
-                spans.append((at[int(target.group(1), 16)], i, {"instructions": len(body), "mma": mma}))
+                spans.append((first, i, {"instructions": len(body), "mma": mma}))
     return [loop for first, last, loop in spans
             if not any((f, l) != (first, last) and first <= f and l <= last for f, l, _ in spans)]
 
