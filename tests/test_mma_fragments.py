@@ -54,7 +54,7 @@ def _fp4_block_probe(packed_ptr, scale_ptr, values_ptr, out_ptr):
     SCALES: gl.constexpr = fp4_mma.scales_layout(128)
     scale_groups = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALES))
     scales = gl.load(scale_ptr + gl.arange(0, 128, layout=gl.SliceLayout(1, SCALES))[:, None] * 4 + scale_groups[None, :])
-    acc = fp4_mma._block_product(packed, v0, v1, v2, v3, scales, True, 128, 8)
+    acc = fp4_mma._block_product(packed, v0, v1, v2, v3, scales, True, 128, 8) * fp4_mma.CODES_UNSCALE
     scale_rows = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
     out_tokens = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     gl.store(out_ptr + scale_rows[:, None] * 8 + out_tokens[None, :], acc)

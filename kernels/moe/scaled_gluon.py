@@ -28,9 +28,10 @@ both are laid out for the instruction rather than for the dot of a generic tile.
   two programs an SM, and measured 1.1x slower. The down product: 64 columns, K whole.
 - Decoding: a byte's two codes become the high bytes of two fp16 values (sign to bit 15,
   exponent and mantissa bits to bits 11..9: 2^-14 times the code's value, exact, the subnormal
-  0.5 included) by shifts, masks and byte permutes, no conversion instruction. The 2^14 is folded
-  into the weight scales' exponents, three PTX instructions a scale (Triton's integer casts
-  packed the bytes into 16-bit halves and back: 244 instructions a step against 203, sm_90).
+  0.5 included) by shifts, masks and byte permutes, no conversion instruction; the 2^14 is
+  undone once, on the product's sums. A ue8m0 scale is its byte shifted into an fp32's exponent
+  field, two instructions (Triton's integer casts packed the bytes into 16-bit halves and back:
+  244 instructions a step against 203, sm_90).
 - The activations arrive quantised as fp16 in fragment order (kernels/blockscale/act_quant_pass.py:
   the e4m3 values exactly, each 8 in the order a thread's registers take them), written so by the
   quantisation of x and by the gate/up epilogue: one 16-byte read fills a step's B fragments,
@@ -229,24 +230,24 @@ def _value_groups(values, TOKENS: gl.constexpr, MMA: gl.constexpr):
             gl.convert_layout(v2, b_op, assert_trivial=True), gl.convert_layout(v3, b_op, assert_trivial=True))
 
 
-# Four ue8m0 bytes ($4) -> the fp32s with exponent fields min(e, 241) + 14 ($0..$3, in byte
-# order): each byte zero-extended by a byte permute, clamped, shifted into the exponent and
-# offset by 14 there.
+# Four ue8m0 bytes ($4) -> the fp32s 2^(e - 127) ($0..$3, in byte order): each byte shifted into
+# the exponent field and masked there (255, NaN's byte, becomes infinity; 0 becomes 0 where it
+# is 2^-127).
 _E8M0_TO_SCALE = gl.constexpr("{\n.reg .b32 t;\n" + "".join(
-    f"prmt.b32 t, $4, 0, 0x444{i};\nmin.u32 t, t, 241;\nshl.b32 t, t, 23;\nadd.u32 ${i}, t, 0x07000000;\n" for i in range(4)
+    f"{'shl' if i < 3 else 'shr'}.b32 t, $4, {23 - 8 * i if i < 3 else 1};\nand.b32 ${i}, t, 0x7F800000;\n" for i in range(4)
 ) + "}")
+# The decoded codes are 2^-14 times their values: a product's sums are scaled back once, at its end.
+CODES_UNSCALE = gl.constexpr(16384.0)
 
 
 @gluon.jit
 def _code_scale(s, S_E8M0: gl.constexpr):
-    """Loaded weight scales as fp32 times 2^14 (undoing the decoded codes' 2^-14): ue8m0 byte e is
-    2^(e - 127), so the product is the fp32 with exponent field e + 14 (normal for every byte, 0
-    included; the 255 of NaN saturates to infinity): one asm call a row (its four groups are
-    consecutive registers: scales_layout)."""
+    """Loaded weight scales as fp32: ue8m0 byte e is 2^(e - 127), the fp32 with exponent field e
+    (one asm call a row: its four groups are consecutive registers, scales_layout)."""
     if S_E8M0:
         return gl.inline_asm_elementwise(_E8M0_TO_SCALE, "=r,=r,=r,=r,r", [s], dtype=gl.float32, is_pure=True, pack=4)
     else:
-        return s * 16384.0
+        return s
 
 
 @gluon.jit
@@ -376,7 +377,7 @@ def _fp4_products(
             acc += _block_product(codes, v0, v1, v2, v3, scales, S_E8M0, BLOCK_N, TOKENS) * a_scale[None, :]
     async_copy.wait_group(0)  # no copy outlives the program's use of its shared memory
     barrier()
-    return acc
+    return acc * CODES_UNSCALE
 
 
 @gluon.jit
