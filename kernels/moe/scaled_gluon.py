@@ -277,7 +277,7 @@ def _issue_weights(stage, codes_smem, scales_smem, w_ptr, s_ptr, code_offs, scal
     """Start the weight copies of step `step` (BLOCKS 128-input blocks from the program's first)
     into slot `stage`: the codes (one copy for the blocks: each row's run of 64 * BLOCKS bytes)
     and a block at a time their scales. `live` false (a step past the end) copies nothing and
-    fills the slot with zeros. Offsets in 32 bits (an expert's weight is under 2 GB), added to
+    fills the slot with zeros; None: the step is known to exist. Offsets in 32 bits (an expert's weight is under 2 GB), added to
     the pointers here."""
     first = step * BLOCKS
     async_load(codes_smem.index(stage), w_ptr + (code_offs + first * (BLOCK_K // 2)), mask=live)
@@ -288,14 +288,34 @@ def _issue_weights(stage, codes_smem, scales_smem, w_ptr, s_ptr, code_offs, scal
 @gluon.jit
 def _issue_values(stage, values_smem, a_scale_smem, a_ptr, a_scale_ptr, value_offs, value_ok, a_scale_offs, a_scale_ok,
                   step, live, BLOCKS: gl.constexpr):
-    """Start the copies of step `step`'s activations and their scales into slot `stage`, then
-    close the step's copy group (with whatever weight copies were started before)."""
+    """Start the copies of step `step`'s activations and their scales into slot `stage` (`live`
+    as _issue_weights'), then close the step's copy group (with whatever weight copies were
+    started before)."""
     first = step * BLOCKS
+    if live is not None:
+        value_ok = value_ok & live
+        a_scale_ok = a_scale_ok & live
     for b in gl.static_range(BLOCKS):
         slot = stage * BLOCKS + b
-        async_load(values_smem.index(slot), a_ptr + (value_offs + (first + b) * BLOCK_K), mask=value_ok & live)
-        async_load(a_scale_smem.index(slot), a_scale_ptr + (a_scale_offs + first + b), mask=a_scale_ok & live)
+        async_load(values_smem.index(slot), a_ptr + (value_offs + (first + b) * BLOCK_K), mask=value_ok)
+        async_load(a_scale_smem.index(slot), a_scale_ptr + (a_scale_offs + first + b), mask=a_scale_ok)
     async_copy.commit_group()
+
+
+@gluon.jit
+def _stage_products(acc, stage, codes_smem, scales_smem, values_smem, a_scale_smem, S_E8M0: gl.constexpr,
+                    BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, BLOCKS: gl.constexpr):
+    """acc plus the products of the step in slot `stage`: its BLOCKS blocks, each scaled by the
+    activations' scales."""
+    MMA: gl.constexpr = mma_layout()
+    for b in gl.static_range(BLOCKS):
+        values = values_smem.index(stage * BLOCKS + b).permute([1, 0]).load(values_layout(TOKENS))
+        a_scale = a_scale_smem.index(stage * BLOCKS + b).load(gl.SliceLayout(0, MMA))
+        v0, v1, v2, v3 = _value_groups(values, TOKENS, MMA)
+        codes = codes_smem.index(stage).slice(b * BLOCK_N, BLOCK_N).load(codes_layout(BLOCK_N))
+        scales = scales_smem.index(stage * BLOCKS + b).load(scales_layout(BLOCK_N))
+        acc += _block_product(codes, v0, v1, v2, v3, scales, S_E8M0, BLOCK_N, TOKENS) * a_scale[None, :]
+    return acc
 
 
 @gluon.jit
@@ -360,21 +380,24 @@ def _fp4_products(
             _issue_values(ahead, values_smem, a_scale_smem, a_ptr, a_scale_ptr, value_offs, value_ok, a_scale_offs,
                           a_scale_ok, ahead, ahead < steps, BLOCKS)
     acc = gl.zeros([BLOCK_N, TOKENS], gl.float32, MMA)
-    for step in range(steps):
+    # While steps remain to be copied ahead their copies need no `live` mask; the last STAGES - 1
+    # steps copy nothing (an empty group each keeps wait_group's count).
+    refilled = gl.maximum(steps - (STAGES - 1), 0)
+    for step in range(refilled):
         async_copy.wait_group(STAGES - 2)  # this thread's copies of `step` have landed
         barrier()  # everyone's, and everyone is done reading the slot refilled next
         later = step + STAGES - 1
-        _issue_weights(later % STAGES, codes_smem, scales_smem, w_ptr, s_ptr, code_offs, scale_offs, later, later < steps, BLOCKS)
+        _issue_weights(later % STAGES, codes_smem, scales_smem, w_ptr, s_ptr, code_offs, scale_offs, later, None, BLOCKS)
         _issue_values(later % STAGES, values_smem, a_scale_smem, a_ptr, a_scale_ptr, value_offs, value_ok, a_scale_offs,
-                      a_scale_ok, later, later < steps, BLOCKS)
-        stage = step % STAGES
-        for b in gl.static_range(BLOCKS):
-            values = values_smem.index(stage * BLOCKS + b).permute([1, 0]).load(values_layout(TOKENS))
-            a_scale = a_scale_smem.index(stage * BLOCKS + b).load(gl.SliceLayout(0, MMA))
-            v0, v1, v2, v3 = _value_groups(values, TOKENS, MMA)
-            codes = codes_smem.index(stage).slice(b * BLOCK_N, BLOCK_N).load(codes_layout(BLOCK_N))
-            scales = scales_smem.index(stage * BLOCKS + b).load(scales_layout(BLOCK_N))
-            acc += _block_product(codes, v0, v1, v2, v3, scales, S_E8M0, BLOCK_N, TOKENS) * a_scale[None, :]
+                      a_scale_ok, later, None, BLOCKS)
+        acc = _stage_products(acc, step % STAGES, codes_smem, scales_smem, values_smem, a_scale_smem, S_E8M0, BLOCK_N,
+                              TOKENS, BLOCKS)
+    for step in range(refilled, steps):
+        async_copy.wait_group(STAGES - 2)
+        barrier()
+        async_copy.commit_group()
+        acc = _stage_products(acc, step % STAGES, codes_smem, scales_smem, values_smem, a_scale_smem, S_E8M0, BLOCK_N,
+                              TOKENS, BLOCKS)
     async_copy.wait_group(0)  # no copy outlives the program's use of its shared memory
     barrier()
     return acc * CODES_UNSCALE
