@@ -714,12 +714,15 @@ def test_scaled_mma_product_matches_reference(flash_scaled, batch, pattern, spli
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale_dtype, dim, inter, up_split, stages",
-                         [(torch.float32, 384, 384, 2, 4), (E8M0, 512, 512, 3, 8), (torch.float32, 384, 384, 1, 2)])
+                         [(torch.float32, 384, 384, 2, 4), (E8M0, 512, 512, 3, 8), (torch.float32, 384, 384, 1, 2),
+                          (torch.float32, 512, 640, 1, 2)])
 def test_scaled_mma_product_odd_step_counts(scale_dtype, dim, inter, up_split, stages):
     """K splits of fewer 128-input steps than the pipeline's stages (copies past the last step
     fill their slots with zeros), odd counts of steps where the scales allow them (fp32 scales:
     3 steps split 2 + 1; one-byte scales take rows of 512 inputs: 4 steps split 2 + 2 + none),
-    and the shallowest pipeline (one step copied ahead) over more steps than its stages."""
+    and the shallowest pipeline (one step copied ahead) over more steps than its stages: the
+    refilling steps in rounds of the stages with one left over (gate/up: 4 steps, 3 refilling),
+    and in whole rounds (down: 5 steps, 4 refilling)."""
     from kernels.moe.scaled import choose_scaled_tiles
     from kernels.moe.scaled_gluon import moe_experts_scaled_mma
 
