@@ -277,8 +277,8 @@ def _issue_weights(stage, codes_smem, scales_smem, w_ptr, s_ptr, code_offs, scal
     """Start the weight copies of step `step` (BLOCKS 128-input blocks from the program's first)
     into slot `stage`: the codes (one copy for the blocks: each row's run of 64 * BLOCKS bytes)
     and a block at a time their scales. `live` false (a step past the end) copies nothing and
-    fills the slot with zeros; None: the step is known to exist. Offsets in 32 bits (an expert's weight is under 2 GB), added to
-    the pointers here."""
+    fills the slot with zeros; None: the step is known to exist, no mask. Offsets in 32 bits (an
+    expert's weight is under 2 GB), added to the pointers here."""
     first = step * BLOCKS
     async_load(codes_smem.index(stage), w_ptr + (code_offs + first * (BLOCK_K // 2)), mask=live)
     for b in gl.static_range(BLOCKS):
@@ -399,9 +399,8 @@ def _fp4_products(
     acc = gl.zeros([BLOCK_N, TOKENS], gl.float32, MMA)
     # While steps remain to be copied ahead their copies need no `live` mask. Those steps go
     # STAGES at a time, each slot's index known when compiled (its shared-memory addresses
-    # immediates: 43 fewer instructions a two-block step with Triton 3.6, 17 with 3.9), the
-    # rest one at a time; the last STAGES - 1 steps copy nothing (an empty group each keeps
-    # wait_group's count).
+    # immediates, not computed a copy at a time), the rest one at a time; the last STAGES - 1
+    # steps copy nothing (an empty group each keeps wait_group's count).
     refilled = gl.maximum(steps - (STAGES - 1), 0)
     rounds = refilled // STAGES
     for r in range(rounds):
