@@ -23,9 +23,9 @@ import torch
 from kernels.registry import launched_kernels
 
 HARNESS = pathlib.Path(__file__).with_name("sm90_compile.py")
-# Instructions per tensor-core instruction in the FP4 products' innermost loops (24-27 with
+# Instructions per tensor-core instruction in the FP4 products' innermost loops (19-25 with
 # Triton 3.6 and 3.9): a change to the decoding that costs more shows here first.
-FP4_LOOP_BUDGET = 28
+FP4_LOOP_BUDGET = 27
 
 
 def has_ptxas() -> bool:
@@ -56,7 +56,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
             if variant["shared"] > result["shared_memory_limit"]}
     assert not over, over
     # The FP4 experts' products decode every weight byte in registers: at batches 16 and up they
-    # measured as slow on an H200 as on an H100, whose memory is slower, so issuing instructions
+    # measured as slow on an H200 as on an H100, whose memory is slower, so the work on the SMs
     # bounds them there and their loops hold an instruction budget (per tensor-core instruction:
     # the decoding of its 16 x 16 weights and their scales, the copies, the scaling).
     for name in ("_mma_gate_up_kernel", "_mma_down_kernel"):
