@@ -96,8 +96,8 @@ _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 def mma_loops(sass: str) -> list[dict]:
     """The innermost loops of a kernel's SASS that issue tensor-core instructions: per loop its
     instructions and, of them, tensor-core ones. A loop is the span from a backward branch's
-    target to the branch. Where a product is bound by issuing instructions (decoding weights in
-    registers), instructions per tensor-core instruction is what a change to its loop moves."""
+    target to the branch. Where a product's work on the SMs is decoding weights in registers,
+    instructions per tensor-core instruction is what a change to its loop moves."""
     code = [(int(a, 16), text.strip()) for a, text in _SASS_LINE.findall(sass)]
     at = {address: i for i, (address, _) in enumerate(code)}
     spans = []
