@@ -88,16 +88,19 @@ def resource_usage(kernel) -> dict:
     return _USAGE[key]
 
 
-# Tensor-core instructions in sm_90 SASS: mma.sync (HMMA, IMMA) and wgmma (HGMMA, IGMMA, QGMMA).
-_TENSOR_CORE = re.compile(r"^(?:@!?U?P\w+\s+)?(HMMA|IMMA|HGMMA|IGMMA|QGMMA)\b")
+# Tensor-core instructions in sm_90 SASS: mma.sync (HMMA, IMMA: shape MNK run together, as
+# 16816) and wgmma (HGMMA, IGMMA, QGMMA: a warp's 16 rows of M x N x K, as 64x8x32).
+_TENSOR_CORE = re.compile(r"^(?:@!?U?P\w+\s+)?(?:HMMA|IMMA|HGMMA|IGMMA|QGMMA)\.(?:\d+x\d+x(\d+)|16\d(\d+))\b")
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 
 
 def mma_loops(sass: str) -> list[dict]:
     """The innermost loops of a kernel's SASS that issue tensor-core instructions: per loop its
-    instructions and, of them, tensor-core ones. A loop is the span from a backward branch's
-    target to the branch. Where a product's work on the SMs is decoding weights in registers,
-    instructions per tensor-core instruction is what a change to its loop moves."""
+    instructions, of them the tensor-core ones ("mma"), and their work in 16 x 16 steps a warp
+    ("k16": a warp's 16 rows times 16 inputs each; mma.sync's m16n8k16 one, wgmma's 64x8x32 two).
+    A loop is the span from a backward branch's target to the branch. Where a product's work on
+    the SMs is decoding weights in registers, instructions per k16 step is what a change to its
+    loop moves."""
     code = [(int(a, 16), text.strip()) for a, text in _SASS_LINE.findall(sass)]
     at = {address: i for i, (address, _) in enumerate(code)}
     spans = []
@@ -106,9 +109,10 @@ def mma_loops(sass: str) -> list[dict]:
         first = at.get(int(branch.group(1), 16)) if branch else None
         if first is not None and first < i:
             body = [t for _, t in code[first:i + 1]]
-            mma = sum(bool(_TENSOR_CORE.match(t)) for t in body)
-            if mma:
-                spans.append((first, i, {"instructions": len(body), "mma": mma}))
+            shapes = [m for m in map(_TENSOR_CORE.match, body) if m]
+            if shapes:
+                k16 = sum(int(m.group(1) or m.group(2)) / 16 for m in shapes)
+                spans.append((first, i, {"instructions": len(body), "mma": len(shapes), "k16": k16}))
     return [loop for first, last, loop in spans
             if not any((f, l) != (first, last) and first <= f and l <= last for f, l, _ in spans)]
 
