@@ -15,7 +15,7 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 
 from kernels.blockscale import gluon as fp8_mma  # noqa: E402
-from kernels.blockscale.act_quant_pass import in_fragment_order  # noqa: E402
+from kernels.blockscale.act_quant_pass import in_value_order  # noqa: E402
 from kernels.moe import scaled_gluon as fp4_mma  # noqa: E402
 
 ROWS, INPUTS, TOKENS = 128, 128, 8
@@ -72,7 +72,7 @@ def fp4_block(packed: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     -> the probe's [128, 8] fp32."""
     out = torch.empty(ROWS, TOKENS, dtype=torch.float32, device="cuda")
     ones = torch.full((ROWS, INPUTS // 32), 127, dtype=torch.uint8, device="cuda")  # ue8m0 127 = 1.0
-    _fp4_block_probe[(1,)](packed, ones, in_fragment_order(values.float()), out, num_warps=fp4_mma.WARPS)
+    _fp4_block_probe[(1,)](packed, ones, in_value_order(values.float(), "mma"), out, num_warps=fp4_mma.WARPS)
     return out
 
 

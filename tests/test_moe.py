@@ -16,7 +16,7 @@ import torch
 
 import kernels.moe.scaled as moe_scaled
 import kernels.moe.triton as moe_triton
-from kernels.blockscale.act_quant_pass import act_quant_triton, in_fragment_order
+from kernels.blockscale.act_quant_pass import act_quant_triton, in_value_order
 from kernels.blockscale.ref import act_quant, quantize_fp4_weight, quantize_fp8_weight
 from kernels.cuda_graph import capture
 from kernels.moe import moe_experts, moe_experts_reference
@@ -235,20 +235,38 @@ def test_routing_and_quantisation_in_one_launch_equal_the_two_launches(batch, sh
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("order", ["mma", "wgmma"])
 @pytest.mark.parametrize("one_launch", [True, False])
-def test_values_in_fragment_order_are_the_e4m3_values_as_fp16_each_8_rotated(one_launch):
-    """What the Gluon FP4 product reads: the quantised values as fp16 (exactly the e4m3 values),
-    each 8 inputs 4h + 2n + s at position 4s + 2h + n; the scales as in e4m3 order. Both ways
-    of quantising x (in the routing launch, and after it where the routing takes the torch path)."""
+def test_values_in_product_order_are_the_e4m3_values_placed(order, one_launch):
+    """What the Gluon FP4 products read: the quantised values placed in the order of the product's
+    registers ("mma": fp16, exactly the e4m3 values, each 8 inputs 4h + 2n + s at position
+    4s + 2h + n; "wgmma": e4m3, each 32 inputs 8t + 2j + s at 16s + 4t + j); the scales as in e4m3
+    order. Both ways of quantising x (in the routing launch, and after it where the routing takes
+    the torch path)."""
     batch = 3 if one_launch else 1 + moe_triton.MAX_PAIRS_ONE_PROGRAM // 6
     ids, _ = routing("random", batch, 6, 16, "cpu", seed=140)
     x = torch.randn(batch, 384) * torch.rand(batch, 1) * 8
     assert moe_triton.routes_in_one_program(ids, -1) == one_launch
-    _, values, scales = route_and_quantise(x, ids, 16, 16, -1, True, fragment_order=True)
+    _, values, scales = route_and_quantise(x, ids, 16, 16, -1, True, values_order=order)
     expected_values, expected_scales = act_quant_triton(x, True)
-    assert values.dtype == torch.float16 and torch.equal(scales, expected_scales)
-    assert torch.equal(values, in_fragment_order(expected_values.float()))
-    assert not torch.equal(values, expected_values.float().half())  # the order is not the identity
+    assert values.dtype == (torch.float16 if order == "mma" else torch.float8_e4m3fn)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(values.float(), in_value_order(expected_values.float(), order).float())
+    assert not torch.equal(values.float(), expected_values.float())  # the order is not the identity
+
+
+@pytest.mark.parametrize("order", ["mma", "wgmma"])
+def test_value_orders_place_every_input_once(order):
+    """in_value_order's placements are permutations within each 8 ("mma") or 32 ("wgmma")
+    inputs, with the positions the module's docstring gives."""
+    values = torch.arange(1, 65, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 64 distinct e4m3 values, ascending
+    placed = in_value_order(values, order).float()
+    width = 8 if order == "mma" else 32
+    assert sorted(placed.tolist()) == values.tolist()
+    assert torch.equal(placed.view(-1, width).sort(1).values, values.view(-1, width))
+    i = torch.arange(width)
+    at = 4 * (i & 1) + 2 * (i >> 2) + ((i >> 1) & 1) if order == "mma" else 16 * (i & 1) + 4 * (i >> 3) + ((i >> 1) & 3)
+    assert torch.equal(placed[at], values[:width])
 
 
 def test_bad_input_raises():

@@ -266,15 +266,15 @@ def _load_partial(partial_ptr, pair, row_ok, offs_n, split, split_stride, inter,
 def gate_up_epilogue(
     gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n, inter, swiglu_limit,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, HAS_LIMIT: tl.constexpr, POW2: tl.constexpr,
-    FRAGMENT_ORDER: tl.constexpr,
+    ORDER: tl.constexpr,
 ):
-    """The tile's weighted SwiGLU, rounded to x's dtype, act_quant'ed into hq (e4m3, or fp16 in
-    fragment order: store_values) and hs."""
+    """The tile's weighted SwiGLU, rounded to x's dtype, act_quant'ed into hq (in ORDER:
+    store_values) and hs."""
     h = _routed_swiglu(gate, up, x_ptr, route_w_ptr, token, pair, row_ok, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT)
     h = h.to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded to x's dtype, as the reference
     hq, hs = act_quant_rows(h, POW2)  # the tile is one whole activation block of each row
     pair = pair.to(tl.int64)
-    store_values(hq_ptr + pair[:, None] * inter, offs_n[None, :], hq, row_ok[:, None], FRAGMENT_ORDER)
+    store_values(hq_ptr + pair[:, None] * inter, offs_n[None, :], hq, row_ok[:, None], ORDER)
     tl.store(hs_ptr + pair * (inter // ACT_BLOCK) + tile_n, hs, mask=row_ok)
 
 
@@ -312,7 +312,7 @@ def _scaled_gate_up_kernel(
         )
         if SPLIT == 1:
             gate_up_epilogue(gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, token, pair, row_ok, offs_n, tile_n,
-                             inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, False)
+                             inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, "e4m3")
         else:
             store_partials(gate, up, partial_ptr, pair, row_ok, offs_n, split, split_stride, inter)
     if SPLIT > 1:
@@ -324,7 +324,7 @@ def _scaled_gate_up_kernel(
                 row_ok, pair = _segment_rows(sorted_pair_ptr, segment, first, rows, SEGMENT)
                 gate, up = summed_partials(partial_ptr, pair, row_ok, offs_n, split_stride, inter, SPLIT)
                 gate_up_epilogue(gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, pair // PAIRS_PER_TOKEN, pair, row_ok,
-                                 offs_n, tile_n, inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, False)
+                                 offs_n, tile_n, inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2, "e4m3")
             tl.atomic_xchg(counter, 0)
 
 
@@ -413,7 +413,7 @@ def _route_and_quant_kernel(
     x_ptr, values_ptr, scales_ptr, K_BLOCKS, stride_xm, CHUNKS,
     BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
     PICKS: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, POW2: tl.constexpr, BLOCKS: tl.constexpr,
-    FRAGMENT_ORDER: tl.constexpr,
+    ORDER: tl.constexpr,
     DEPENDENT: tl.constexpr = False,
 ):
     """Program 0 routes the pairs (_route_pairs_kernel); program 1 + r * CHUNKS + c quantises
@@ -426,43 +426,43 @@ def _route_and_quant_kernel(
                             BLOCK_M, PAIRS, EXPERTS, BLOCKS_PER_STEP, PICKS, PAIRS_PER_TOKEN)
     else:
         act_quant_program(x_ptr, values_ptr, scales_ptr, (pid - 1) // CHUNKS, (pid - 1) % CHUNKS, K_BLOCKS, stride_xm,
-                          POW2, BLOCKS, FRAGMENT_ORDER)
+                          POW2, BLOCKS, ORDER)
 
 
 def route_and_quantise(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert: int,
-                       pow2: bool, fragment_order: bool = False) -> tuple[PairBlocks, torch.Tensor, torch.Tensor]:
-    """route_pairs(expert_ids, ...) and act_quant_triton(x, pow2, fragment_order), bit for bit, in
+                       pow2: bool, values_order: str = "e4m3") -> tuple[PairBlocks, torch.Tensor, torch.Tensor]:
+    """route_pairs(expert_ids, ...) and act_quant_triton(x, pow2, values_order), bit for bit, in
     one launch where the routing is one program's (at decode: one kernel less a layer); else the
     two calls."""
     if not routes_in_one_program(expert_ids, shared_expert):
         return (route_pairs(expert_ids, num_experts, block_m, "auto", shared_expert),
-                *act_quant_triton(x, pow2, fragment_order))
+                *act_quant_triton(x, pow2, values_order))
     blocks, route_args, route_meta = routing_launch(expert_ids, num_experts, block_m, shared_expert)
-    x, values, scales, chunks = act_quant_launch(x, fragment_order)
+    x, values, scales, chunks = act_quant_launch(x, values_order)
     _route_and_quant_kernel[(1 + x.shape[0] * chunks,)](
         *route_args, x, values, scales, scales.shape[1], x.stride(0), chunks,
-        **route_meta, POW2=pow2, BLOCKS=BLOCKS_PER_PROGRAM, FRAGMENT_ORDER=fragment_order, num_warps=4,
+        **route_meta, POW2=pow2, BLOCKS=BLOCKS_PER_PROGRAM, ORDER=values_order, num_warps=4,
         **dependent_options(x.device),
     )
     return blocks, values, scales
 
 
 def prepare_launch(x, expert_ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=False,
-                   fragment_order=False) -> ScaledLaunch:
+                   values_order="e4m3") -> ScaledLaunch:
     """The routing, the activations' quantisation and the buffers of one call (batch > 0);
     partial_tiles: the gate/up scratch and arrival counters even without a K split;
-    fragment_order: xq and hq as fp16 in fragment order (kernels/blockscale/act_quant_pass.py),
-    as the Gluon product reads them, else e4m3."""
+    values_order: how xq and hq are stored (kernels/blockscale/act_quant_pass.py): e4m3, or in
+    the order the Gluon product reads them ("mma", "wgmma")."""
     batch, dim = x.shape
     picks = expert_ids.shape[1]
     pairs_per_token = picks + (shared_expert >= 0)
     num_experts, inter = w1.shape[:2]
     num_pairs = batch * pairs_per_token
-    segments, xq, xs = route_and_quantise(x, expert_ids, num_experts, SEGMENT_ROWS, shared_expert, pow2, fragment_order)
+    segments, xq, xs = route_and_quantise(x, expert_ids, num_experts, SEGMENT_ROWS, shared_expert, pow2, values_order)
     k_blocks = dim // FP8_BLOCK
     per_split = triton.cdiv(k_blocks, min(max(1, tiles.up_split), k_blocks))
     split = triton.cdiv(k_blocks, per_split)  # no split left without blocks
-    hq = values_buffer(num_pairs, inter, fragment_order, x.device)
+    hq = values_buffer(num_pairs, inter, values_order, x.device)
     partials, counters = hq, hq  # unused without a split or partial_tiles
     if split > 1 or partial_tiles:
         partials = torch.empty((split, num_pairs, 2, inter), dtype=torch.float32, device=x.device)

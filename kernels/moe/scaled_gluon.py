@@ -491,7 +491,7 @@ def _mma_gate_up_kernel(
                 gate, up = summed_partials(partial_ptr, pair, row_ok, offs_n, split_stride, inter, SPLIT)
                 gate_up_epilogue(gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, pair // PAIRS_PER_TOKEN, pair, row_ok,
                                  offs_n, tile_n, inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2,
-                                 True)  # hq in fragment order, as this product reads it
+                                 "mma")  # hq in the order this product reads it
             gl.atomic_xchg(counter, 0)
 
 
@@ -602,7 +602,7 @@ def moe_experts_scaled_mma(
                 f"{STEP}-input blocks (dim {x.shape[1]} in {tiles.up_split} splits, inter {w1.shape[1]}), got {blocks}"
             )
         return prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=True,
-                              fragment_order=True)
+                              values_order="mma")
 
     def launch_products(run: ScaledLaunch, tiles: ScaledTiles) -> None:
         blocks = tiles.blocks_per_stage
