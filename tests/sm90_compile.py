@@ -18,6 +18,7 @@ launches then compile nothing where its kernels are the ones they look up (compi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -151,6 +152,7 @@ def stand_in_for_sm90() -> None:
     import kernels.dependent_launch  # noqa: F401  (its launches_dependents patched below)
     import kernels.hc_mix.op as hc_mix
     import kernels.linear.op as linear
+    import kernels.moe.scaled_gluon as scaled_gluon
     import kernels.sparse_mla.gluon as gluon
     import kernels.sparse_mla.plan as plan
     import kernels.triton_util as util
@@ -169,6 +171,7 @@ def stand_in_for_sm90() -> None:
     plan.device_capability = lambda device: (9, 0)
     plan.device_sm_count = lambda device: SMS
     gluon.check_wgmma_inputs = lambda q, kv_cache: None
+    scaled_gluon.runs_wgmma = lambda device: True
     on_gpu = {"interpreting": lambda: False, "num_sms": lambda device: SMS,
               "shared_memory_per_block": lambda device: SHARED_MEMORY,
               "launches_dependents": lambda device: hasattr(triton.language.extra.cuda, "gdc_wait")}
@@ -219,7 +222,7 @@ def extra_calls(batches) -> list[tuple[str, object]]:
 
     from kernels.blockscale.gemv import blockscale_gemv
     from kernels.blockscale.gluon import blockscale_linear_mma
-    from kernels.moe.scaled_gluon import moe_experts_scaled_mma, one_block_mma_tiles
+    from kernels.moe.scaled_gluon import choose_mma_tiles, moe_experts_scaled_mma, one_block_mma_tiles
 
     ops = op_kernels()
     calls = []
@@ -231,6 +234,9 @@ def extra_calls(batches) -> list[tuple[str, object]]:
             *r, experts[0], experts[1], experts[0], (scales[0], scales[1], scales[0]), 10.0)))
         one_block = one_block_mma_tiles(batch * 6, 8, 4096, 2048, SMS)
         calls.append((f"moe_experts_scaled_mma one block a stage B={batch}", lambda r=routed, t=one_block: moe_experts_scaled_mma(
+            *r, experts[0], experts[1], experts[0], (scales[0], scales[1], scales[0]), 10.0, tiles=t)))
+        wgmma = dataclasses.replace(choose_mma_tiles(batch * 6, 8, 4096, 2048, SMS), product="wgmma")
+        calls.append((f"moe_experts_scaled_mma wgmma B={batch}", lambda r=routed, t=wgmma: moe_experts_scaled_mma(
             *r, experts[0], experts[1], experts[0], (scales[0], scales[1], scales[0]), 10.0, tiles=t)))
         for n, k in ((1536, 4096), (4096, 8192), (32768, 1024), (4160, 4096)):  # 4160: tiles of 64
             fp8 = (torch.empty(batch, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.float8_e4m3fn),

@@ -269,6 +269,26 @@ def test_value_orders_place_every_input_once(order):
     assert torch.equal(placed[at], values[:width])
 
 
+def test_e2m1_codes_as_e4m3_bytes_and_their_slots_meet_the_wgmma_values():
+    """The "wgmma" product's decoding (kernels/moe/scaled_gluon.py, _E2M1_TO_E4M3 and
+    _e4m3_weight_group), written out in torch: a code's sign to bit 7 and its other three bits to
+    bits 4..2 is the e4m3 byte of 2^-6 times its value (all 16 codes); nibble s of byte 4t + j of
+    a scale group at k-slot 16s + 4t + j meets, slot by slot, the activation in_value_order
+    "wgmma" stores there, so the slots' dot product is the inputs' own."""
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    codes = torch.arange(16, dtype=torch.uint8)
+    as_e4m3 = (((codes & 8) << 4) | ((codes & 7) << 2)).view(torch.float8_e4m3fn).float()
+    assert torch.equal(as_e4m3, e2m1 * 2.0**-6) and torch.equal(as_e4m3.signbit(), e2m1.signbit())
+    g = torch.Generator().manual_seed(7)
+    nibbles = torch.randint(0, 16, (5, 32), generator=g, dtype=torch.uint8)  # 5 rows, one scale group
+    packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)  # low nibble first
+    t, j, s = torch.arange(4)[:, None, None], torch.arange(4)[None, :, None], torch.arange(2)[None, None, :]
+    slot_code = ((packed[:, 4 * t + j] >> (4 * s)) & 15).permute(0, 3, 1, 2).reshape(5, 32)  # slot 16s + 4t + j
+    values = torch.randn(32).to(torch.float8_e4m3fn).float()
+    slot_value = in_value_order(values, "wgmma").float()
+    assert torch.equal(e2m1[slot_code.long()] @ slot_value, e2m1[nibbles.long()] @ values)
+
+
 def test_bad_input_raises():
     w1, w2, w3 = expert_weights(4, 32, 16, torch.float32, "cpu", seed=70)
     ids, weights = routing("random", 3, 2, 4, "cpu", seed=71)
@@ -731,6 +751,36 @@ def test_scaled_mma_product_matches_reference(flash_scaled, batch, pattern, spli
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "batch,pattern,split,stages",
+    [(1, "random", None, None), (16, "random", None, None), (64, "random", None, None),
+     (12, "one_hot_expert", 4, 2), (9, "random", 1, 4)],  # 12 pairs on one expert: chunks of 8, K split 4 ways
+)
+def test_scaled_wgmma_product_matches_reference(flash_scaled, batch, pattern, split, stages):
+    """The product on Hopper's warpgroup instruction (codes decoded to e4m3, the activations in
+    "wgmma" order read from shared memory) against the reference, at the op's tiles and at other
+    splits and pipeline depths, the routed experts alone and with the shared one; the same result
+    twice."""
+    from kernels.moe.scaled_gluon import choose_mma_tiles, moe_experts_scaled_mma, runs_wgmma
+
+    w1, w2, w3, scales = flash_scaled
+    if w1.dtype != torch.uint8 or not runs_wgmma(w1.device):
+        pytest.skip("the wgmma product takes FP4 experts on a compute capability 9.x GPU")
+    c = SCALED_FLASH
+    x, ids, weights = scaled_flash_inputs(batch, 450 + batch, pattern)
+    for shared_expert in (-1, c["num_experts"] - 1):
+        pairs = batch * (c["picks"] + (shared_expert >= 0))
+        tiles = dataclasses.replace(choose_mma_tiles(pairs, c["num_experts"], c["dim"], c["inter"], 132), product="wgmma")
+        if split is not None:
+            tiles = dataclasses.replace(tiles, up_split=split, num_stages=stages)
+        assert tiles.blocks_per_stage == 2
+        out = moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert, tiles=tiles)
+        ref = moe_experts_reference(x, ids, weights, w1, w2, w3, LIMIT, shared_expert, scales)
+        assert_scaled_close(out, ref, torch.bfloat16)
+        assert torch.equal(moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, shared_expert, tiles=tiles), out)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("scale_dtype, dim, inter, up_split, stages",
                          [(torch.float32, 384, 384, 2, 4), (E8M0, 512, 512, 3, 8), (torch.float32, 384, 384, 1, 2),
                           (torch.float32, 512, 640, 1, 2)])
@@ -834,6 +884,24 @@ def test_scaled_mma_product_refuses_blocks_a_stage_that_do_not_divide_its_splits
                          (ScaledTiles(down_block_n=64, blocks_per_stage=3), "got 3")):
         with pytest.raises(ValueError, match=f"blocks_per_stage.*{named}"):
             moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles)
+
+
+def test_scaled_wgmma_product_refuses_other_gpus_and_one_block_a_stage(monkeypatch):
+    """The warpgroup instruction is Hopper's, and its product copies two blocks a stage: elsewhere,
+    or with one block a stage, it is refused by name before anything is quantised or launched."""
+    import kernels.moe.scaled_gluon as scaled_gluon
+    from kernels.moe.scaled import ScaledTiles
+
+    w1, w2, w3, scales = scaled_experts("fp4", E8M0, 4, 512, 512, "cpu", seed=367)
+    ids, weights = routed_ids("random", 2, 2, 4, seed=368)
+    x = torch.randn(2, 512)
+    wide = ScaledTiles(down_block_n=64, blocks_per_stage=2, product="wgmma")
+    with pytest.raises(ValueError, match="wgmma product runs on sm_90 only, not on cpu"):
+        scaled_gluon.moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=wide)
+    monkeypatch.setattr(scaled_gluon, "runs_wgmma", lambda device: True)
+    with pytest.raises(ValueError, match="copies 2 blocks a stage, got 1"):
+        scaled_gluon.moe_experts_scaled_mma(x, ids, weights, w1, w2, w3, scales, LIMIT,
+                                            tiles=dataclasses.replace(wide, blocks_per_stage=1))
 
 
 def test_scaled_mma_product_refuses_other_formats():

@@ -68,7 +68,7 @@ CHUNK_ROWS = 16
 # The gate/up N tile: one activation block, so that its epilogue quantises whole blocks of h.
 UP_BLOCK_N = FP8_BLOCK
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-PRODUCTS = ("dot_scaled", "codes", "mma")
+PRODUCTS = ("dot_scaled", "codes", "mma", "wgmma")
 TRITON_PRODUCTS = PRODUCTS[:2]
 # Device-side constants (Triton reads module globals only as constexprs): activation blocks and
 # FP8 weight blocks are 128 wide, FP4 scale groups 32.
@@ -82,8 +82,9 @@ class ScaledTiles:
     """Launch shape: the down product's N tile (the gate/up tile is fixed: UP_BLOCK_N), how many
     ways the gate/up product splits K, and how FP4 weights are multiplied (`product`, one of
     PRODUCTS): "dot_scaled" (with ue8m0 scales: `tl.dot_scaled`, else as "codes"), "codes" (the
-    codes decoded here, then an fp16 dot) or "mma" (kernels/moe/scaled_gluon.py: decoded into
-    the tensor-core instruction's registers; FP4 only)."""
+    codes decoded here, then an fp16 dot), "mma" (kernels/moe/scaled_gluon.py: decoded into
+    the tensor-core instruction's registers; FP4 only) or "wgmma" (the same on Hopper's warpgroup
+    instruction: codes decoded to e4m3, the activations read from shared memory; sm_90 only)."""
 
     down_block_n: int
     num_warps: int = 4

@@ -40,6 +40,12 @@ both are laid out for the instruction rather than for the dot of a generic tile.
 - Each group's product is scaled by its weight scales in fp32, each 128 inputs by the
   activations' scales: scaled.py's arithmetic in another summation order.
 
+On Hopper the same programs can multiply on the warpgroup instruction (`ScaledTiles.product`
+"wgmma": wgmma m64n8k32, e4m3 operands, one per scale group): each code decoded to the e4m3
+byte of 2^-6 times its value (7 instructions for 8 codes against 11 for fp16), A from those
+registers, B the group's activations straight from shared memory, stored in the order the
+decoding leaves the codes' k-slots (act_quant_pass.py's "wgmma").
+
 The op takes it on sm_89 or newer (the Triton products elsewhere); CUDA only (inline PTX: no
 interpreter path).
 """
@@ -51,6 +57,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 from triton.language.extra.cuda import gdc_wait
 
 from kernels.arrival import arrives_last
@@ -122,8 +129,18 @@ prmt.b32 $2, h, z, 0x1404;
 prmt.b32 $3, h, z, 0x3424;
 }""")
 @gluon.constexpr_function
-def mma_layout() -> gl.NVMMADistributedLayout:
+def mma_layout(wgmma: bool = False) -> gl.NVMMADistributedLayout:
+    """The products' accumulators: mma.sync's, or the warpgroup instruction's (its K one scale
+    group of e4m3). Either way a warp holds 16 rows of a program's 64."""
+    if wgmma:
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, TOKENS_PER_STEP, FP4_BLOCK])
     return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def values_order(wgmma: bool) -> str:
+    """How the product reads the quantised activations (kernels/blockscale/act_quant_pass.py)."""
+    return "wgmma" if wgmma else "mma"
 
 
 @gluon.constexpr_function
@@ -272,6 +289,69 @@ def _block_product(codes, v0, v1, v2, v3, scales, S_E8M0: gl.constexpr, BLOCK_N:
     return block
 
 
+# A byte's two e2m1 codes -> the e4m3 bytes of 2^-6 times their values (sign to bit 7, exponent
+# and mantissa bits to bits 4..2: exact, the subnormal 0.5 included; pack 4: four bytes in $2,
+# the low codes to $0 and the high codes to $1, in byte order).
+_E2M1_TO_E4M3 = gl.constexpr("""{
+.reg .b32 t, u;
+shl.b32 t, $2, 4;
+and.b32 t, t, 0x80808080;
+shl.b32 u, $2, 2;
+and.b32 u, u, 0x1C1C1C1C;
+or.b32 $0, u, t;
+shr.b32 t, $2, 2;
+and.b32 t, t, 0x1C1C1C1C;
+and.b32 u, $2, 0x80808080;
+or.b32 $1, u, t;
+}""")
+# The decoded e4m3 codes are 2^-6 times their values.
+E4M3_CODES_UNSCALE = gl.constexpr(64.0)
+
+
+@gluon.jit
+def _e4m3_weight_group(packed, BLOCK_N: gl.constexpr, MMA: gl.constexpr):
+    """One scale group's codes [BLOCK_N, 16 bytes] -> the warpgroup instruction's A operand
+    [BLOCK_N, 32] e4m3. Byte 4t + j holds inputs 8t + 2j (low nibble) and + 1 (high); the operand
+    takes nibble s at k-slot 16s + 4t + j, so that each of the two registers a 4-byte run decodes
+    into holds 4 consecutive k-slots (the activations wait in shared memory in that order)."""
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    low, high = gl.inline_asm_elementwise(
+        _E2M1_TO_E4M3, "=r,=r,r", [packed], dtype=(gl.float8e4nv, gl.float8e4nv), is_pure=True, pack=4
+    )
+    w = gl.join(low, high).reshape([BLOCK_N, 4, 4, 2])  # (row, t, j, s)
+    w = w.permute(0, 3, 1, 2).reshape([BLOCK_N, 32])  # (row, slot 16s + 4t + j)
+    return gl.convert_layout(w, a_op, assert_trivial=True)
+
+
+@gluon.jit
+def _wgmma_block_product(codes, values_smem, tile, scales, S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr,
+                         TOKENS: gl.constexpr):
+    """_block_product on the warpgroup instruction: each group's codes decoded to e4m3 and
+    multiplied by its activations, rows [(tile + g) * TOKENS, + TOKENS) of values_smem (a step's
+    [TOKENS, 32] tiles stacked), all four in flight at once, then each times its weight scales."""
+    MMA: gl.constexpr = mma_layout(True)
+    rows: gl.constexpr = gl.SliceLayout(1, MMA)
+    s = _code_scale(scales, S_E8M0)
+    s0, s1, s2, s3 = _groups(s.reshape([BLOCK_N, 2, 2]))
+    c0, c1, c2, c3 = _groups(codes.reshape([BLOCK_N, 4, 16]).permute(0, 2, 1).reshape([BLOCK_N, 16, 2, 2]))
+    zero = gl.zeros([BLOCK_N, TOKENS], gl.float32, MMA)
+    # Each group decoded just before its instruction, so the next decoding overlaps it.
+    w0 = _e4m3_weight_group(c0, BLOCK_N, MMA)
+    p0 = warpgroup_mma(w0, values_smem.slice(tile * TOKENS, TOKENS).permute((1, 0)), zero, use_acc=False, is_async=True)
+    w1 = _e4m3_weight_group(c1, BLOCK_N, MMA)
+    p1 = warpgroup_mma(w1, values_smem.slice((tile + 1) * TOKENS, TOKENS).permute((1, 0)), zero, use_acc=False, is_async=True)
+    w2 = _e4m3_weight_group(c2, BLOCK_N, MMA)
+    p2 = warpgroup_mma(w2, values_smem.slice((tile + 2) * TOKENS, TOKENS).permute((1, 0)), zero, use_acc=False, is_async=True)
+    w3 = _e4m3_weight_group(c3, BLOCK_N, MMA)
+    p3 = warpgroup_mma(w3, values_smem.slice((tile + 3) * TOKENS, TOKENS).permute((1, 0)), zero, use_acc=False, is_async=True)
+    p0, p1, p2, p3 = warpgroup_mma_wait(0, deps=[p0, p1, p2, p3])
+    block = p0 * gl.convert_layout(s0, rows, assert_trivial=True)[:, None]
+    block += p1 * gl.convert_layout(s1, rows, assert_trivial=True)[:, None]
+    block += p2 * gl.convert_layout(s2, rows, assert_trivial=True)[:, None]
+    block += p3 * gl.convert_layout(s3, rows, assert_trivial=True)[:, None]
+    return block
+
+
 @gluon.jit
 def _issue_weights(stage, codes_smem, scales_smem, w_ptr, s_ptr, code_offs, scale_offs, step, live, BLOCKS: gl.constexpr):
     """Start the weight copies of step `step` (BLOCKS 128-input blocks from the program's first)
@@ -287,52 +367,70 @@ def _issue_weights(stage, codes_smem, scales_smem, w_ptr, s_ptr, code_offs, scal
 
 @gluon.jit
 def _issue_values(stage, values_smem, a_scale_smem, a_ptr, a_scale_ptr, value_offs, value_ok, a_scale_offs, a_scale_ok,
-                  step, live, BLOCKS: gl.constexpr):
+                  step, live, BLOCKS: gl.constexpr, WGMMA: gl.constexpr):
     """Start the copies of step `step`'s activations and their scales into slot `stage` (`live`
     as _issue_weights'), then close the step's copy group (with whatever weight copies were
-    started before)."""
+    started before). WGMMA: the step's values in one copy, a [TOKENS, 32] tile a scale group."""
     first = step * BLOCKS
     if live is not None:
         value_ok = value_ok & live
         a_scale_ok = a_scale_ok & live
+    if WGMMA:
+        async_load(values_smem.index(stage), a_ptr + (value_offs + first * BLOCK_K), mask=value_ok)
     for b in gl.static_range(BLOCKS):
         slot = stage * BLOCKS + b
-        async_load(values_smem.index(slot), a_ptr + (value_offs + (first + b) * BLOCK_K), mask=value_ok)
+        if not WGMMA:
+            async_load(values_smem.index(slot), a_ptr + (value_offs + (first + b) * BLOCK_K), mask=value_ok)
         async_load(a_scale_smem.index(slot), a_scale_ptr + (a_scale_offs + first + b), mask=a_scale_ok)
     async_copy.commit_group()
 
 
 @gluon.jit
 def _stage_products(acc, stage, codes_smem, scales_smem, values_smem, a_scale_smem, S_E8M0: gl.constexpr,
-                    BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, BLOCKS: gl.constexpr):
+                    BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, BLOCKS: gl.constexpr, WGMMA: gl.constexpr):
     """acc plus the products of the step in slot `stage`: its BLOCKS blocks, each scaled by the
     activations' scales."""
-    MMA: gl.constexpr = mma_layout()
+    MMA: gl.constexpr = mma_layout(WGMMA)
     for b in gl.static_range(BLOCKS):
-        values = values_smem.index(stage * BLOCKS + b).permute([1, 0]).load(values_layout(TOKENS))
         a_scale = a_scale_smem.index(stage * BLOCKS + b).load(gl.SliceLayout(0, MMA))
-        v0, v1, v2, v3 = _value_groups(values, TOKENS, MMA)
         codes = codes_smem.index(stage).slice(b * BLOCK_N, BLOCK_N).load(codes_layout(BLOCK_N))
         scales = scales_smem.index(stage * BLOCKS + b).load(scales_layout(BLOCK_N))
-        acc += _block_product(codes, v0, v1, v2, v3, scales, S_E8M0, BLOCK_N, TOKENS) * a_scale[None, :]
+        if WGMMA:
+            block = _wgmma_block_product(codes, values_smem.index(stage), b * (BLOCK_K // FP4_GROUP), scales, S_E8M0,
+                                         BLOCK_N, TOKENS)
+        else:
+            values = values_smem.index(stage * BLOCKS + b).permute([1, 0]).load(values_layout(TOKENS))
+            v0, v1, v2, v3 = _value_groups(values, TOKENS, MMA)
+            block = _block_product(codes, v0, v1, v2, v3, scales, S_E8M0, BLOCK_N, TOKENS)
+        acc += block * a_scale[None, :]
     return acc
+
+
+@gluon.jit
+def _wait_for_step(STAGES: gl.constexpr, WGMMA: gl.constexpr):
+    """Wait until every thread's copies of the step STAGES - 2 groups back have landed (and,
+    for the warpgroup instruction, are visible to its reads of shared memory)."""
+    async_copy.wait_group(STAGES - 2)
+    if WGMMA:
+        fence_async_shared()
+    barrier()  # everyone's, and everyone is done reading the slot refilled next
 
 
 @gluon.jit
 def _refill_and_multiply(acc, step, stage, refill, codes_smem, scales_smem, values_smem, a_scale_smem, w_ptr, s_ptr,
                          code_offs, scale_offs, a_ptr, a_scale_ptr, value_offs, value_ok, a_scale_offs, a_scale_ok,
                          S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr,
-                         BLOCKS: gl.constexpr):
+                         BLOCKS: gl.constexpr, WGMMA: gl.constexpr):
     """One pipeline step that has a step STAGES - 1 ahead to copy: wait for `step`'s copies (slot
     `stage`), start the later step's into slot `refill` (the one `step - 1` read), then acc plus
     `step`'s products."""
-    async_copy.wait_group(STAGES - 2)  # this thread's copies of `step` have landed
-    barrier()  # everyone's, and everyone is done reading the slot refilled next
+    _wait_for_step(STAGES, WGMMA)
     later = step + STAGES - 1
     _issue_weights(refill, codes_smem, scales_smem, w_ptr, s_ptr, code_offs, scale_offs, later, None, BLOCKS)
     _issue_values(refill, values_smem, a_scale_smem, a_ptr, a_scale_ptr, value_offs, value_ok, a_scale_offs, a_scale_ok,
-                  later, None, BLOCKS)
-    return _stage_products(acc, stage, codes_smem, scales_smem, values_smem, a_scale_smem, S_E8M0, BLOCK_N, TOKENS, BLOCKS)
+                  later, None, BLOCKS, WGMMA)
+    return _stage_products(acc, stage, codes_smem, scales_smem, values_smem, a_scale_smem, S_E8M0, BLOCK_N, TOKENS, BLOCKS,
+                           WGMMA)
 
 
 @gluon.jit
@@ -340,18 +438,20 @@ def _fp4_products(
     a_ptr, a_scale_ptr, a_row, row_ok, stride_am, stride_as,
     w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end,
     S_E8M0: gl.constexpr, BLOCK_N: gl.constexpr, TOKENS: gl.constexpr, STAGES: gl.constexpr, BLOCKS: gl.constexpr,
-    WAIT_FOR_VALUES: gl.constexpr,
+    WAIT_FOR_VALUES: gl.constexpr, WGMMA: gl.constexpr,
 ):
     """[BLOCK_N, TOKENS] fp32: weight rows col0 + [0, BLOCK_N) (w_ptr, s_ptr at the expert) times
-    the quantised activation rows a_row (fp16 in fragment order [rows, K], one scale per 128; row_ok
-    masks the padding) over inputs [k_begin, k_end), a multiple of BLOCKS * 128.
+    the quantised activation rows a_row ([rows, K] in the product's order: fp16 "mma", or e4m3
+    "wgmma" with WGMMA; one scale per 128; row_ok masks the padding) over inputs [k_begin, k_end),
+    a multiple of BLOCKS * 128.
     Each step (BLOCKS blocks of 128 inputs) is copied into shared memory STAGES - 1 steps ahead
     of its products. WAIT_FOR_VALUES: launched as a programmatic dependent of the kernel that
     writes the activations; the first steps' weights are copied before waiting for it."""
-    MMA: gl.constexpr = mma_layout()
+    MMA: gl.constexpr = mma_layout(WGMMA)
     COPY_CODES: gl.constexpr = codes_copy_layout(BLOCKS, BLOCK_N)
     COPY_SCALES: gl.constexpr = copy_layout(4, 1)
-    COPY_VALUES: gl.constexpr = copy_layout(8, 16)  # a token's 128 values by 16 threads
+    # A token's 128 values by 16 threads; WGMMA: a step's [TOKENS, 32] tiles stacked, 2 threads a row.
+    COPY_VALUES: gl.constexpr = copy_layout(16, 2) if WGMMA else copy_layout(8, 16)
     COPY_ROWS: gl.constexpr = gl.SliceLayout(1, copy_layout(1, 1))
     # Swizzles that keep the fragments' reads free of bank conflicts (codes: a warp reads 4
     # bytes of 8 rows 64 bytes apart; values: 16 bytes of 2 tokens 256 bytes apart; each token's
@@ -364,7 +464,12 @@ def _fp4_products(
     # divides BLOCK_N, so each block's view is the one-block layout); the rest a slot a block.
     codes_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCKS * BLOCK_N, BLOCK_K // 2], CODES_SMEM)
     scales_smem = gl.allocate_shared_memory(s_ptr.dtype.element_ty, [STAGES * BLOCKS, BLOCK_N, 4], PLAIN_SMEM)
-    values_smem = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES * BLOCKS, TOKENS, BLOCK_K], VALUES_SMEM)
+    if WGMMA:  # the instruction's operand B: a [TOKENS, 32] tile a scale group, each its own
+        GROUP_TILES: gl.constexpr = BLOCKS * (BLOCK_K // FP4_GROUP)
+        TILE_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=FP4_GROUP, element_bitwidth=8, rank=2)
+        values_smem = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES, GROUP_TILES * TOKENS, FP4_GROUP], TILE_SMEM)
+    else:
+        values_smem = gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES * BLOCKS, TOKENS, BLOCK_K], VALUES_SMEM)
     a_scale_smem = gl.allocate_shared_memory(gl.float32, [STAGES * BLOCKS, TOKENS], ROWS_SMEM)
 
     # Offsets of the first block, in the copies' layouts.
@@ -376,10 +481,23 @@ def _fp4_products(
     scale_rows = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY_SCALES))
     scale_groups = first_block * 4 + gl.arange(0, 4, layout=gl.SliceLayout(0, COPY_SCALES))
     scale_offs = scale_rows[:, None] * stride_sn + scale_groups[None, :]
-    value_rows = gl.convert_layout(a_row, gl.SliceLayout(1, COPY_VALUES))
-    value_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, COPY_VALUES))[:, None]
-    value_inputs = first_block * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, COPY_VALUES))
-    value_offs = value_rows[:, None] * stride_am + value_inputs[None, :]
+    if WGMMA:  # copy row r: token r % TOKENS, inputs 32 * (r // TOKENS) + [0, 32) of the step
+        TILES_BY_TOKENS: gl.constexpr = copy_layout(1, TOKENS)
+        tiles_by_tokens = gl.zeros([GROUP_TILES, TOKENS], gl.int32, TILES_BY_TOKENS)
+        token_rows = gl.reshape(tiles_by_tokens + gl.convert_layout(a_row, gl.SliceLayout(0, TILES_BY_TOKENS))[None, :],
+                                [GROUP_TILES * TOKENS])
+        token_ok = gl.reshape(tiles_by_tokens + gl.convert_layout(row_ok.to(gl.int32), gl.SliceLayout(0, TILES_BY_TOKENS))[None, :],
+                              [GROUP_TILES * TOKENS]) != 0
+        tile_rows = gl.arange(0, GROUP_TILES * TOKENS, layout=gl.SliceLayout(1, COPY_VALUES))
+        value_rows = gl.convert_layout(token_rows, gl.SliceLayout(1, COPY_VALUES))
+        value_ok = gl.convert_layout(token_ok, gl.SliceLayout(1, COPY_VALUES))[:, None]
+        value_inputs = gl.arange(0, FP4_GROUP, layout=gl.SliceLayout(0, COPY_VALUES))
+        value_offs = (value_rows * stride_am + first_block * BLOCK_K + (tile_rows // TOKENS) * FP4_GROUP)[:, None] + value_inputs[None, :]
+    else:
+        value_rows = gl.convert_layout(a_row, gl.SliceLayout(1, COPY_VALUES))
+        value_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, COPY_VALUES))[:, None]
+        value_inputs = first_block * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, COPY_VALUES))
+        value_offs = value_rows[:, None] * stride_am + value_inputs[None, :]
     a_scale_ok = gl.convert_layout(row_ok, COPY_ROWS)
     a_scale_offs = gl.convert_layout(a_row, COPY_ROWS) * stride_as + first_block
 
@@ -390,12 +508,12 @@ def _fp4_products(
         _issue_weights(ahead, codes_smem, scales_smem, w_ptr, s_ptr, code_offs, scale_offs, ahead, ahead < steps, BLOCKS)
         if not WAIT_FOR_VALUES:
             _issue_values(ahead, values_smem, a_scale_smem, a_ptr, a_scale_ptr, value_offs, value_ok, a_scale_offs,
-                          a_scale_ok, ahead, ahead < steps, BLOCKS)
+                          a_scale_ok, ahead, ahead < steps, BLOCKS, WGMMA)
     if WAIT_FOR_VALUES:
         gdc_wait()  # the kernel before this one has finished and its writes are visible
         for ahead in gl.static_range(STAGES - 1):
             _issue_values(ahead, values_smem, a_scale_smem, a_ptr, a_scale_ptr, value_offs, value_ok, a_scale_offs,
-                          a_scale_ok, ahead, ahead < steps, BLOCKS)
+                          a_scale_ok, ahead, ahead < steps, BLOCKS, WGMMA)
     acc = gl.zeros([BLOCK_N, TOKENS], gl.float32, MMA)
     # While steps remain to be copied ahead their copies need no `live` mask. Those steps go
     # STAGES at a time, each slot's index known when compiled (its shared-memory addresses
@@ -407,19 +525,22 @@ def _fp4_products(
         for s in gl.static_range(STAGES):
             acc = _refill_and_multiply(acc, r * STAGES + s, s, (s + STAGES - 1) % STAGES, codes_smem, scales_smem,
                                        values_smem, a_scale_smem, w_ptr, s_ptr, code_offs, scale_offs, a_ptr, a_scale_ptr,
-                                       value_offs, value_ok, a_scale_offs, a_scale_ok, S_E8M0, BLOCK_N, TOKENS, STAGES, BLOCKS)
+                                       value_offs, value_ok, a_scale_offs, a_scale_ok, S_E8M0, BLOCK_N, TOKENS, STAGES, BLOCKS,
+                                       WGMMA)
     for step in range(rounds * STAGES, refilled):
         acc = _refill_and_multiply(acc, step, step % STAGES, (step + STAGES - 1) % STAGES, codes_smem, scales_smem,
                                    values_smem, a_scale_smem, w_ptr, s_ptr, code_offs, scale_offs, a_ptr, a_scale_ptr,
-                                   value_offs, value_ok, a_scale_offs, a_scale_ok, S_E8M0, BLOCK_N, TOKENS, STAGES, BLOCKS)
+                                   value_offs, value_ok, a_scale_offs, a_scale_ok, S_E8M0, BLOCK_N, TOKENS, STAGES, BLOCKS,
+                                   WGMMA)
     for step in range(refilled, steps):
-        async_copy.wait_group(STAGES - 2)
-        barrier()
+        _wait_for_step(STAGES, WGMMA)
         async_copy.commit_group()
         acc = _stage_products(acc, step % STAGES, codes_smem, scales_smem, values_smem, a_scale_smem, S_E8M0, BLOCK_N,
-                              TOKENS, BLOCKS)
+                              TOKENS, BLOCKS, WGMMA)
     async_copy.wait_group(0)  # no copy outlives the program's use of its shared memory
     barrier()
+    if WGMMA:
+        return acc * E4M3_CODES_UNSCALE
     return acc * CODES_UNSCALE
 
 
@@ -439,7 +560,7 @@ def _mma_gate_up_kernel(
     split_stride, dim, inter, swiglu_limit,
     stride_w1e, stride_s1e, stride_w3e, stride_s3e, stride_wn, stride_sn,
     PICKS: gl.constexpr, PAIRS_PER_TOKEN: gl.constexpr, HAS_LIMIT: gl.constexpr, POW2: gl.constexpr,
-    S_E8M0: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, BLOCKS: gl.constexpr,
+    S_E8M0: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, BLOCKS: gl.constexpr, WGMMA: gl.constexpr,
     DEPENDENT: gl.constexpr = False,
 ):
     """A program: one of w1 (even parts) or w3, PART_N of the tile's 128 columns, one K split
@@ -477,6 +598,7 @@ def _mma_gate_up_kernel(
             acc = _fp4_products(
                 xq_ptr, xs_ptr, pair // PAIRS_PER_TOKEN, row_ok, dim, dim // BLOCK_K,
                 w_ptr, s_ptr, col0, stride_wn, stride_sn, k_begin, k_end, S_E8M0, PART_N, TOKENS, STAGES, BLOCKS, False,
+                WGMMA,
             )
             acc = gl.convert_layout(acc.permute(1, 0), PARTIAL)
             partial_at = partial_rows(partial_ptr, pair, part_cols, split, split_stride, inter, part % 2)  # w1: gate, w3: up
@@ -491,7 +613,7 @@ def _mma_gate_up_kernel(
                 gate, up = summed_partials(partial_ptr, pair, row_ok, offs_n, split_stride, inter, SPLIT)
                 gate_up_epilogue(gate, up, x_ptr, route_w_ptr, hq_ptr, hs_ptr, pair // PAIRS_PER_TOKEN, pair, row_ok,
                                  offs_n, tile_n, inter, swiglu_limit, PICKS, PAIRS_PER_TOKEN, HAS_LIMIT, POW2,
-                                 "mma")  # hq in the order this product reads it
+                                 values_order(WGMMA))  # hq in the order the down product reads it
             gl.atomic_xchg(counter, 0)
 
 
@@ -499,7 +621,7 @@ def _mma_gate_up_kernel(
 def _mma_down_kernel(
     hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
     dim, inter, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-    S_E8M0: gl.constexpr, STAGES: gl.constexpr, BLOCKS: gl.constexpr, DEPENDENT: gl.constexpr,
+    S_E8M0: gl.constexpr, STAGES: gl.constexpr, BLOCKS: gl.constexpr, WGMMA: gl.constexpr, DEPENDENT: gl.constexpr,
 ):
     """A program: DOWN_BLOCK_N output columns of a segment's pairs, K whole. DEPENDENT: launched as
     a programmatic dependent of the gate/up kernel, whose routing inputs (the segments) finished
@@ -522,7 +644,7 @@ def _mma_down_kernel(
             acc = _fp4_products(
                 hq_ptr, hs_ptr, pair, row_ok, inter, inter // BLOCK_K,
                 w2_ptr, s2_ptr, col0, stride_wn, stride_sn, 0, inter, S_E8M0, DOWN_BLOCK_N, TOKENS, STAGES, BLOCKS,
-                DEPENDENT,
+                DEPENDENT, WGMMA,
             )
             y = gl.convert_layout(acc.permute(1, 0), EPILOGUE)
             y_ptrs = y_ptr + pair.to(gl.int64)[:, None] * stride_ym + offs_n[None, :]
@@ -595,17 +717,23 @@ def moe_experts_scaled_mma(
     def prepare(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
         if tiles.num_stages < 2:
             raise ValueError(f"moe_experts (mma): num_stages must be at least 2 (one step copied ahead), got {tiles.num_stages}")
+        wgmma = tiles.product == "wgmma"
+        if wgmma and not runs_wgmma(x.device):
+            raise ValueError(f"moe_experts (mma): the wgmma product runs on sm_90 only, not on {x.device}")
         blocks = tiles.blocks_per_stage
+        if wgmma and blocks != WIDE_BLOCKS:
+            raise ValueError(f"moe_experts (mma): the wgmma product copies {WIDE_BLOCKS} blocks a stage, got {blocks}")
         if blocks != 1 and not (blocks == WIDE_BLOCKS and wide_stages_fit(x.shape[1], w1.shape[1], tiles.up_split)):
             raise ValueError(
                 f"moe_experts (mma): blocks_per_stage must be 1, or {WIDE_BLOCKS} where they divide each K split's "
                 f"{STEP}-input blocks (dim {x.shape[1]} in {tiles.up_split} splits, inter {w1.shape[1]}), got {blocks}"
             )
         return prepare_launch(x, ids, expert_weights, w1, scales, shared_expert, pow2, tiles, partial_tiles=True,
-                              values_order="mma")
+                              values_order=values_order(wgmma))
 
     def launch_products(run: ScaledLaunch, tiles: ScaledTiles) -> None:
         blocks = tiles.blocks_per_stage
+        wgmma = tiles.product == "wgmma"
         # Unbounded, either tile took over 128 registers a thread (three programs an SM).
         registers = {"maxnreg": THREAD_REGISTERS}
         dependent = tiles.dependent_launch and launches_dependents(x.device)
@@ -619,19 +747,26 @@ def moe_experts_scaled_mma(
             run.hq.shape[0] * 2 * inter, dim, inter, float(swiglu_limit),
             w1.stride(0), s1.stride(0), w3.stride(0), s3.stride(0), w1.stride(1), s1.stride(1),
             PICKS=run.picks, PAIRS_PER_TOKEN=run.pairs_per_token, HAS_LIMIT=swiglu_limit > 0, POW2=pow2,
-            S_E8M0=s1.dtype == torch.uint8, SPLIT=run.split, STAGES=tiles.num_stages, BLOCKS=blocks,
+            S_E8M0=s1.dtype == torch.uint8, SPLIT=run.split, STAGES=tiles.num_stages, BLOCKS=blocks, WGMMA=wgmma,
             num_warps=WARPS, **registers, **dependent_options(x.device),
         )
         _mma_down_kernel[(segments.num_blocks * (dim // DOWN_N),)](
             run.hq, run.hs, w2, s2, run.y, segments.sorted_pair, segments.block_expert, segments.block_rows,
             dim, inter, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), run.y.stride(0),
-            S_E8M0=s2.dtype == torch.uint8, STAGES=tiles.num_stages, BLOCKS=blocks, DEPENDENT=dependent, num_warps=WARPS,
+            S_E8M0=s2.dtype == torch.uint8, STAGES=tiles.num_stages, BLOCKS=blocks, WGMMA=wgmma, DEPENDENT=dependent,
+            num_warps=WARPS,
             **registers, **({"launch_pdl": True} if dependent else {}),
         )
 
     return scaled_experts(x, expert_ids, w1, w2, w3, scales, shared_expert, tiles, prepare, launch_products, choose_mma_tiles,
                           shared_weights=shared_weights, pow2=pow2, swiglu_limit=swiglu_limit,
                           shared_after_routing=shared_after_routing)
+
+
+def runs_wgmma(device: torch.device) -> bool:
+    """Whether the "wgmma" product runs on `device`: Hopper (compute capability 9.x) has the
+    warpgroup instruction, later GPUs not."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def wide_stages_fit(dim: int, inter: int, up_split: int) -> bool:
