@@ -940,17 +940,21 @@ def test_scaled_mma_product_refuses_other_formats():
         moe_experts_scaled_mma(torch.randn(2, 512), ids, weights, w1, w2, w3, scales, LIMIT, tiles=shallow)
 
 
-def test_tile_sweep_times_the_chosen_tiles_and_every_variant():
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_tile_sweep_times_the_chosen_tiles_and_every_variant(wgmma):
     """kernels.bench moe_tiles: the tiles choose_mma_tiles picks first, then every stages x split
-    variant once (the chosen one not twice), all deep enough for the Gluon pipeline."""
+    variant once (the chosen one not twice), all deep enough for the Gluon pipeline; on Hopper
+    each two-block variant also on the warpgroup instruction."""
     from kernels.bench.moe_tiles import SPLITS, STAGES, candidate_tiles
     from kernels.moe.scaled_gluon import choose_mma_tiles
 
     for pairs in (6, 96):
         chosen = choose_mma_tiles(pairs, 256, 4096, 2048, 132)
-        variants = candidate_tiles(chosen)
+        variants = candidate_tiles(chosen, wgmma)
         assert next(iter(variants.values())) == chosen
-        combos = {(t.blocks_per_stage, t.num_stages, t.up_split) for t in variants.values()}
-        assert combos == {(chosen.blocks_per_stage, chosen.num_stages, chosen.up_split)} | {
-            (b, s, k) for b, s in STAGES for k in SPLITS}  # every split divides V4-Flash's 32 blocks in pairs
+        combos = {(t.blocks_per_stage, t.num_stages, t.up_split, t.product == "wgmma") for t in variants.values()}
+        every = {(b, s, k, False) for b, s in STAGES for k in SPLITS}  # every split divides V4-Flash's 32 blocks in pairs
+        if wgmma:
+            every |= {(b, s, k, True) for b, s in STAGES for k in SPLITS if b == 2}
+        assert combos == {(chosen.blocks_per_stage, chosen.num_stages, chosen.up_split, False)} | every
         assert len(variants) == len(combos) and all(t.num_stages >= 2 for t in variants.values())

@@ -328,6 +328,8 @@ def scaled_table(copy_gbs: float) -> str:
         "Gluon no dependent launch": lambda x, ids, weights: moe_experts_scaled_mma(
             x, ids, weights, w1, w2, w3, scales, LIMIT,
             tiles=dataclasses.replace(op_mma_tiles(ids, w1.shape[0]), dependent_launch=False)),
+        "Gluon wgmma": lambda x, ids, weights: moe_experts_scaled_mma(
+            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=dataclasses.replace(op_mma_tiles(ids, w1.shape[0]), product="wgmma")),
     }
 
     shared_bytes = sum(t.numel() * t.element_size() for t in shared)
@@ -367,8 +369,9 @@ def scaled_table(copy_gbs: float) -> str:
         for name, path in candidates.items():
             try:  # a product that fails to compile or to match is reported, not timed
                 check(path, sets[0], expected, f"scaled B={batch} {name}")
-                us = graph_time_us(path, sets)
-                row += [f"{us:.1f}", f"{100 * fp4_bytes / (us * 1e-6) / 1e9 / copy_gbs:.0f}%", f"{fp4_us / us:.2f}x"]
+                beside = interleaved_graph_times_us({"op": fp4_path, "candidate": path}, sets)  # the ratio side by side
+                us = beside["candidate"]
+                row += [f"{us:.1f}", f"{100 * fp4_bytes / (us * 1e-6) / 1e9 / copy_gbs:.0f}%", f"{beside['op'] / us:.2f}x"]
             except Exception as error:  # noqa: BLE001
                 row += [f"fails: {type(error).__name__}: {str(error)[:100]}", "-", "-"]
         rows.append(row)
@@ -397,7 +400,8 @@ def scaled_table(copy_gbs: float) -> str:
         "weights (FP4: packed codes and scales), x and the fp32 output. 'FP4': the op `v4::moe_experts_scaled` as the "
         "model calls it (on sm_89+ the Gluon product of kernels/moe/scaled_gluon.py, the codes decoded straight into the "
         "tensor-core instruction's registers). 'bf16 dequantised': the same experts dequantised to bf16 through the dense Triton kernel. "
-        "The other products of the same semantics, each with its 'speedup' (the op's time over its own): 'Triton dot_scaled' "
+        "The other products of the same semantics, each with its 'speedup' (the op's time over its own, the two timed in "
+        "turn, median of 5 rounds): 'Triton dot_scaled' "
         "(kernels/moe/scaled.py, `tl.dot_scaled` on the packed codes), 'Triton codes decoded' (the codes decoded in the "
         f"Triton kernel, then an fp16 dot, {CODES_WARPS} warps); 'Gluon split x2': the op's Gluon product with "
         "the gate/up product's K split into twice the ways the op chooses (`ScaledTiles.up_split`); 'Gluon one block a "
@@ -405,7 +409,9 @@ def scaled_table(copy_gbs: float) -> str:
         f"weight row's codes read 64 bytes at a time, not 128) and {PIPELINE_STAGES} or {DEEP_PIPELINE_STAGES} stages "
         "as the op chose before two blocks a stage; 'Gluon no dependent launch': the op's Gluon product with its down "
         "kernel launched after the gate/up kernel ends, not as its programmatic dependent (`ScaledTiles.dependent_launch`: "
-        "the down kernel's launch and first weight copies overlapping the gate/up kernel's last programs).\n\n"
+        "the down kernel's launch and first weight copies overlapping the gate/up kernel's last programs); 'Gluon "
+        "wgmma': the op's tiles on Hopper's warpgroup instruction (`ScaledTiles.product` \"wgmma\": the codes decoded to "
+        "e4m3, the activations read from shared memory; fails elsewhere than on sm_90).\n\n"
         f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n\n"
         "### The FP8 shared expert with the routed experts\n\n"
         "'+ FP8 shared (model)': `v4::moe_experts_scaled_shared`, the routed experts with the shared expert in FP8 "

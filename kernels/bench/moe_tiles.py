@@ -1,6 +1,8 @@
 """GPU sweep of the FP4 experts' Gluon product tiles (kernels/moe/scaled_gluon.py): pipeline
 stages of one or two 128-input blocks (`ScaledTiles.num_stages`, `blocks_per_stage`) against the
-gate/up K split (`up_split`), at batches 1, 4, 16 and 64 (256 experts, top-6), beside the tiles `choose_mma_tiles` picks. Every variant is checked
+gate/up K split (`up_split`), on mma.sync and, on Hopper, with two blocks a stage also on the
+warpgroup instruction (`product` "wgmma"), at batches 1, 4, 16 and 64 (256 experts, top-6),
+beside the tiles `choose_mma_tiles` picks. Every variant is checked
 against the reference first (one that fails to compile or to match is listed, not timed); times
 as in kernels/bench/moe.py (one CUDA graph per routing set, sets rotated). What the defaults
 should become is read off this table."""
@@ -26,7 +28,7 @@ SHOWN = 3  # best variants listed per batch
 
 
 def run(copy_gbs: float) -> str:
-    from kernels.moe.scaled_gluon import moe_experts_scaled_mma  # Gluon: imported where a GPU runs it
+    from kernels.moe.scaled_gluon import moe_experts_scaled_mma, runs_wgmma  # Gluon: imported where a GPU runs it
 
     (w1, w2, w3, scales), _, _ = make_scaled_experts(dense_too=False)
     rows, failed = [], []
@@ -37,7 +39,7 @@ def run(copy_gbs: float) -> str:
         nbytes = experts * fp4_expert_bytes() + batch * DIM * (2 + 4)
         chosen = op_mma_tiles(sets[0][1], w1.shape[0])
         timed = []
-        for name, tiles in candidate_tiles(chosen).items():
+        for name, tiles in candidate_tiles(chosen, runs_wgmma(w1.device)).items():
             path = lambda x, ids, weights, tiles=tiles: moe_experts_scaled_mma(  # noqa: E731
                 x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=tiles)
             try:
@@ -64,8 +66,9 @@ def run(copy_gbs: float) -> str:
     return text
 
 
-def candidate_tiles(chosen: ScaledTiles) -> dict[str, ScaledTiles]:
-    """The chosen tiles first, then every STAGES x SPLITS variant of them the widths allow, by name."""
+def candidate_tiles(chosen: ScaledTiles, wgmma: bool) -> dict[str, ScaledTiles]:
+    """The chosen tiles first, then every STAGES x SPLITS variant of them the widths allow, by
+    name; with `wgmma` each two-block variant also on the warpgroup instruction."""
     from kernels.moe.scaled_gluon import wide_stages_fit
 
     variants = {describe(chosen): chosen}
@@ -73,8 +76,12 @@ def candidate_tiles(chosen: ScaledTiles) -> dict[str, ScaledTiles]:
         if blocks == 1 or wide_stages_fit(DIM, INTER, split):
             tiles = dataclasses.replace(chosen, blocks_per_stage=blocks, num_stages=stages, up_split=split)
             variants.setdefault(describe(tiles), tiles)
+            if wgmma and blocks == 2:
+                tiles = dataclasses.replace(tiles, product="wgmma")
+                variants.setdefault(describe(tiles), tiles)
     return variants
 
 
 def describe(tiles: ScaledTiles) -> str:
-    return f"{tiles.num_stages} stages of {tiles.blocks_per_stage} blocks, split {tiles.up_split}"
+    on = ", wgmma" if tiles.product == "wgmma" else ""
+    return f"{tiles.num_stages} stages of {tiles.blocks_per_stage} blocks, split {tiles.up_split}{on}"
