@@ -235,9 +235,11 @@ def extra_calls(batches) -> list[tuple[str, object]]:
         one_block = one_block_mma_tiles(batch * 6, 8, 4096, 2048, SMS)
         calls.append((f"moe_experts_scaled_mma one block a stage B={batch}", lambda r=routed, t=one_block: moe_experts_scaled_mma(
             *r, experts[0], experts[1], experts[0], (scales[0], scales[1], scales[0]), 10.0, tiles=t)))
-        wgmma = dataclasses.replace(choose_mma_tiles(batch * 6, 8, 4096, 2048, SMS), product="wgmma")
-        calls.append((f"moe_experts_scaled_mma wgmma B={batch}", lambda r=routed, t=wgmma: moe_experts_scaled_mma(
-            *r, experts[0], experts[1], experts[0], (scales[0], scales[1], scales[0]), 10.0, tiles=t)))
+        for programs in (4, 5):  # the warpgroup product's registers bounded for four and five programs an SM
+            wgmma = dataclasses.replace(choose_mma_tiles(batch * 6, 8, 4096, 2048, SMS), product="wgmma",
+                                        programs_per_sm=programs)
+            calls.append((f"moe_experts_scaled_mma wgmma {programs} programs B={batch}", lambda r=routed, t=wgmma: (
+                moe_experts_scaled_mma(*r, experts[0], experts[1], experts[0], (scales[0], scales[1], scales[0]), 10.0, tiles=t))))
         for n, k in ((1536, 4096), (4096, 8192), (32768, 1024), (4160, 4096)):  # 4160: tiles of 64
             fp8 = (torch.empty(batch, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.float8_e4m3fn),
                    torch.empty(-(-n // 128), k // 128, dtype=torch.float8_e8m0fnu))

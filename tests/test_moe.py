@@ -938,6 +938,10 @@ def test_scaled_mma_product_refuses_other_formats():
     shallow = dataclasses.replace(choose_mma_tiles(4, 4, 512, 512, 132), num_stages=1)
     with pytest.raises(ValueError, match="num_stages must be at least 2"):
         moe_experts_scaled_mma(torch.randn(2, 512), ids, weights, w1, w2, w3, scales, LIMIT, tiles=shallow)
+    for programs in (1, 9):
+        crowded = dataclasses.replace(choose_mma_tiles(4, 4, 512, 512, 132), programs_per_sm=programs)
+        with pytest.raises(ValueError, match=rf"programs_per_sm must be in \[2, 8\], got {programs}"):
+            moe_experts_scaled_mma(torch.randn(2, 512), ids, weights, w1, w2, w3, scales, LIMIT, tiles=crowded)
 
 
 @pytest.mark.parametrize("wgmma", [False, True])
@@ -945,16 +949,17 @@ def test_tile_sweep_times_the_chosen_tiles_and_every_variant(wgmma):
     """kernels.bench moe_tiles: the tiles choose_mma_tiles picks first, then every stages x split
     variant once (the chosen one not twice), all deep enough for the Gluon pipeline; on Hopper
     each two-block variant also on the warpgroup instruction."""
-    from kernels.bench.moe_tiles import SPLITS, STAGES, candidate_tiles
+    from kernels.bench.moe_tiles import SPLITS, STAGES, WGMMA_PROGRAMS_PER_SM, candidate_tiles
     from kernels.moe.scaled_gluon import choose_mma_tiles
 
     for pairs in (6, 96):
         chosen = choose_mma_tiles(pairs, 256, 4096, 2048, 132)
         variants = candidate_tiles(chosen, wgmma)
         assert next(iter(variants.values())) == chosen
-        combos = {(t.blocks_per_stage, t.num_stages, t.up_split, t.product == "wgmma") for t in variants.values()}
-        every = {(b, s, k, False) for b, s in STAGES for k in SPLITS}  # every split divides V4-Flash's 32 blocks in pairs
+        combos = {(t.blocks_per_stage, t.num_stages, t.up_split, t.product == "wgmma", t.programs_per_sm)
+                  for t in variants.values()}
+        every = {(b, s, k, False, 4) for b, s in STAGES for k in SPLITS}  # every split divides V4-Flash's 32 blocks in pairs
         if wgmma:
-            every |= {(b, s, k, True) for b, s in STAGES for k in SPLITS if b == 2}
-        assert combos == {(chosen.blocks_per_stage, chosen.num_stages, chosen.up_split, False)} | every
+            every |= {(b, s, k, True, p) for b, s in STAGES for k in SPLITS for p in WGMMA_PROGRAMS_PER_SM if b == 2}
+        assert combos == {(chosen.blocks_per_stage, chosen.num_stages, chosen.up_split, False, 4)} | every
         assert len(variants) == len(combos) and all(t.num_stages >= 2 for t in variants.values())

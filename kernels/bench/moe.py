@@ -330,6 +330,9 @@ def scaled_table(copy_gbs: float) -> str:
             tiles=dataclasses.replace(op_mma_tiles(ids, w1.shape[0]), dependent_launch=False)),
         "Gluon wgmma": lambda x, ids, weights: moe_experts_scaled_mma(
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=dataclasses.replace(op_mma_tiles(ids, w1.shape[0]), product="wgmma")),
+        "Gluon wgmma, 5 programs an SM": lambda x, ids, weights: moe_experts_scaled_mma(
+            x, ids, weights, w1, w2, w3, scales, LIMIT,
+            tiles=dataclasses.replace(op_mma_tiles(ids, w1.shape[0]), product="wgmma", programs_per_sm=5)),
     }
 
     shared_bytes = sum(t.numel() * t.element_size() for t in shared)
@@ -411,7 +414,9 @@ def scaled_table(copy_gbs: float) -> str:
         "kernel launched after the gate/up kernel ends, not as its programmatic dependent (`ScaledTiles.dependent_launch`: "
         "the down kernel's launch and first weight copies overlapping the gate/up kernel's last programs); 'Gluon "
         "wgmma': the op's tiles on Hopper's warpgroup instruction (`ScaledTiles.product` \"wgmma\": the codes decoded to "
-        "e4m3, the activations read from shared memory; fails elsewhere than on sm_90).\n\n"
+        "e4m3, the activations read from shared memory; fails elsewhere than on sm_90), and the same with each "
+        "thread's registers bounded to five programs an SM instead of four (`ScaledTiles.programs_per_sm`: 102 "
+        "registers instead of 128, the decoded e4m3 codes taking half the registers of fp16 ones).\n\n"
         f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n\n"
         "### The FP8 shared expert with the routed experts\n\n"
         "'+ FP8 shared (model)': `v4::moe_experts_scaled_shared`, the routed experts with the shared expert in FP8 "

@@ -1,7 +1,8 @@
 """GPU sweep of the FP4 experts' Gluon product tiles (kernels/moe/scaled_gluon.py): pipeline
 stages of one or two 128-input blocks (`ScaledTiles.num_stages`, `blocks_per_stage`) against the
 gate/up K split (`up_split`), on mma.sync and, on Hopper, with two blocks a stage also on the
-warpgroup instruction (`product` "wgmma"), at batches 1, 4, 16 and 64 (256 experts, top-6),
+warpgroup instruction (`product` "wgmma", with four and five programs an SM: `programs_per_sm`),
+at batches 1, 4, 16 and 64 (256 experts, top-6),
 beside the tiles `choose_mma_tiles` picks. Every variant is checked
 against the reference first (one that fails to compile or to match is listed, not timed); times
 as in kernels/bench/moe.py (one CUDA graph per routing set, sets rotated). What the defaults
@@ -24,6 +25,7 @@ BATCHES = (1, 4, 16, 64)
 # leave; two blocks: five take more shared memory than four programs an SM.
 STAGES = ((1, 4), (1, 6), (1, 8), (2, 2), (2, 3), (2, 4))
 SPLITS = (1, 2, 4)
+WGMMA_PROGRAMS_PER_SM = (4, 5)  # the warpgroup product's registers leave room for a fifth program
 SHOWN = 3  # best variants listed per batch
 
 
@@ -76,12 +78,12 @@ def candidate_tiles(chosen: ScaledTiles, wgmma: bool) -> dict[str, ScaledTiles]:
         if blocks == 1 or wide_stages_fit(DIM, INTER, split):
             tiles = dataclasses.replace(chosen, blocks_per_stage=blocks, num_stages=stages, up_split=split)
             variants.setdefault(describe(tiles), tiles)
-            if wgmma and blocks == 2:
-                tiles = dataclasses.replace(tiles, product="wgmma")
-                variants.setdefault(describe(tiles), tiles)
+            for programs in WGMMA_PROGRAMS_PER_SM if wgmma and blocks == 2 else ():
+                on_wgmma = dataclasses.replace(tiles, product="wgmma", programs_per_sm=programs)
+                variants.setdefault(describe(on_wgmma), on_wgmma)
     return variants
 
 
 def describe(tiles: ScaledTiles) -> str:
-    on = ", wgmma" if tiles.product == "wgmma" else ""
+    on = f", wgmma, {tiles.programs_per_sm} programs an SM" if tiles.product == "wgmma" else ""
     return f"{tiles.num_stages} stages of {tiles.blocks_per_stage} blocks, split {tiles.up_split}{on}"

@@ -97,6 +97,9 @@ class ScaledTiles:
     # The Gluon down product launched as a programmatic dependent of the gate/up (Hopper and
     # later): its launch and first weight copies overlap the gate/up's last programs.
     dependent_launch: bool = True
+    # The Gluon products' programs an SM holds: each thread's registers are bounded to its share
+    # (65536 / (programs_per_sm * 128)); the gate/up K split keeps its programs in one such wave.
+    programs_per_sm: int = 4
 
 
 @functools.lru_cache(maxsize=None)

@@ -79,8 +79,10 @@ DOWN_N = 64
 # twice the registers (two programs an SM instead of four) and measured 1.1x slower at every batch.
 GATE_UP_N = 64
 GATE_UP_PARTS = 2 * UP_BLOCK_N // GATE_UP_N  # programs of a tile and split: w1 and w3, each in parts
-GATE_UP_PROGRAMS_PER_SM = 4  # gate/up programs an SM holds (registers: about 120 a thread)
-THREAD_REGISTERS = 65536 // (GATE_UP_PROGRAMS_PER_SM * WARPS * 32)  # a thread's share of an SM's at that
+# Gate/up programs an SM holds (`ScaledTiles.programs_per_sm`): unbounded, either tile took over
+# 128 registers a thread (three programs an SM).
+GATE_UP_PROGRAMS_PER_SM = ScaledTiles.programs_per_sm
+PROGRAMS_PER_SM_RANGE = (2, 8)  # at most 255 registers a thread, at least 64
 # Steps in shared memory at a time (STAGES - 1 copied ahead of the one multiplied),
 # `ScaledTiles.num_stages` of these products: about 5 KB a step, four programs an SM (as their
 # registers allow). Programs in one wave (few experts picked) take the shallow pipeline; where
@@ -717,6 +719,9 @@ def moe_experts_scaled_mma(
     def prepare(ids: torch.Tensor, tiles: ScaledTiles) -> ScaledLaunch:
         if tiles.num_stages < 2:
             raise ValueError(f"moe_experts (mma): num_stages must be at least 2 (one step copied ahead), got {tiles.num_stages}")
+        low, high = PROGRAMS_PER_SM_RANGE
+        if not low <= tiles.programs_per_sm <= high:
+            raise ValueError(f"moe_experts (mma): programs_per_sm must be in [{low}, {high}], got {tiles.programs_per_sm}")
         wgmma = tiles.product == "wgmma"
         if wgmma and not runs_wgmma(x.device):
             raise ValueError(f"moe_experts (mma): the wgmma product runs on sm_90 only, not on {x.device}")
@@ -734,8 +739,7 @@ def moe_experts_scaled_mma(
     def launch_products(run: ScaledLaunch, tiles: ScaledTiles) -> None:
         blocks = tiles.blocks_per_stage
         wgmma = tiles.product == "wgmma"
-        # Unbounded, either tile took over 128 registers a thread (three programs an SM).
-        registers = {"maxnreg": THREAD_REGISTERS}
+        registers = {"maxnreg": 65536 // (tiles.programs_per_sm * WARPS * 32)}  # a thread's share of an SM's
         dependent = tiles.dependent_launch and launches_dependents(x.device)
         dim = x.shape[1]
         inter = w1.shape[1]
@@ -777,7 +781,7 @@ def wide_stages_fit(dim: int, inter: int, up_split: int) -> bool:
 
 def one_block_mma_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, num_sms: int) -> ScaledTiles:
     """choose_scaled_tiles' down tile, one block a stage. Gate/up programs that fit one wave
-    (GATE_UP_PROGRAMS_PER_SM an SM): K split into the most equal parts that keep them in it, each
+    (`ScaledTiles.programs_per_sm` an SM): K split into the most equal parts that keep them in it, each
     at least MIN_BLOCKS_PER_SPLIT blocks (a second, part-filled wave measured slower: batch 1, 6
     experts: 1 way 58.4 us, 2 ways 61.2, 4 ways 60.1), the shallow pipeline. More programs than a
     wave: the deep pipeline and K split in two where the blocks allow (DEEP_PIPELINE_STAGES).
@@ -788,7 +792,7 @@ def one_block_mma_tiles(num_pairs: int, num_experts: int, dim: int, inter: int, 
     tiles = choose_scaled_tiles(num_pairs, num_experts, dim, inter, num_sms)
     programs = max(1, min(num_pairs, num_experts)) * max(1, inter // UP_BLOCK_N) * GATE_UP_PARTS
     blocks = dim // STEP
-    wave = GATE_UP_PROGRAMS_PER_SM * num_sms
+    wave = tiles.programs_per_sm * num_sms
     if programs > wave:
         split = 2 if blocks % 2 == 0 and blocks // 2 >= MIN_BLOCKS_PER_SPLIT else 1
         return dataclasses.replace(tiles, up_split=split, num_stages=DEEP_PIPELINE_STAGES)
