@@ -399,14 +399,14 @@ def test_scaled_gate_up_splits_only_where_tiles_leave_sms_idle():
 def test_mma_product_splits_gate_up_k_in_one_wave():
     """The Gluon product's gate/up K split (one_block_mma_tiles; choose_mma_tiles keeps it): the most equal parts (dividing K's blocks, at least
     MIN_BLOCKS_PER_SPLIT blocks each) whose programs (4 a 128-column tile: w1 and w3, two halves
-    each) fit one wave of GATE_UP_PROGRAMS_PER_SM an SM, with the shallow pipeline; programs
+    each) fit one wave of `ScaledTiles.programs_per_sm` an SM, with the shallow pipeline; programs
     beyond one wave take the deep pipeline and K in two halves where each has enough blocks."""
     from kernels.moe.scaled_gluon import (
-        DEEP_PIPELINE_STAGES, GATE_UP_PARTS, GATE_UP_PROGRAMS_PER_SM, PIPELINE_STAGES, one_block_mma_tiles,
+        DEEP_PIPELINE_STAGES, GATE_UP_PARTS, PIPELINE_STAGES, one_block_mma_tiles,
     )
     from kernels.triton_util import MIN_BLOCKS_PER_SPLIT
 
-    assert GATE_UP_PARTS == 4 and GATE_UP_PROGRAMS_PER_SM == 4
+    assert GATE_UP_PARTS == 4 and one_block_mma_tiles(6, 256, 4096, 2048, 132).programs_per_sm == 4
     assert one_block_mma_tiles(6, 256, 4096, 2048, 132).up_split == 1  # 384 programs: one wave of 528
     assert one_block_mma_tiles(1, 256, 4096, 2048, 132).up_split == 8  # 64 programs a split
     assert one_block_mma_tiles(2, 256, 4096, 2048, 132).up_split == 4  # 128: 4 ways fill 512 of 528

@@ -79,10 +79,9 @@ DOWN_N = 64
 # twice the registers (two programs an SM instead of four) and measured 1.1x slower at every batch.
 GATE_UP_N = 64
 GATE_UP_PARTS = 2 * UP_BLOCK_N // GATE_UP_N  # programs of a tile and split: w1 and w3, each in parts
-# Gate/up programs an SM holds (`ScaledTiles.programs_per_sm`): unbounded, either tile took over
-# 128 registers a thread (three programs an SM).
-GATE_UP_PROGRAMS_PER_SM = ScaledTiles.programs_per_sm
-PROGRAMS_PER_SM_RANGE = (2, 8)  # at most 255 registers a thread, at least 64
+# Programs an SM (`ScaledTiles.programs_per_sm`) a launch may bound its registers for: at most 255
+# registers a thread, at least 64.
+PROGRAMS_PER_SM_RANGE = (2, 8)
 # Steps in shared memory at a time (STAGES - 1 copied ahead of the one multiplied),
 # `ScaledTiles.num_stages` of these products: about 5 KB a step, four programs an SM (as their
 # registers allow). Programs in one wave (few experts picked) take the shallow pipeline; where
@@ -739,7 +738,8 @@ def moe_experts_scaled_mma(
     def launch_products(run: ScaledLaunch, tiles: ScaledTiles) -> None:
         blocks = tiles.blocks_per_stage
         wgmma = tiles.product == "wgmma"
-        registers = {"maxnreg": 65536 // (tiles.programs_per_sm * WARPS * 32)}  # a thread's share of an SM's
+        # A thread's share of an SM's registers: unbounded, either tile took over 128 (three programs an SM).
+        registers = {"maxnreg": 65536 // (tiles.programs_per_sm * WARPS * 32)}
         dependent = tiles.dependent_launch and launches_dependents(x.device)
         dim = x.shape[1]
         inter = w1.shape[1]
