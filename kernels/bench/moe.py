@@ -307,6 +307,9 @@ def scaled_table(copy_gbs: float) -> str:
     def tiles(ids, **changes):
         return dataclasses.replace(choose_scaled_tiles(ids.numel(), w1.shape[0], DIM, INTER, num_sms(ids.device)), **changes)
 
+    def mma_tiles(ids, **changes) -> ScaledTiles:  # the op's Gluon tiles with `changes`
+        return dataclasses.replace(op_mma_tiles(ids, w1.shape[0]), **changes)
+
     def mma_split(ids, factor: int) -> ScaledTiles:  # the op's tiles, its gate/up K split `factor` times the ways
         chosen = op_mma_tiles(ids, w1.shape[0])
         return dataclasses.replace(chosen, up_split=factor * chosen.up_split)
@@ -326,13 +329,11 @@ def scaled_table(copy_gbs: float) -> str:
         "Gluon one block a stage": lambda x, ids, weights: moe_experts_scaled_mma(
             x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=one_block(ids)),
         "Gluon no dependent launch": lambda x, ids, weights: moe_experts_scaled_mma(
-            x, ids, weights, w1, w2, w3, scales, LIMIT,
-            tiles=dataclasses.replace(op_mma_tiles(ids, w1.shape[0]), dependent_launch=False)),
+            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=mma_tiles(ids, dependent_launch=False)),
         "Gluon wgmma": lambda x, ids, weights: moe_experts_scaled_mma(
-            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=dataclasses.replace(op_mma_tiles(ids, w1.shape[0]), product="wgmma")),
+            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=mma_tiles(ids, product="wgmma")),
         "Gluon wgmma, 5 programs an SM": lambda x, ids, weights: moe_experts_scaled_mma(
-            x, ids, weights, w1, w2, w3, scales, LIMIT,
-            tiles=dataclasses.replace(op_mma_tiles(ids, w1.shape[0]), product="wgmma", programs_per_sm=5)),
+            x, ids, weights, w1, w2, w3, scales, LIMIT, tiles=mma_tiles(ids, product="wgmma", programs_per_sm=5)),
     }
 
     shared_bytes = sum(t.numel() * t.element_size() for t in shared)
